@@ -1,0 +1,54 @@
+# rlfleet: `make demo` runs the main job, `make test` runs lint + tests. Both set up .venv first.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_CONFIG ?= examples/demo_random.yaml
+PYTEST_ARGS ?=
+export OMP_NUM_THREADS ?= 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv demo test lint format protos protos-check buf-lint bench clean
+
+# torch first and pinned (2.13.0 resolves to the CPU build here, see PLATFORM.md), then DeepSpeed
+# built against it without build isolation (an isolated build would fetch a second, CUDA torch).
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python >= 3.11)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(VENV)/bin/rlfleet up $(DEMO_CONFIG)
+
+test: venv lint protos-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+protos: venv
+	$(PY) scripts/gen_protos.py
+
+protos-check: venv
+	$(PY) scripts/gen_protos.py --check
+
+buf-lint: venv
+	PYTHON=$(PY) bash scripts/buf_lint.sh
+
+bench: venv
+	$(PY) bench/env_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

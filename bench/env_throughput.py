@@ -1,0 +1,200 @@
+"""Env stepping through a real env_server versus in-process `gymnasium.vector.SyncVectorEnv`.
+
+The server runs as its own process (`python -m services.cli serve env_server --port P`), the
+client steps one Session stream in lock step, and both sides use the same pre-generated random
+actions, so policy cost is excluded. Also measures the round-trip latency of one single-env step.
+
+    python bench/env_throughput.py                     # CartPole-v1 at 1, 16, 64, 256 envs
+    python bench/env_throughput.py --envs 64 --seconds 5
+
+Prints a table and writes bench/results/env_throughput.json (machine, versions, ratios).
+The target is remote >= 0.5x in-process steps/s at 64 envs on the 2-core build machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+if not __package__:  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from env_server.client import EnvSession
+from services.ports import free_port
+from services.server import wait_for_health
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "env_throughput.json"
+TARGET_AT_64 = 0.5
+
+
+def _actions(num_envs: int, count: int = 1024, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2, size=(count, num_envs), dtype=np.int64)
+
+
+class LocalRun:
+    """In-process SyncVectorEnv (SAME_STEP, as the server) stepping pre-generated actions."""
+
+    def __init__(self, env_id: str, num_envs: int) -> None:
+        self.envs = gym.vector.SyncVectorEnv(
+            [lambda: gym.make(env_id)] * num_envs,
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+        self.envs.reset(seed=0)
+        self.actions = _actions(num_envs)
+        self.num_envs = num_envs
+        self.steps = 0
+
+    def measure(self, seconds: float) -> float:
+        """Steps/s over about `seconds`."""
+        steps, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds:
+            for _ in range(20):
+                self.envs.step(self.actions[self.steps % len(self.actions)])
+                self.steps += 1
+                steps += 1
+        return steps * self.num_envs / elapsed
+
+
+class RemoteRun:
+    """One Session stream of `num_envs` envs on the server, stepped in lock step."""
+
+    def __init__(self, session: EnvSession, num_envs: int) -> None:
+        self.session = session
+        self.actions = _actions(num_envs)
+        self.num_envs = num_envs
+        self.steps = 0
+
+    async def measure(self, seconds: float) -> float:
+        steps, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds:
+            for _ in range(10):
+                await self.session.step(self.actions[self.steps % len(self.actions)])
+                self.steps += 1
+                steps += 1
+        return steps * self.num_envs / elapsed
+
+
+async def compare(address: str, env_id: str, num_envs: int, seconds: float, rounds: int) -> dict:
+    """Alternate short in-process and remote rounds (the build machines are shared and noisy,
+    so interleaving keeps background load from favouring one side); report the medians."""
+    local = LocalRun(env_id, num_envs)
+    local.measure(0.2)  # warm up
+    async with EnvSession(address) as session:
+        await session.create(env_id, num_envs, seed=0)
+        await session.reset()
+        remote = RemoteRun(session, num_envs)
+        await remote.measure(0.2)
+        local_sps, remote_sps = [], []
+        for _ in range(rounds):
+            local_sps.append(local.measure(seconds / rounds))
+            remote_sps.append(await remote.measure(seconds / rounds))
+    local.envs.close()
+    lo, re = float(np.median(local_sps)), float(np.median(remote_sps))
+    return {"num_envs": num_envs, "local_sps": lo, "remote_sps": re, "ratio": re / lo}
+
+
+async def bench_latency(address: str, env_id: str, count: int) -> dict[str, float]:
+    """Round-trip time of single-env steps, in microseconds."""
+    async with EnvSession(address) as session:
+        await session.create(env_id, 1, seed=0)
+        await session.reset()
+        actions = _actions(1)
+        times = []
+        for k in range(count + 50):
+            started = time.perf_counter()
+            await session.step(actions[k % len(actions)])
+            times.append(time.perf_counter() - started)
+    us = np.array(times[50:]) * 1e6
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99))}
+
+
+def start_server(port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "services.cli", "serve", "env_server", "--port", str(port)]
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        wait_for_health(f"127.0.0.1:{port}", timeout_s=30)
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+def _versions() -> dict[str, str]:
+    names = ("gymnasium", "grpcio", "protobuf", "numpy")
+    return {n: metadata.version(n) for n in names} | {"python": platform.python_version()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env-id", default="CartPole-v1")
+    parser.add_argument("--envs", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--seconds", type=float, default=4.0, help="per side and env count")
+    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per side")
+    parser.add_argument("--latency-steps", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    port = free_port()
+    server = start_server(port)
+    address = f"127.0.0.1:{port}"
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in args.envs:
+            rows.append(asyncio.run(compare(address, args.env_id, n, args.seconds, args.rounds)))
+        latency = asyncio.run(bench_latency(address, args.env_id, args.latency_steps))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    print(f"{args.env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
+    print(f"{'envs':>6} {'in-process':>12} {'remote':>12} {'ratio':>7}")
+    for r in rows:
+        n, lo, re_, ratio = r["num_envs"], r["local_sps"], r["remote_sps"], r["ratio"]
+        print(f"{n:>6} {lo:>12,.0f} {re_:>12,.0f} {ratio:>7.2f}")
+    p50, p99 = latency["p50_us"], latency["p99_us"]
+    print(f"single-env step round trip: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    at_64 = next((r["ratio"] for r in rows if r["num_envs"] == 64), None)
+    if at_64 is not None:
+        verdict = "meets" if at_64 >= TARGET_AT_64 else "MISSES"
+        print(f"target remote >= {TARGET_AT_64}x in-process at 64 envs: {verdict} ({at_64:.2f}x)")
+
+    result = {
+        "benchmark": "env_throughput",
+        "env_id": args.env_id,
+        "seconds_per_side": args.seconds,
+        "rounds": args.rounds,
+        "rows": rows,
+        "latency_single_env": latency,
+        "target_ratio_at_64": TARGET_AT_64,
+        "ratio_at_64": at_64,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        },
+        "versions": _versions(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

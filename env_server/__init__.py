@@ -1,0 +1,8 @@
+"""env_server: pools of environments served over `rlfleet.env.v1.EnvService`.
+
+- registry.py: which env ids exist (gymnasium ids and `rlfleet.envs` plugins) and how to make one;
+- pool.py: N environments of one session stepped in lock step;
+- servicer.py: the gRPC EnvService (one pool per Session stream);
+- service.py: the `env_server` service kind (`rlfleet serve env_server`);
+- client.py: EnvSession, RemoteVectorEnv and RemoteEnv for the other side of the wire.
+"""

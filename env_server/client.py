@@ -1,0 +1,491 @@
+"""Client side of `EnvService`: remote environments that look local.
+
+- `EnvSession`: async, one Session stream, numpy in and out (arrays are read-only views over the
+  received bytes: no copy on the hot path).
+- `SyncEnvSession`: the same calls, blocking, on a private event loop (gymnasium's API is sync).
+- `RemoteVectorEnv`: a `gymnasium.vector.VectorEnv` over one session; behaves like
+  `SyncVectorEnv` step for step, including SAME_STEP's `final_obs`/`final_info` infos.
+- `RemoteEnv`: a `gymnasium.Env` over a session of one env (autoreset DISABLED, as an Env has).
+- `list_envs(address)`: what a server offers (`rlfleet envs --server`).
+
+Errors from the server come back as the services.errors class they were raised as
+(`InvalidArgument`, `NotFound`, ...), with the field they name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import gymnasium
+import numpy as np
+from google.protobuf import struct_pb2
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space
+
+from env_server.pool import EpisodeStats, StepResult
+from env_server.registry import EnvEntry
+from rlfleet.env.v1 import env_pb2, env_pb2_grpc
+from services import spaces, tensor
+from services.errors import FailedPrecondition, Unavailable, from_rpc_error, from_status
+from services.server import channel
+
+__all__ = [
+    "EnvSession",
+    "RemoteEnv",
+    "RemoteVectorEnv",
+    "SessionInfo",
+    "SyncEnvSession",
+    "list_envs",
+]
+
+T = TypeVar("T")
+
+_MODE_TO_PROTO = {
+    AutoresetMode.SAME_STEP: env_pb2.AUTORESET_MODE_SAME_STEP,
+    AutoresetMode.NEXT_STEP: env_pb2.AUTORESET_MODE_NEXT_STEP,
+    AutoresetMode.DISABLED: env_pb2.AUTORESET_MODE_DISABLED,
+}
+_MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()}
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What CreateRequest answered: the pool's shape and spaces (of ONE env)."""
+
+    session_id: str
+    env: EnvEntry
+    num_envs: int
+    observation_space: gymnasium.Space
+    action_space: gymnasium.Space
+    autoreset_mode: AutoresetMode
+
+
+class EnvSession:
+    """One `EnvService.Session` stream: create, then reset/step/render, then close.
+
+    Requests go one at a time (the protocol answers in order; a policy needs the observation
+    before the next action anyway). Each waits at most `request_timeout_s` for its answer: a
+    stream has no overall deadline, every request does.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout_s: float = 120.0,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.address = address
+        self.request_timeout_s = request_timeout_s
+        self._channel = channel(address, max_message_bytes=max_message_bytes)
+        self._call: Any = None
+        self._ids = itertools.count(1)
+        self.info: SessionInfo | None = None
+
+    async def __aenter__(self) -> EnvSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _request(self, **kind: Any) -> env_pb2.SessionResponse:
+        request = env_pb2.SessionRequest(request_id=next(self._ids), **kind)
+        if self._call is None:
+            self._call = env_pb2_grpc.EnvServiceStub(self._channel).Session()
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                await self._call.write(request)
+                response = await self._call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        except TimeoutError:
+            self.abort()
+            raise Unavailable(
+                f"{self.address}: no answer to request {request.request_id} within "
+                f"{self.request_timeout_s:g}s; session aborted"
+            ) from None
+        if response is grpc.aio.EOF:
+            raise Unavailable(f"{self.address}: the server ended the session stream")
+        if response.HasField("error"):
+            raise from_status(response.error)
+        return response
+
+    async def create(
+        self,
+        env_id: str,
+        num_envs: int = 1,
+        *,
+        seed: int | None = None,
+        kwargs: dict[str, Any] | None = None,
+        autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+        render_mode: str | None = None,
+    ) -> SessionInfo:
+        """Create the pool: env i is seeded with seed + i at the first reset."""
+        request = env_pb2.CreateRequest(
+            env_id=env_id,
+            num_envs=num_envs,
+            seed=seed,
+            autoreset_mode=_MODE_TO_PROTO[AutoresetMode(autoreset_mode)],
+            render_mode=render_mode or "",
+        )
+        if kwargs:
+            request.kwargs.update(kwargs)
+        msg = (await self._request(create=request)).create
+        self.info = SessionInfo(
+            session_id=msg.session_id,
+            env=EnvEntry.from_proto(msg.env),
+            num_envs=msg.num_envs,
+            observation_space=spaces.from_proto(msg.observation_space, name="observation_space"),
+            action_space=spaces.from_proto(msg.action_space, name="action_space"),
+            autoreset_mode=_MODE_FROM_PROTO[msg.autoreset_mode],
+        )
+        return self.info
+
+    async def reset(
+        self,
+        *,
+        seed: int | None = None,
+        env_indices: Sequence[int] = (),
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset all envs (or `env_indices`); env i gets seed + i. Returns (obs [N...], infos)."""
+        request = env_pb2.ResetRequest(seed=seed, env_indices=list(env_indices))
+        if options is not None:
+            request.options.CopyFrom(_struct(options))
+        msg = (await self._request(reset=request)).reset
+        infos = tensor.decode_tree(msg.infos) if msg.HasField("infos") else {}
+        return tensor.decode_tree(msg.observations, name="observations"), infos
+
+    async def step(self, actions: Any) -> StepResult:
+        """Step all N envs with `actions` (leading dimension N, the action space's dtype)."""
+        request = env_pb2.StepRequest(actions=tensor.encode_tree(actions))
+        msg = (await self._request(step=request)).step
+        final = msg.final_observations
+        return StepResult(
+            observations=tensor.decode_tree(msg.observations, name="observations"),
+            rewards=tensor.decode(msg.rewards, name="rewards"),
+            terminated=tensor.decode(msg.terminated, name="terminated"),
+            truncated=tensor.decode(msg.truncated, name="truncated"),
+            infos=tensor.decode_tree(msg.infos) if msg.HasField("infos") else {},
+            final_observations=tensor.decode_tree(final)
+            if msg.HasField("final_observations")
+            else None,
+            episodes=[
+                EpisodeStats(e.env_index, e.episode_return, e.length, e.truncated)
+                for e in msg.episodes
+            ],
+        )
+
+    async def render(self, env_indices: Sequence[int] = ()) -> np.ndarray:
+        """RGB frames uint8 [K, H, W, 3] (default: env 0); needs render_mode='rgb_array'."""
+        request = env_pb2.RenderRequest(env_indices=list(env_indices))
+        return tensor.decode((await self._request(render=request)).render.frames, name="frames")
+
+    async def close(self) -> int:
+        """Close the pool and the stream; returns the session's total env steps (0 if none)."""
+        total = 0
+        call, self._call = self._call, None
+        if call is not None and not call.done():
+            self._call = call
+            try:
+                total = (await self._request(close=env_pb2.CloseRequest())).close.total_steps
+                await call.done_writing()
+            finally:
+                self._call = None
+                call.cancel()  # no-op once the server has ended the stream
+        await self._channel.close()
+        return total
+
+    def abort(self) -> None:
+        """Drop the stream without a CloseRequest (the server frees the pool on cancellation)."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    out.update(value)
+    return out
+
+
+class SyncEnvSession:
+    """Blocking EnvSession, run on a private event loop in the calling thread.
+
+    Not usable from inside a running event loop (use EnvSession there).
+    """
+
+    def __init__(self, address: str, **session_kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+
+        async def open_session() -> EnvSession:  # the channel binds to the loop it is made on
+            return EnvSession(address, **session_kwargs)
+
+        self.session = self._run(open_session())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    @property
+    def info(self) -> SessionInfo | None:
+        return self.session.info
+
+    def create(self, env_id: str, num_envs: int = 1, **kwargs: Any) -> SessionInfo:
+        return self._run(self.session.create(env_id, num_envs, **kwargs))
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        return self._run(self.session.reset(**kwargs))
+
+    def step(self, actions: Any) -> StepResult:
+        return self._run(self.session.step(actions))
+
+    def render(self, env_indices: Sequence[int] = ()) -> np.ndarray:
+        return self._run(self.session.render(env_indices))
+
+    def close(self) -> int:
+        if self._loop.is_closed():
+            return 0
+        try:
+            return self._run(self.session.close())
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> SyncEnvSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RemoteVectorEnv(gymnasium.vector.VectorEnv):
+    """N environments on an env server, as a gymnasium VectorEnv.
+
+    The default autoreset mode is SAME_STEP (the server's default, what trainers bootstrap
+    from); pass NEXT_STEP to get SyncVectorEnv's default behaviour. With copy=True (the default,
+    as SyncVectorEnv) returned arrays are writable copies; copy=False returns read-only views.
+    Ended episodes' returns and lengths, counted by the server, are in `last_episodes`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        env_id: str,
+        num_envs: int = 1,
+        *,
+        seed: int | None = None,
+        kwargs: dict[str, Any] | None = None,
+        autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+        render_mode: str | None = None,
+        copy: bool = True,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self._session = SyncEnvSession(address, request_timeout_s=request_timeout_s)
+        try:
+            info = self._session.create(
+                env_id,
+                num_envs,
+                seed=seed,
+                kwargs=kwargs,
+                autoreset_mode=autoreset_mode,
+                render_mode=render_mode,
+            )
+        except BaseException:
+            self._session.close()
+            raise
+        self.info = info
+        self.num_envs = info.num_envs
+        self.single_observation_space = info.observation_space
+        self.single_action_space = info.action_space
+        self.observation_space = batch_space(info.observation_space, self.num_envs)
+        self.action_space = batch_space(info.action_space, self.num_envs)
+        self.render_mode = render_mode
+        self.metadata = {"autoreset_mode": info.autoreset_mode}
+        self.copy = copy
+        self.last_episodes: list[EpisodeStats] = []
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset; seed s seeds env i with s + i. options["reset_mask"] resets only those envs."""
+        if seed is not None and not isinstance(seed, int | np.integer):
+            raise TypeError("RemoteVectorEnv.reset takes one int seed (env i gets seed + i)")
+        options = dict(options or {})
+        mask = options.pop("reset_mask", None)
+        indices = np.flatnonzero(mask).tolist() if mask is not None else []
+        obs, infos = self._session.reset(seed=seed, env_indices=indices, options=options or None)
+        return self._out(obs), self._out(infos)
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        result = self._session.step(actions)
+        self.last_episodes = result.episodes
+        infos = self._out(result.infos)
+        if result.final_observations is not None:
+            ended = result.terminated | result.truncated
+            infos["final_obs"] = _rows(
+                self.single_observation_space, result.final_observations, ended
+            )
+            infos["_final_obs"] = ended.copy()
+        return (
+            self._out(result.observations),
+            result.rewards.astype(np.float64),  # float32 on the wire; SyncVectorEnv's dtype
+            np.array(result.terminated),
+            np.array(result.truncated),
+            infos,
+        )
+
+    def _out(self, value: Any) -> Any:
+        if not self.copy:
+            return value
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        if isinstance(value, dict):
+            return {k: self._out(v) for k, v in value.items()}
+        if isinstance(value, tuple):
+            return tuple(self._out(v) for v in value)
+        return value
+
+    def render(self) -> tuple[np.ndarray, ...] | None:
+        if self.render_mode != "rgb_array":
+            return None
+        return tuple(self._session.render(range(self.num_envs)))
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self._session.close()
+
+
+def _rows(space: Any, batch: Any, ended: np.ndarray) -> np.ndarray:
+    """An object array of N per-env final observations (None where no episode ended)."""
+    from gymnasium.vector.utils import iterate
+
+    out = np.full(len(ended), None, dtype=object)
+    for i, row in enumerate(iterate(batch_space(space, len(ended)), _as_batch(batch))):
+        if ended[i]:
+            out[i] = np.array(row) if isinstance(row, np.ndarray) else row
+    return out
+
+
+def _as_batch(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value  # Text batches are tuples
+
+
+class RemoteEnv(gymnasium.Env):
+    """One environment on an env server, as a gymnasium Env (no autoreset, like a local Env).
+
+    `np_random` is a local generator seeded like the remote env (reset(seed=...)), so code that
+    samples from it is reproducible; the remote env's own generator cannot be read over the wire.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        env_id: str,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        render_mode: str | None = None,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self._session = SyncEnvSession(address, request_timeout_s=request_timeout_s)
+        try:
+            info = self._session.create(
+                env_id,
+                1,
+                kwargs=kwargs,
+                autoreset_mode=AutoresetMode.DISABLED,
+                render_mode=render_mode,
+            )
+        except BaseException:
+            self._session.close()
+            raise
+        self.info = info
+        self.observation_space = info.observation_space
+        self.action_space = info.action_space
+        self.render_mode = render_mode
+        self.metadata = {"render_modes": [render_mode] if render_mode else []}
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        super().reset(seed=seed)
+        obs, infos = self._session.reset(seed=seed, options=options)
+        return _first(obs), _first_info(infos)
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        batch = _batch_one(self.action_space, action)
+        try:
+            result = self._session.step(batch)
+        except FailedPrecondition as exc:
+            raise FailedPrecondition(
+                f"{exc.message} (call reset() first)", field=exc.field
+            ) from None
+        return (
+            _first(result.observations),
+            float(result.rewards[0]),
+            bool(result.terminated[0]),
+            bool(result.truncated[0]),
+            _first_info(result.infos),
+        )
+
+    def render(self) -> np.ndarray | None:
+        if self.render_mode != "rgb_array":
+            return None
+        return np.array(self._session.render([0])[0])
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def _batch_one(space: Any, action: Any) -> Any:
+    """A batch of one action, in the space's dtype where the caller gave a Python value."""
+    from gymnasium import spaces as gs
+
+    if isinstance(space, gs.Dict):
+        return {k: _batch_one(s, action[k]) for k, s in space.spaces.items()}
+    if isinstance(space, gs.Tuple):
+        return tuple(_batch_one(s, a) for s, a in zip(space.spaces, action, strict=True))
+    if isinstance(space, gs.Text):
+        return [action]
+    array = np.asarray(action)
+    if not isinstance(action, np.ndarray | np.generic):
+        array = array.astype(space.dtype)  # a Python int/float/list carries no dtype of its own
+    return array[None]
+
+
+def _first(value: Any) -> Any:
+    """Row 0 of a batch of one, as a writable copy."""
+    if isinstance(value, dict):
+        return {k: _first(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_first(v) for v in value)
+    if isinstance(value, list) or value.ndim == 1:
+        return value[0]  # a string, or a numpy scalar (immutable: nothing to copy)
+    return np.array(value[0])
+
+
+def _first_info(infos: dict[str, Any]) -> dict[str, Any]:
+    """Env 0's entries of vector-style infos (keys whose "_key" mask is set for env 0)."""
+    out = {}
+    for key, value in infos.items():
+        if key.startswith("_") or not infos.get(f"_{key}", np.ones(1, bool))[0]:
+            continue
+        if isinstance(value, dict):
+            out[key] = _first_info(value)
+        else:
+            out[key] = value[0].item() if value.ndim == 1 else np.array(value[0])
+    return out
+
+
+async def list_envs(address: str, filter: str = "", *, timeout_s: float = 10.0) -> list[EnvEntry]:
+    """The environments the server at `address` can create."""
+    async with channel(address) as ch:
+        try:
+            reply = await env_pb2_grpc.EnvServiceStub(ch).ListEnvs(
+                env_pb2.ListEnvsRequest(filter=filter), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+    return [EnvEntry.from_proto(e) for e in reply.envs]

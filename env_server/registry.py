@@ -1,0 +1,227 @@
+"""Which environments this machine can create, and how to create one.
+
+Two sources, one namespace of ids:
+- the gymnasium registry (CartPole-v1, ...), including packages that register their ids when
+  imported (flappy_bird_gymnasium); see GYMNASIUM_PLUGIN_MODULES;
+- the `rlfleet.envs` entry-point group: the entry point's name is the env id, its value either a
+  callable factory (`factory(render_mode=..., **kwargs) -> gymnasium.Env`), a gymnasium id string
+  (an alias, "module:Id" allowed) or a gymnasium `EnvSpec`.
+
+An id defined by both is an error (services.registry refuses duplicates inside the group): which
+one a client got would depend on import order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.env.v1 import env_pb2
+from services.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from services.registry import entry_point_registry
+
+if TYPE_CHECKING:
+    import gymnasium
+
+__all__ = [
+    "GYMNASIUM_PLUGIN_MODULES",
+    "PLUGIN_GROUP",
+    "EnvEntry",
+    "find_env",
+    "list_local_envs",
+    "make_env",
+    "preload",
+]
+
+PLUGIN_GROUP = "rlfleet.envs"
+# Packages whose import registers gymnasium ids (gymnasium 1.x has no plugin discovery of its
+# own). Imported when installed; more can be named per server with the `preload` setting.
+GYMNASIUM_PLUGIN_MODULES = ("flappy_bird_gymnasium",)
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    """One creatable environment (what ListEnvs answers, and what `rlfleet envs` prints)."""
+
+    env_id: str
+    source: str  # "gymnasium" or "plugin:<entry point name>"
+    max_episode_steps: int = 0  # 0 = unlimited or unknown
+    reward_threshold: float | None = None
+
+    def to_proto(self) -> env_pb2.EnvInfo:
+        return env_pb2.EnvInfo(
+            env_id=self.env_id,
+            source=self.source,
+            max_episode_steps=self.max_episode_steps,
+            reward_threshold=self.reward_threshold,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: env_pb2.EnvInfo) -> EnvEntry:
+        threshold = msg.reward_threshold if msg.HasField("reward_threshold") else None
+        return cls(msg.env_id, msg.source, msg.max_episode_steps, threshold)
+
+
+def _gymnasium() -> Any:
+    import gymnasium
+
+    for module in GYMNASIUM_PLUGIN_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+    return gymnasium
+
+
+def _gym_entry(spec: Any, source: str, env_id: str | None = None) -> EnvEntry:
+    return EnvEntry(
+        env_id=env_id or spec.id,
+        source=source,
+        max_episode_steps=spec.max_episode_steps or 0,
+        reward_threshold=spec.reward_threshold,
+    )
+
+
+def _plugin_entries(registry: dict[str, Any]) -> dict[str, EnvEntry]:
+    plugins = entry_point_registry(PLUGIN_GROUP)
+    entries = {}
+    for name in plugins:
+        if name in registry and not _is_same_registration(plugins[name], registry[name]):
+            raise ConfigError(
+                f"env id '{name}' is registered twice: in gymnasium and as entry point "
+                f"'{plugins.target(name)}' of group '{PLUGIN_GROUP}'"
+            )
+        value, source = plugins[name], f"plugin:{name}"
+        spec = _spec_of(value, registry)
+        entries[name] = _gym_entry(spec, source, name) if spec else EnvEntry(name, source)
+    return entries
+
+
+def _is_same_registration(value: Any, spec: Any) -> bool:
+    """A plugin may expose its own gymnasium registration under its own id: not a clash."""
+    return value is spec or (isinstance(value, str) and value == spec.id)
+
+
+def _spec_of(value: Any, registry: dict[str, Any]) -> Any:
+    """The gymnasium EnvSpec behind a plugin value, or None for a plain factory."""
+    from gymnasium.envs.registration import EnvSpec
+
+    if isinstance(value, EnvSpec):
+        return value
+    if isinstance(value, str):
+        module, _, env_id = value.rpartition(":")
+        if module:
+            importlib.import_module(module)
+        if env_id not in registry:
+            raise ConfigError(f"'{PLUGIN_GROUP}' alias points at unknown gymnasium id '{value}'")
+        return registry[env_id]
+    if callable(value):
+        return None
+    raise ConfigError(
+        f"'{PLUGIN_GROUP}' entries must be a callable, a gymnasium id or an EnvSpec; "
+        f"got {type(value).__name__}"
+    )
+
+
+@functools.cache
+def _unavailable(entry_point: Any) -> str | None:
+    """Why a gymnasium entry point cannot be loaded here (a missing extra such as MuJoCo, Box2D
+    or jax), or None. Importing its module is the check; about 30 ms for the whole registry."""
+    if entry_point is None:
+        return "no entry point"
+    if not isinstance(entry_point, str):
+        # gymnasium registers retired ids (Ant-v2, GymV21Environment-v0) with placeholder
+        # functions `_raise_*_error` that only raise an ImportError explaining the move.
+        name = getattr(entry_point, "__name__", "")
+        return "retired id (gymnasium only raises)" if name.startswith("_raise_") else None
+    try:
+        importlib.import_module(entry_point.partition(":")[0])
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _all_entries() -> dict[str, EnvEntry]:
+    gym = _gymnasium()
+    registry = gym.registry
+    entries = {
+        env_id: _gym_entry(spec, "gymnasium")
+        for env_id, spec in registry.items()
+        if _unavailable(spec.entry_point) is None
+    }
+    entries.update(_plugin_entries(registry))
+    return entries
+
+
+def list_local_envs(filter: str = "") -> list[EnvEntry]:
+    """Env ids this process can create, sorted; `filter` is a case-insensitive substring.
+
+    gymnasium ids whose module does not import (a missing optional dependency) are left out.
+    """
+    needle = filter.lower()
+    return sorted(
+        (e for e in _all_entries().values() if needle in e.env_id.lower()),
+        key=lambda e: e.env_id,
+    )
+
+
+def find_env(env_id: str) -> EnvEntry:
+    """The entry for `env_id`; NotFound (with close matches) when unknown."""
+    entries = _all_entries()
+    if env_id in entries:
+        return entries[env_id]
+    gym = _gymnasium()
+    if env_id in gym.registry:
+        why = _unavailable(gym.registry[env_id].entry_point)
+        raise FailedPrecondition(f"env id '{env_id}' cannot be created here: {why}")
+    import difflib
+
+    close = difflib.get_close_matches(env_id, list(entries), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise NotFound(f"unknown env id '{env_id}'{hint}", field="create.env_id")
+
+
+def make_env(
+    env_id: str, *, kwargs: dict[str, Any] | None = None, render_mode: str | None = None
+) -> gymnasium.Env:
+    """Create one environment of a listed id.
+
+    Bad kwargs are InvalidArgument, a missing optional dependency FailedPrecondition; anything
+    else the env raises propagates (the servicer reports it as INTERNAL).
+    """
+    entry = find_env(env_id)
+    gym = _gymnasium()
+    kwargs = dict(kwargs or {})
+    if render_mode:
+        kwargs["render_mode"] = render_mode
+    target: Any = env_id
+    if entry.source.startswith("plugin:"):
+        value = entry_point_registry(PLUGIN_GROUP)[env_id]
+        target = value if not isinstance(value, str) else _spec_of(value, gym.registry)
+    try:
+        if callable(target) and not isinstance(target, str):
+            return target(**kwargs)
+        return gym.make(target, **kwargs)
+    except TypeError as exc:
+        raise InvalidArgument(f"{env_id}: bad kwargs: {exc}", field="create.kwargs") from exc
+    except gym.error.DependencyNotInstalled as exc:
+        raise FailedPrecondition(f"{env_id}: {exc}") from exc
+
+
+def preload(env_ids: list[str]) -> None:
+    """Import and create-check each id at server start, so a typo fails the start, not a run.
+
+    "module:Id" imports `module` first (how third-party gymnasium packages are named).
+    """
+    for env_id in env_ids:
+        module, _, bare = env_id.rpartition(":")
+        try:
+            if module:
+                importlib.import_module(module)
+            env = make_env(bare)
+        except Exception as exc:
+            raise ConfigError(f"preload: cannot create '{env_id}': {exc}") from exc
+        with contextlib.suppress(Exception):
+            env.close()

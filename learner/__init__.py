@@ -1,0 +1,1 @@
+"""rlfleet learner: optimisation, algorithms (``learner.algos``), checkpoints, weight versions."""

@@ -1,0 +1,34 @@
+"""Advantage actor-critic (vanilla policy gradient with a baseline) policy loss.
+
+Mnih et al. (2016), "Asynchronous Methods for Deep Reinforcement Learning", arXiv:1602.01783.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from learner.algos.aggregate import masked_mean
+from learner.algos.registry import POLICY_LOSSES
+
+
+@POLICY_LOSSES.register("a2c")
+def a2c(
+    logp: Tensor,  # [B] or [B, T] log pi_theta(a|s)
+    adv: Tensor,  # same shape (or broadcastable): advantages, treated as constants
+    mask: Tensor | None = None,  # same shape, bool (metrics only)
+    *,
+    old_logp: Tensor | None = None,  # same shape; optional, for the approx_kl metric only
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-sample policy-gradient loss ``-adv * logp`` (``adv`` detached) and detached metrics.
+
+    Accepts ``old_logp`` so a trainer can call every policy loss with the same keywords; when it is
+    given, ``approx_kl`` (k3, as in ``ppo_clip``) is reported. Always reports ``logp_mean``.
+    """
+    loss = -adv.detach() * logp  # [B, T]
+    with torch.no_grad():
+        metrics = {"logp_mean": masked_mean(logp, mask)}
+        if old_logp is not None:
+            log_ratio = logp - old_logp
+            metrics["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+    return loss, metrics

@@ -1,0 +1,1 @@
+"""rlfleet shared runtime: server bootstrap, config, bus, codec, telemetry, launcher, CLI."""

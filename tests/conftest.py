@@ -1,0 +1,2 @@
+# Shared fixtures live in tests/fixtures/; list each module here so every test directory sees them.
+pytest_plugins = ["tests.fixtures.nats"]

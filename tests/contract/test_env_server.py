@@ -1,0 +1,400 @@
+"""EnvService against a real env_server (service.main) on a loopback socket.
+
+Every bad request must get its own in-band error code and leave the stream serving; sessions
+must be freed however a stream ends. The server runs in this process (on the test loop) so the
+tests can register a misbehaving gymnasium env for it and read its Prometheus gauge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import gymnasium as gym
+import numpy as np
+import pytest
+import pytest_asyncio
+from google.rpc import error_details_pb2
+from prometheus_client import REGISTRY
+
+from env_server.client import EnvSession, list_envs
+from env_server.service import EnvServerSettings, main
+from rlfleet.env.v1 import env_pb2, env_pb2_grpc
+from services import tensor
+from services.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RlfleetError,
+)
+from services.ports import free_port
+from services.registry import ServiceContext
+from services.server import channel
+
+NAME = "env-contract"
+MAX_SESSIONS = 3
+MAX_ENVS = 32
+RAISING_ID = "RlfleetTest/Raising-v0"
+
+
+class RaisingEnv(gym.Env):
+    """Steps fine with action 0; action 1 raises, as a buggy user env would."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        if action == 1:
+            raise ZeroDivisionError("the env divided by zero")
+        return np.zeros(2, np.float32), 1.0, False, False, {}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def address() -> AsyncIterator[str]:
+    if RAISING_ID not in gym.registry:
+        gym.register(RAISING_ID, entry_point=RaisingEnv)
+    settings = EnvServerSettings(
+        max_sessions=MAX_SESSIONS, max_envs_per_session=MAX_ENVS, preload=["CartPole-v1"]
+    )
+    ctx = ServiceContext(name=NAME, kind="env_server", settings=settings, port=free_port())
+    serving = asyncio.create_task(main(ctx))
+    address = f"127.0.0.1:{ctx.port}"
+    async with channel(address) as ch:  # wait until it answers
+        stub = env_pb2_grpc.EnvServiceStub(ch)
+        await stub.ListEnvs(env_pb2.ListEnvsRequest(filter="x"), wait_for_ready=True, timeout=30)
+    yield address
+    ctx.stop_event.set()
+    await asyncio.wait_for(serving, 30)
+
+
+def active_sessions() -> float:
+    value = REGISTRY.get_sample_value("rlfleet_env_sessions_active", {"server": NAME})
+    return value or 0.0
+
+
+async def wait_active(expected: float, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while active_sessions() != expected:
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def session(address: str) -> AsyncIterator[EnvSession]:
+    s = EnvSession(address, request_timeout_s=30)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def cartpole(address: str, n: int = 4, **kwargs) -> EnvSession:
+    s = EnvSession(address, request_timeout_s=30)
+    await s.create("CartPole-v1", n, **kwargs)
+    await s.reset(seed=0)
+    return s
+
+
+async def assert_still_serving(s: EnvSession, n: int = 4) -> None:
+    result = await s.step(np.zeros(n, np.int64))
+    assert result.observations.shape == (n, 4)
+
+
+async def test_list_envs(address: str) -> None:
+    ids = [e.env_id for e in await list_envs(address)]
+    assert "CartPole-v1" in ids and "FlappyBird-v0" in ids
+    assert ids == sorted(ids)
+    cart = [e for e in await list_envs(address, "cartpole-v1")]
+    assert [e.env_id for e in cart] == ["CartPole-v1"]
+    assert cart[0].max_episode_steps == 500 and cart[0].reward_threshold == 475.0
+
+
+async def test_create_describes_the_pool(address: str) -> None:
+    async with session(address) as s:
+        info = await s.create("CartPole-v1", 5, seed=1)
+        assert info.num_envs == 5
+        assert info.action_space == gym.spaces.Discrete(2)
+        assert info.observation_space == gym.make("CartPole-v1").observation_space
+        assert info.autoreset_mode == gym.vector.AutoresetMode.SAME_STEP  # the default
+        assert info.env.env_id == "CartPole-v1" and info.env.source == "gymnasium"
+
+
+async def _rollout(address: str, seed: int, actions: np.ndarray) -> list[tuple]:
+    async with session(address) as s:
+        await s.create("CartPole-v1", actions.shape[1], seed=seed)
+        obs, _ = await s.reset()
+        out = [(obs.copy(),)]
+        for a in actions:
+            r = await s.step(a)
+            final = None if r.final_observations is None else r.final_observations.copy()
+            out.append(
+                (
+                    r.observations.copy(),
+                    r.rewards.copy(),
+                    r.terminated.copy(),
+                    r.truncated.copy(),
+                    final,
+                    [e.env_index for e in r.episodes],
+                )
+            )
+        return out
+
+
+async def test_same_seed_same_sequence_as_local_sync_vector_env(address: str) -> None:
+    n, seed = 6, 7
+    actions = np.random.default_rng(1).integers(0, 2, size=(120, n))
+    first = await _rollout(address, seed, actions)
+    second = await _rollout(address, seed, actions)
+    for a, b in zip(first, second, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+    local = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * n, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
+    obs, _ = local.reset(seed=seed)
+    np.testing.assert_array_equal(obs, first[0][0])
+    ended_total = 0
+    for a, remote in zip(actions, first[1:], strict=True):
+        obs, rew, term, trunc, info = local.step(a)
+        r_obs, r_rew, r_term, r_trunc, r_final, r_episodes = remote
+        np.testing.assert_array_equal(obs, r_obs)
+        np.testing.assert_array_equal(rew, r_rew)
+        np.testing.assert_array_equal(term, r_term)
+        np.testing.assert_array_equal(trunc, r_trunc)
+        ended = np.flatnonzero(term | trunc)
+        assert r_episodes == ended.tolist()
+        for i in ended:
+            np.testing.assert_array_equal(info["final_obs"][i], r_final[i])
+        ended_total += len(ended)
+    assert ended_total > 0  # the comparison covered autoresets
+    local.close()
+
+
+async def test_episode_returns_and_lengths(address: str) -> None:
+    async with session(address) as s:
+        await s.create("CartPole-v1", 2, seed=3)
+        await s.reset()
+        lengths = np.zeros(2, int)
+        seen = []
+        while len(seen) < 4:
+            r = await s.step(np.ones(2, np.int64))  # always push right: short episodes
+            lengths += 1
+            for e in r.episodes:
+                assert e.length == lengths[e.env_index] and e.episode_return == e.length
+                assert not e.truncated
+                seen.append(e)
+                lengths[e.env_index] = 0
+
+
+async def test_bad_actions_get_invalid_argument_and_the_stream_keeps_serving(
+    address: str,
+) -> None:
+    s = await cartpole(address)
+    try:
+        with pytest.raises(InvalidArgument, match=r"expected shape \[4\], got \[3\]") as err:
+            await s.step(np.zeros(3, np.int64))
+        assert err.value.field == "actions"
+        await assert_still_serving(s)
+        with pytest.raises(InvalidArgument, match="expected an integer dtype"):
+            await s.step(np.zeros(4, np.float32))
+        await assert_still_serving(s)
+        with pytest.raises(InvalidArgument, match=r"env 2: value 2 is outside \[0, 1\]"):
+            await s.step(np.array([0, 1, 2, 0]))
+        await assert_still_serving(s)
+        # integer actions of another width are accepted and cast
+        await s.step(np.array([0, 1, 1, 0], np.int8))
+    finally:
+        await s.close()
+
+
+async def test_nan_in_continuous_action_names_the_env(address: str) -> None:
+    async with session(address) as s:
+        await s.create("Pendulum-v1", 3, seed=0)
+        await s.reset()
+        with pytest.raises(InvalidArgument, match="env 1: action contains NaN") as err:
+            await s.step(np.array([[0.0], [np.nan], [1.0]], np.float32))
+        assert err.value.field == "actions"
+        with pytest.raises(InvalidArgument, match=r"env 0: .*inf"):
+            await s.step(np.array([[np.inf], [0.0], [1.0]], np.float32))
+        result = await s.step(np.array([[0.0], [0.5], [1.0]]))  # float64 accepted for float32
+        assert result.observations.shape == (3, 3)
+
+
+async def test_out_of_order_requests(address: str) -> None:
+    async with session(address) as s:
+        with pytest.raises(FailedPrecondition, match="step before create"):
+            await s.step(np.zeros(1, np.int64))
+        with pytest.raises(FailedPrecondition, match="reset before create"):
+            await s.reset()
+        await s.create("CartPole-v1", 2)
+        with pytest.raises(FailedPrecondition, match="step before reset"):
+            await s.step(np.zeros(2, np.int64))
+        with pytest.raises(FailedPrecondition, match="create only once"):
+            await s.create("CartPole-v1", 2)
+        await s.reset(seed=1)
+        await assert_still_serving(s, 2)
+
+
+async def test_unknown_env_id_is_not_found(address: str) -> None:
+    async with session(address) as s:
+        with pytest.raises(NotFound, match="did you mean CartPole-v1") as err:
+            await s.create("CartPole-v9", 2)
+        assert err.value.field == "create.env_id"
+        await s.create("CartPole-v1", 4)  # the same stream creates fine afterwards
+        await s.reset()
+        await assert_still_serving(s)
+
+
+async def test_num_envs_over_the_limit(address: str) -> None:
+    async with session(address) as s:
+        with pytest.raises(ResourceExhausted, match="max_envs_per_session=32") as err:
+            await s.create("CartPole-v1", MAX_ENVS + 1)
+        assert err.value.field == "create.num_envs"
+        with pytest.raises(InvalidArgument, match="num_envs must be >= 1"):
+            await s.create("CartPole-v1", 0)
+        await s.create("CartPole-v1", MAX_ENVS)
+        await s.reset()
+        await assert_still_serving(s, MAX_ENVS)
+
+
+async def test_sessions_over_the_limit_while_others_keep_working(address: str) -> None:
+    await wait_active(0)
+    holders = [await cartpole(address) for _ in range(MAX_SESSIONS)]
+    assert active_sessions() == MAX_SESSIONS
+    extra = EnvSession(address)
+    try:
+        with pytest.raises(ResourceExhausted, match="max_sessions=3"):
+            await extra.create("CartPole-v1", 1)
+        for s in holders:
+            await assert_still_serving(s)
+        await holders.pop().close()
+        await wait_active(MAX_SESSIONS - 1)
+        await extra.create("CartPole-v1", 1)  # the refused stream may retry
+        assert active_sessions() == MAX_SESSIONS
+    finally:
+        for s in [*holders, extra]:
+            await s.close()
+    await wait_active(0)
+
+
+async def test_client_disappearing_frees_the_session(address: str) -> None:
+    await wait_active(0)
+    s = await cartpole(address, 8)
+    await assert_still_serving(s, 8)
+    assert active_sessions() == 1
+    s.abort()  # cancel the call without a CloseRequest: the client is gone
+    await wait_active(0)
+    await s.close()
+
+
+async def test_close_reports_total_steps_and_frees_the_session(address: str) -> None:
+    await wait_active(0)
+    s = await cartpole(address, 4)
+    for _ in range(3):
+        await assert_still_serving(s)
+    assert await s.close() == 12
+    await wait_active(0)
+
+
+async def test_env_raising_is_internal_and_the_stream_continues(address: str) -> None:
+    async with session(address) as s:
+        await s.create(RAISING_ID, 2)
+        await s.reset()
+        with pytest.raises(RlfleetError, match="ZeroDivisionError: the env divided by zero") as err:
+            await s.step(np.array([0, 1]))
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        with pytest.raises(FailedPrecondition, match="step before reset"):
+            await s.step(np.zeros(2, np.int64))  # half-stepped pool: must be reset first
+        await s.reset()
+        result = await s.step(np.zeros(2, np.int64))
+        assert result.rewards.tolist() == [1.0, 1.0]
+
+
+async def test_disabled_autoreset_requires_reset_of_ended_envs(address: str) -> None:
+    async with session(address) as s:
+        await s.create("CartPole-v1", 2, autoreset_mode="Disabled")
+        await s.reset(seed=0)
+        ended = np.zeros(2, bool)
+        while not ended.any():
+            r = await s.step(np.ones(2, np.int64))
+            ended = r.terminated | r.truncated
+            assert r.final_observations is None
+        with pytest.raises(FailedPrecondition, match="reset them before stepping"):
+            await s.step(np.ones(2, np.int64))
+        obs, _ = await s.reset(env_indices=np.flatnonzero(ended).tolist())
+        assert obs.shape == (2, 4)
+        await s.step(np.ones(2, np.int64))
+        with pytest.raises(InvalidArgument, match=r"env indices \[5\] out of range"):
+            await s.reset(env_indices=[5])
+
+
+async def test_render_frames(address: str) -> None:
+    async with session(address) as s:
+        await s.create("CartPole-v1", 2, render_mode="rgb_array")
+        await s.reset(seed=0)
+        frames = await s.render([1, 0])
+        assert frames.shape == (2, 400, 600, 3) and frames.dtype == np.uint8
+    async with session(address) as s:
+        await s.create("CartPole-v1", 1)
+        await s.reset()
+        with pytest.raises(FailedPrecondition, match="render_mode 'rgb_array'"):
+            await s.render()
+
+
+async def test_flappy_bird_creates_and_steps(address: str) -> None:
+    async with session(address) as s:
+        info = await s.create("FlappyBird-v0", 2, seed=0)
+        assert info.action_space == gym.spaces.Discrete(2)
+        obs, infos = await s.reset()
+        assert obs.shape == (2, *info.observation_space.shape)
+        assert infos["_score"].tolist() == [True, True]  # numeric infos travel, vector style
+        for _ in range(5):
+            result = await s.step(np.zeros(2, np.int64))
+        assert result.observations.shape == obs.shape
+
+
+async def test_raw_protocol_echoes_ids_and_reports_codes_in_band(address: str) -> None:
+    """The wire itself: one answer per request with its request_id, errors as google.rpc.Status."""
+    async with channel(address) as ch:
+        call = env_pb2_grpc.EnvServiceStub(ch).Session()
+        requests = [
+            env_pb2.SessionRequest(request_id=11),  # empty
+            env_pb2.SessionRequest(request_id=12, step=env_pb2.StepRequest()),
+            env_pb2.SessionRequest(
+                request_id=13, create=env_pb2.CreateRequest(env_id="CartPole-v1", num_envs=2)
+            ),
+            env_pb2.SessionRequest(request_id=14, reset=env_pb2.ResetRequest(seed=5)),
+            env_pb2.SessionRequest(
+                request_id=15,
+                step=env_pb2.StepRequest(actions=tensor.encode_tree(np.zeros((2, 2), np.int64))),
+            ),
+            env_pb2.SessionRequest(request_id=16, close=env_pb2.CloseRequest()),
+        ]
+        for r in requests:
+            await call.write(r)
+        await call.done_writing()
+        answers = [a async for a in call]
+        assert [a.request_id for a in answers] == [11, 12, 13, 14, 15, 16]
+        codes = [a.error.code for a in answers]
+        assert codes == [
+            grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            grpc.StatusCode.FAILED_PRECONDITION.value[0],
+            0,
+            0,
+            grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            0,
+        ]
+        bad = error_details_pb2.BadRequest()
+        assert any(d.Unpack(bad) for d in answers[4].error.details)
+        assert bad.field_violations[0].field == "actions"
+        assert answers[2].create.autoreset_mode == env_pb2.AUTORESET_MODE_SAME_STEP
+        assert answers[3].reset.observations.tensor.shape == [2, 4]
+        assert answers[5].close.total_steps == 0
+        assert await call.code() == grpc.StatusCode.OK

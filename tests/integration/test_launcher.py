@@ -1,0 +1,249 @@
+"""`rlfleet up` end to end: a real nats-server, real service subprocesses (`heartbeat` kind).
+
+Every run lives in tmp_path; "no process left behind" is checked by scanning /proc for any
+process whose command line mentions the run directory (services get `--config <run dir>/...`,
+the embedded nats-server gets its store dir inside it).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.config import load_run_config
+from services.launcher import Launcher
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
+
+
+def write_config(tmp_path: Path, services: str, name: str = "itest") -> tuple[Path, Path]:
+    run_dir = tmp_path / "run"
+    path = tmp_path / "run.yaml"
+    text = f"run:\n  name: {name}\n  dir: {run_dir}\nservices:\n" + textwrap.indent(
+        textwrap.dedent(services), "  "
+    )
+    path.write_text(text)
+    return path, run_dir
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (zombies count as gone)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+class Up:
+    """`python -m services.cli up CONFIG` with its output collected line by line."""
+
+    def __init__(self, config: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=config.parent,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not re.search(pattern, self.output):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"no {pattern!r} in output:\n{self.output}")
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._reader.join(5)
+        return code
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    deadline = time.monotonic() + 3
+    while (left := pids_mentioning(str(run_dir))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == [], f"processes left behind: {left}"
+
+
+def test_run_finishes_when_main_exits(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: hb-a
+          service: heartbeat
+          settings: {interval_s: 0.2}
+        - name: hb-main
+          service: heartbeat
+          main: true
+          settings: {interval_s: 0.2, exit_after_s: 2.5, peers: [hb-a]}
+        """,
+    )
+    up = Up(config)
+    assert up.wait() == 0, up.output
+    out = up.output
+    assert re.search(r"\[metrics\] service=hb-a seq=\d+", out), out
+    assert re.search(r"\[metrics\] service=hb-main .*peers=hb-a@127\.0\.0\.1:\d+", out), out
+    assert "main service hb-main finished" in out
+    assert re.search(r"hb-main\s+heartbeat\s+exit 0\s+restarts 0", out), out
+    for name in ("hb-a", "hb-main"):
+        log = (run_dir / "logs" / f"{name}.log").read_text()
+        assert re.match(r"=== \S+ \S+ start 1 pid \d+: ", log), log
+        assert "serving on 127.0.0.1" in log
+    assert (run_dir / "config.yaml").read_text() == config.read_text()
+    assert_nothing_left(run_dir)
+
+
+def test_crashing_service_is_restarted_then_fails_the_run(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: crashy
+          service: heartbeat
+          restarts: 2
+          settings: {fail_after_s: 0.5}
+        - name: hb-main
+          service: heartbeat
+          main: true
+        """,
+    )
+    up = Up(config)
+    assert up.wait() == 1, up.output
+    out = up.output
+    assert "crashy crashed (exit 1); restart 1/2" in out
+    assert "crashy crashed (exit 1); restart 2/2" in out
+    assert "crashy failed (exit 1) after 2 restart(s)" in out
+    assert "failing on purpose" in out  # the tail of its log is shown
+    assert re.search(r"crashy\s+heartbeat\s+exit 1\s+restarts 2", out), out
+    log = (run_dir / "logs" / "crashy.log").read_text()
+    assert [m.group(1) for m in re.finditer(r"=== \S+ \S+ start (\d) pid", log)] == ["1", "2", "3"]
+    assert_nothing_left(run_dir)
+
+
+def test_sigint_stops_every_process(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: hb-a
+          service: heartbeat
+          settings: {interval_s: 0.2}
+        - name: hb-b
+          service: heartbeat
+          settings: {interval_s: 0.2}
+        """,
+    )
+    up = Up(config)
+    up.wait_for(r"\[metrics\] service=hb-b")
+    service_pids = [
+        int(m.group(1))
+        for name in ("hb-a", "hb-b")
+        for m in re.finditer(r"pid (\d+)", (run_dir / "logs" / f"{name}.log").read_text())
+    ]
+    assert len(service_pids) == 2 and pids_mentioning(str(run_dir))
+    up.proc.send_signal(signal.SIGINT)
+    assert up.wait(20) == 0, up.output  # no main service: Ctrl-C is the normal end
+    assert re.search(r"hb-a\s+heartbeat\s+exit 0", up.output), up.output
+    assert_nothing_left(run_dir)
+    for pid in service_pids:
+        assert not Path(f"/proc/{pid}").exists() or pid not in pids_mentioning(str(run_dir))
+
+
+def test_malformed_config_exits_2_before_starting_anything(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: hb-a
+          service: heartbeat
+          settings: {interval_s: -1}
+        """,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert f"{config}:7: services[0].settings.interval_s: Input should be greater" in result.stderr
+    assert not run_dir.exists()  # nothing started: no logs, no nats store
+    assert pids_mentioning(str(run_dir)) == []
+
+
+def test_service_never_healthy_fails_with_log_tail(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: slow
+          service: heartbeat
+          settings: {healthy_after_s: 30}
+        """,
+    )
+    out = io.StringIO()
+    launcher = Launcher(load_run_config(config, {}), config, out=out, health_timeout_s=2)
+    assert launcher.run() == 1
+    text = out.getvalue()
+    assert "slow not healthy after 2s" in text and "NOT_SERVING" in text
+    assert f"last lines of {run_dir / 'logs' / 'slow.log'}" in text
+    assert_nothing_left(run_dir)
+
+
+def test_services_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: hb-a
+          service: heartbeat
+          settings: {interval_s: 0.2}
+        """,
+    )
+    up = Up(config)
+    up.wait_for(r"\[metrics\] service=hb-a")
+    log = (run_dir / "logs" / "hb-a.log").read_text()
+    service_pid = int(re.search(r"pid (\d+)", log).group(1))  # type: ignore[union-attr]
+    up.proc.kill()  # SIGKILL: the launcher gets no chance to stop anything
+    up.wait(10)
+    try:
+        deadline = time.monotonic() + 8
+        while service_pid in pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert service_pid not in pids_mentioning(str(run_dir))
+        assert "launcher (pid" in (run_dir / "logs" / "hb-a.log").read_text()
+    finally:
+        for pid in pids_mentioning(str(run_dir)):  # the orphaned nats-server, started by this test
+            os.kill(pid, signal.SIGKILL)
