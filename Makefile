@@ -27,7 +27,7 @@ venv: $(STAMP)
 demo: venv
 	$(VENV)/bin/rlfleet up $(DEMO_CONFIG)
 
-test: venv lint protos-check
+test: venv lint buf-lint protos-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv

@@ -265,7 +265,7 @@ def run_baseline(args: PPOArgs) -> dict[str, Any]:
                     **pg_metrics,
                     **ent_metrics,
                 }.items():
-                    stats.setdefault(key, []).append(float(val))
+                    stats.setdefault(key, []).append(float(val.detach()))
             if args.target_kl is not None and stats["approx_kl"][-1] > args.target_kl:
                 break
 

@@ -7,12 +7,14 @@ whenever the stream ends: CloseRequest, the client half-closing, or the client v
 cancels the handler, which runs the `finally`).
 
 Stepping runs on the event loop thread, not in `asyncio.to_thread`. Measured on the 2-core build
-machine, CartPole-v1 at 64 envs through a real socket (bench/env_throughput.py): inline XXX
-steps/s, to_thread YYY steps/s for one session; with two sessions at once ZZZ. CartPole's step is
-pure Python that holds the GIL, so a thread adds a hand-off per message and buys no parallelism;
-what a thread would protect (other sessions' latency while one steps) is bounded by one message's
-stepping time either way. Creating and closing pools, which can take seconds (pygame, sprites),
-do go to a thread.
+machine (shared, so noisy), CartPole-v1, one client process per session, 4 s each, two runs:
+- one 64-env session: inline 16.5k-21.1k steps/s, to_thread 13.0k-13.1k;
+- two 64-env sessions at once: inline 20.7k-24.7k steps/s in total, to_thread 17.6k-21.7k;
+- a 1-env session next to a 256-env one: its p50 latency 5.8-7.8 ms inline, 2.4-6.8 ms with
+  to_thread, while the 256-env session lost 7-27% of its throughput.
+CartPole's step is pure Python holding the GIL, so a thread adds a hand-off per message and buys
+no parallelism; other sessions wait at most one message's stepping either way. Creating and
+closing pools, which can take seconds (pygame, sprites), do go to a thread.
 """
 
 from __future__ import annotations
@@ -42,8 +44,6 @@ from services.errors import (
 from services.telemetry import metrics
 
 __all__ = ["EnvService"]
-import os
-_THREAD = os.environ.get("EXP_THREAD") == "1"
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,17 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         self,
         requests: AsyncIterator[env_pb2.SessionRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[env_pb2.SessionResponse]:
+    ) -> None:
+        # Reader/writer style rather than an async generator: the server's interceptors wrap a
+        # generator handler in one more generator each, a per-message cost; a coroutine is
+        # wrapped once per stream.
         session = _Session(self)
         try:
-            async for request in requests:
-                yield await session.answer(request)
-                if session.closed:
+            while not session.closed:
+                request = await context.read()
+                if request is grpc.aio.EOF:
                     return
+                await context.write(await session.answer(request))
         finally:
             await session.release()
 
@@ -122,10 +126,7 @@ class _Session:
         kind = request.WhichOneof("request")
         try:
             if kind == "step":
-                if _THREAD:
-                    await asyncio.to_thread(self._step, request.step, response.step)
-                else:
-                    self._step(request.step, response.step)
+                self._step(request.step, response.step)
             elif kind == "reset":
                 self._reset(request.reset, response.reset)
             elif kind == "create":

@@ -36,14 +36,9 @@ class HeartbeatSettings(StrictModel):
     peers: list[ServiceRef] = []
 
 
-def events_subject(run: str, kind: str) -> str:
-    """``rlfleet.v1.events.<run>.<kind>`` (see services/bus/subjects.py)."""
-    return f"rlfleet.v1.events.{run}.{kind}"
-
-
 async def _publish_loop(ctx: ServiceContext, settings: HeartbeatSettings, started: float) -> None:
     """Publish one Struct heartbeat per interval until cancelled."""
-    from services.bus import Bus
+    from services.bus import Bus, events_subject
 
     subject = events_subject(ctx.run_name, "metrics")
     peers = ",".join(f"{p}@{ctx.resolve(p)}" for p in settings.peers)

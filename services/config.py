@@ -15,7 +15,7 @@ import difflib
 import os
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -74,7 +74,7 @@ addresses at runtime with ``ServiceContext.resolve``."""
 class RunSection(StrictModel):
     """Which run this is: names the NATS stream and the run directory."""
 
-    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")  # as services.bus.subjects wants
     dir: Path | None = None
 
 
@@ -403,14 +403,20 @@ def validate_run_config(
     *,
     environ: Mapping[str, str] | None = None,
     source: YamlSource | None = None,
+    only: Collection[str] | None = None,
 ) -> RunConfig:
     """Validate every service's settings against its kind; returns a config whose
-    ``services[i].settings`` are settings-model instances. ``source`` adds file:line to errors."""
+    ``services[i].settings`` are settings-model instances. ``source`` adds file:line to errors.
+    ``only`` limits this to the named instances: a container image holds the dependencies of
+    its own service kind, not necessarily those of every kind in the run."""
     environ = os.environ if environ is None else environ
     names = {entry.name for entry in config.services}
     issues: list[_Issue] = []
     entries = []
     for i, entry in enumerate(config.services):
+        if only is not None and entry.name not in only:
+            entries.append(entry)
+            continue
         try:
             spec = get_service(entry.service)
         except ConfigError as exc:
@@ -439,6 +445,12 @@ def load_run_config(
 ) -> RunConfig:
     """Read, parse and fully validate a run file (structure, every service's settings and
     env overrides), raising ConfigError naming file:line and key on the first problems."""
+    config, source = _load_structure(path)
+    return validate_run_config(config, environ=environ, source=source)
+
+
+def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource]:
+    """The run file validated up to (not including) each service's settings."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -448,10 +460,9 @@ def load_run_config(
     if not isinstance(source.data, dict):
         raise ConfigError(f"{path}:1: the top level of a run config must be a mapping")
     try:
-        config = RunConfig.model_validate(source.data)
+        return RunConfig.model_validate(source.data), source
     except ValidationError as exc:
         raise _render(_issues_of(exc, RunConfig, (), {}), source) from None
-    return validate_run_config(config, environ=environ, source=source)
 
 
 def load_service_settings(
@@ -466,17 +477,19 @@ def load_service_settings(
     spec = get_service(kind)
     if config_path is None:
         return settings_from_env(spec.settings, spec.kind, {}, environ)
-    config = load_run_config(config_path, environ)
+    config, source = _load_structure(config_path)
     if instance_name is not None:
         entry = config.service(instance_name)
         if entry.service != kind:
             raise ConfigError(
                 f"{config_path}: service '{instance_name}' is a '{entry.service}', not '{kind}'"
             )
-        return entry.settings
-    entries = [e for e in config.services if e.service == kind]
-    if len(entries) != 1:
-        raise ConfigError(
-            f"{config_path}: {len(entries)} services of kind '{kind}'; pass --name to pick one"
-        )
-    return entries[0].settings
+    else:
+        entries = [e for e in config.services if e.service == kind]
+        if len(entries) != 1:
+            raise ConfigError(
+                f"{config_path}: {len(entries)} services of kind '{kind}'; pass --name to pick one"
+            )
+        entry = entries[0]
+    config = validate_run_config(config, environ=environ, source=source, only={entry.name})
+    return config.service(entry.name).settings

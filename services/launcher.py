@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -28,6 +29,7 @@ from typing import IO, Any
 import yaml
 
 from services import registry as reg
+from services.bus import TYPE_HEADER, Bus, EmbeddedNats, events_wildcard
 from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_service
@@ -39,7 +41,6 @@ GRACE_S = 10.0
 BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
 MAX_BACKOFF_S = 10.0
 MONITORED_EVENTS = frozenset({"metrics", "episode", "episodes"})
-TYPE_HEADER = "Rlfleet-Type"  # full protobuf name of a bus payload
 
 
 # --- event printing: a formatter per message type ----------------------------------------------
@@ -75,6 +76,21 @@ def _format_struct(message: Any) -> str:
     return " ".join(f"{k}={_value(fields[k])}" for k in keys)
 
 
+@register_formatter("rlfleet.bus.v1.Metrics")
+def _format_metrics(m: Any) -> str:
+    scalars = " ".join(f"{k}={_value(v)}" for k, v in sorted(m.scalars.items()))
+    return f"{m.source} step={m.step} version={m.policy_version} {scalars}".rstrip()
+
+
+@register_formatter("rlfleet.bus.v1.EpisodeStats")
+def _format_episode(m: Any) -> str:
+    end = " (truncated)" if m.truncated else ""
+    return (
+        f"{m.source} {m.env_id} return={_value(m.episode_return)} length={m.length}{end} "
+        f"env_steps={m.env_steps} version={m.policy_version}"
+    )
+
+
 def _format_fields(message: Any) -> str:
     """Any message: its set scalar fields as key=value (bytes and nested messages skipped)."""
     parts = []
@@ -88,6 +104,7 @@ def _repeated(desc: Any) -> bool:
     return getattr(desc, "is_repeated", None) or desc.label == desc.LABEL_REPEATED
 
 
+@functools.cache
 def _message_class(full_name: str) -> Any | None:
     """The generated class for ``full_name``; imports ``rlfleet.bus.v1`` (if it exists yet)."""
     import importlib
@@ -233,7 +250,7 @@ class Launcher:
 
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()
-        signals = (signal.SIGINT, signal.SIGTERM)
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # HUP: the terminal closed
         for sig in signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -264,8 +281,6 @@ class Launcher:
             if self.config.nats.url:
                 url = self.config.nats.url
             else:
-                from services.bus import EmbeddedNats
-
                 nats = EmbeddedNats(self.run_dir / "nats")
                 await asyncio.to_thread(nats.start)
                 url = nats.url
@@ -442,13 +457,10 @@ class Launcher:
 
     async def _monitor(self, url: str) -> None:
         """Print one line per metrics/episode event of this run."""
-        import nats
-
-        subject = f"rlfleet.v1.events.{self.config.run.name}.>"
         try:
-            nc = await nats.connect(url, name="rlfleet-launcher", connect_timeout=5)
+            bus = await Bus.connect(url, name="rlfleet-launcher")
         except Exception as exc:
-            self.say(f"event monitor off: cannot connect to {url}: {exc}")
+            self.say(f"event monitor off: {exc}")
             return
 
         async def on_message(msg: Any) -> None:
@@ -457,10 +469,11 @@ class Launcher:
                 print(f"  {line}", file=self.out, flush=True)
 
         try:
-            await nc.subscribe(subject, cb=on_message)
+            # Raw subscription: the monitor decodes any payload type, known or not.
+            await bus.nc.subscribe(events_wildcard(self.config.run.name), cb=on_message)
             await asyncio.Event().wait()
         finally:
-            await nc.close()
+            await bus.close()
 
     def _summary(self, code: int) -> None:
         status = "ok" if code == 0 else ("interrupted" if code == 130 else "FAILED")
@@ -468,7 +481,7 @@ class Launcher:
         for svc in self._services:
             last = svc.exit_codes[-1] if svc.exit_codes else None
             print(
-                f"  {svc.name:<20} {svc.entry.service:<16} {_describe(last):<10} "
+                f"  {svc.name:<20} {svc.entry.service:<16} {_describe(last):<12} "
                 f"restarts {svc.restarts}  log {svc.log_path}",
                 file=self.out,
                 flush=True,

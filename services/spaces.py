@@ -199,16 +199,11 @@ def validate_actions(space: gymnasium.Space, actions: Any, n: int, *, name: str 
 
 
 def _check_shape(array: np.ndarray, shape: Sequence[int], name: str) -> None:
-    if array.shape != tuple(shape):
-        raise InvalidArgument(
-            f"{name}: expected shape {list(shape)}, got {list(array.shape)}", field=name
-        )
+    tensor.check(array, tensor_pb2.TensorSpec(name=name, shape=shape))  # any dtype
 
 
 def _check_exact(array: np.ndarray, dtype: np.dtype, shape: Sequence[int], name: str) -> None:
-    if array.dtype != dtype:
-        raise InvalidArgument(f"{name}: expected dtype {dtype}, got {array.dtype}", field=name)
-    _check_shape(array, shape, name)
+    tensor.check(array, tensor.spec(name, dtype, shape))
 
 
 def _validate_ints(

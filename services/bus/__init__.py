@@ -3,7 +3,8 @@
 See docs/internals.md ("services/bus/") for the contract and subjects.py for the names.
 """
 
-from services.bus.client import MSG_ID_HEADER, TYPE_HEADER, Bus, Delivery, PubAck, Subscription
+from services.bus.client import Bus, PubAck
+from services.bus.messages import MSG_ID_HEADER, TYPE_HEADER, Delivery, Subscription
 from services.bus.nats_server import EmbeddedNats, find_nats_server
 from services.bus.subjects import (
     events_subject,

@@ -16,22 +16,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import importlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from types import ModuleType, TracebackType
+from typing import Any, Literal, TypeVar
 
 import nats.errors
 import nats.js.errors
-from google.protobuf import descriptor_pool, message_factory
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from services.bus.messages import (
+    MSG_ID_HEADER,
+    TYPE_HEADER,
+    Delivery,
+    Subscription,
+    decode,
+    header_bytes,
+)
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -41,165 +48,32 @@ from services.errors import (
     Unavailable,
 )
 
-__all__ = ["MSG_ID_HEADER", "TYPE_HEADER", "Bus", "Delivery", "PubAck", "Subscription"]
+__all__ = ["Bus", "PubAck"]
 
 log = logging.getLogger("rlfleet.bus")
 
-TYPE_HEADER = "Rlfleet-Type"  # full protobuf name of the payload, e.g. rlfleet.bus.v1.Trajectory
-MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream drops a second message with the same id in the window
-PubAck = api.PubAck  # .stream, .seq, .duplicate
+PubAck = api.PubAck  # .stream, .seq, .duplicate (a bool once Bus.publish returns it)
 
 M = TypeVar("M", bound=Message)
 Retention = Literal["limits", "workqueue"]
 
 
-# ---------------------------------------------------------------------------- messages
-
-
-@dataclass(eq=False)
-class Delivery(Generic[M]):
-    """One received bus message, decoded, with its acknowledgement handles.
-
-    For JetStream deliveries ``seq`` is the stream sequence and ``num_delivered`` counts
-    deliveries (above 1 means a redelivery: the consumer must be idempotent). For core NATS
-    deliveries ``seq`` is None and ack/nak/term/in_progress do nothing.
-    """
-
-    message: M
-    subject: str
-    headers: dict[str, str]
-    seq: int | None = None
-    num_delivered: int = 1
-    _msg: Msg | None = field(default=None, repr=False)
-    _ack_timeout_s: float = field(default=5.0, repr=False)
-    _settled: str | None = field(default=None, repr=False)
-
-    @property
-    def settled(self) -> bool:
-        """True once ack, nak or term went out."""
-        return self._settled is not None
-
-    async def ack(self) -> None:
-        """Acknowledge and wait for the server to confirm, so an acked message is never redelivered.
-
-        Raises Unavailable if the confirmation does not come in time; the message may then be
-        redelivered after ack_wait, which an idempotent consumer tolerates.
-        """
-        msg = self._begin("ack")
-        if msg is None:
-            return
-        try:
-            await msg.ack_sync(timeout=self._ack_timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
-            raise Unavailable(
-                f"ack of seq {self.seq} on {self.subject!r} not confirmed within "
-                f"{self._ack_timeout_s} s ({type(exc).__name__}); it will be redelivered"
-            ) from exc
-        self._settled = "ack"
-
-    async def nak(self, delay_s: float | None = None) -> None:
-        """Give the message back for redelivery, after ``delay_s`` seconds if given."""
-        msg = self._begin("nak")
-        if msg is not None:
-            await _unavailable_on_close(msg.nak(delay=delay_s), "nak")
-            self._settled = "nak"
-
-    async def term(self) -> None:
-        """Drop the message for good: it will not be redelivered (poison messages)."""
-        msg = self._begin("term")
-        if msg is not None:
-            await _unavailable_on_close(msg.term(), "term")
-            self._settled = "term"
-
-    async def in_progress(self) -> None:
-        """Reset the ack_wait timer while a long piece of work is still going."""
-        if self._msg is not None and self._settled is None:
-            await _unavailable_on_close(self._msg.in_progress(), "in_progress")
-
-    def _begin(self, action: str) -> Msg | None:
-        if self._msg is not None and self._settled is not None:
-            raise FailedPrecondition(
-                f"cannot {action} seq {self.seq} on {self.subject!r}: already {self._settled}ed"
-            )
-        return self._msg
-
-
-async def _unavailable_on_close(call: Awaitable[None], what: str) -> None:
+@functools.cache
+def _telemetry() -> ModuleType | None:
+    """services.telemetry if importable; looked up once, so a broken install warns once."""
     try:
-        await call
-    except nats.errors.ConnectionClosedError as exc:
-        raise Unavailable(f"{what}: the NATS connection is closed") from exc
-
-
-def _class_for(full_name: str) -> type[Message]:
-    """The generated class of ``full_name``; its ``_pb2`` module must have been imported."""
-    try:
-        descriptor = descriptor_pool.Default().FindMessageTypeByName(full_name)
-    except KeyError:
-        raise InvalidArgument(
-            f"unknown protobuf type {full_name!r} in the {TYPE_HEADER} header: import its _pb2 "
-            "module or pass message_type",
-            field="message_type",
-        ) from None
-    return message_factory.GetMessageClass(descriptor)
-
-
-def _decode(msg: Msg, message_type: type[M] | None, where: str) -> M:
-    """Parse the payload as ``message_type``; the type header must agree when present.
-
-    With ``message_type=None`` the class is looked up from the header, which lets one subscriber
-    (the launcher's monitor) read every event kind of a run.
-    """
-    named = (msg.headers or {}).get(TYPE_HEADER)
-    cls: type[Message]
-    if message_type is None:
-        if not named:
-            raise InvalidArgument(
-                f"{where}: no {TYPE_HEADER} header, so the payload type is unknown; "
-                "pass message_type",
-                field="message_type",
-            )
-        cls = _class_for(named)
-    else:
-        cls = message_type
-        expected = cls.DESCRIPTOR.full_name
-        if named and named != expected:
-            raise InvalidArgument(
-                f"{where}: expected a {expected} but the {TYPE_HEADER} header says {named}",
-                field="message_type",
-            )
-    decoded = cls()
-    try:
-        decoded.ParseFromString(msg.data)
-    except DecodeError as exc:
-        raise InvalidArgument(
-            f"{where}: {len(msg.data)} payload bytes are not a valid {cls.DESCRIPTOR.full_name}: "
-            f"{exc}",
-            field="message_type",
-        ) from exc
-    return decoded  # type: ignore[return-value]
-
-
-def _header_bytes(headers: Mapping[str, str]) -> int:
-    """Size of the header block as nats-py encodes it (``NATS/1.0``, ``k: v`` lines, blank line)."""
-    size = len(b"NATS/1.0\r\n\r\n")
-    for key, value in headers.items():
-        size += len(key.strip().encode()) + 2 + len(value.strip().encode()) + 2
-    return size
+        return importlib.import_module("services.telemetry")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("services.telemetry", "services"):
+            log.warning("trace context will not be propagated on the bus: %s", exc)
+    except ImportError as exc:  # telemetry present but broken: publish anyway, say why
+        log.warning("trace context will not be propagated on the bus: %s", exc)
+    return None
 
 
 def _inject_trace(headers: dict[str, str]) -> dict[str, str]:
-    """Add the trace context via services.telemetry.inject, when that module provides it."""
-    try:
-        from services import telemetry
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("services.telemetry", "services"):
-            log.warning("trace context not propagated: %s", exc)
-        return headers
-    except ImportError as exc:  # telemetry present but broken: publish anyway, say why
-        log.warning("trace context not propagated: %s", exc)
-        return headers
-    inject = getattr(telemetry, "inject", None)
+    """Add the trace context with ``services.telemetry.inject`` when that module provides it."""
+    inject = getattr(_telemetry(), "inject", None)
     if inject is None:
         return headers
     result = inject(headers)
@@ -221,40 +95,6 @@ def _api_error(exc: nats.js.errors.APIError, what: str) -> RlfleetError:
     if exc.code == 400:
         return InvalidArgument(text)
     return RlfleetError(text)
-
-
-# ---------------------------------------------------------------------------- subscriptions
-
-
-class Subscription(Generic[M]):
-    """A core NATS subscription as an async iterator of Delivery; active from creation.
-
-    ``aclose()`` (also on leaving ``async with``) unsubscribes and ends the iteration, also
-    from another task.
-    """
-
-    def __init__(self, sub: NatsSubscription, message_type: type[M] | None) -> None:
-        self._sub = sub
-        self._message_type = message_type
-        self._messages = sub.messages
-
-    def __aiter__(self) -> Subscription[M]:
-        return self
-
-    async def __anext__(self) -> Delivery[M]:
-        msg = await self._messages.__anext__()
-        message = _decode(msg, self._message_type, f"message on {msg.subject!r}")
-        return Delivery(message=message, subject=msg.subject, headers=dict(msg.headers or {}))
-
-    async def aclose(self) -> None:
-        with contextlib.suppress(nats.errors.Error):
-            await self._sub.unsubscribe()
-
-    async def __aenter__(self) -> Subscription[M]:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
 
 # ---------------------------------------------------------------------------- the bus
@@ -293,6 +133,7 @@ class Bus:
         self.name = name
         self.request_timeout_s = request_timeout_s
         self._kv: dict[str, KeyValue] = {}
+        self._closing = False
 
     # ------------------------------------------------------------------ connection
 
@@ -353,7 +194,8 @@ class Bus:
                 log.warning("nats client %r: disconnected, reconnecting", name)
 
         async def on_reconnected() -> None:
-            log.info("nats client %r: reconnected to %s", name, nc.connected_url)
+            url = nc.connected_url
+            log.info("nats client %r: reconnected to %s", name, url.netloc if url else "?")
 
         try:
             await nc.connect(
@@ -395,17 +237,24 @@ class Bus:
         """The server's limit on one message, headers included, in bytes."""
         return int(self._nc.max_payload)
 
-    async def close(self) -> None:
-        """Drain (flush publishes, let subscriptions finish) and close; safe to call twice."""
-        if self._nc.is_closed:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what was published, then close; safe to call twice.
+
+        Not nats-py's ``drain()``: that waits for every subscription's unread queue, and a pull
+        consumer's queue never empties, so it would hang for its full 30 s timeout. Nothing is
+        lost without it: publishes are flushed, unacked JetStream messages come back after
+        ack_wait, and open iterators end (pull iterators cleanly, subscriptions too).
+        """
+        if self._closing:
             return
-        try:
-            await self._nc.drain()
-        except (nats.errors.Error, TimeoutError, OSError) as exc:
-            log.debug("nats client %r: drain failed (%s); closing", self.name, exc)
-        if not self._nc.is_closed:
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await self._nc.close()
+        self._closing = True
+        if self._nc.is_connected:
+            try:
+                await self._nc.flush(timeout=timeout_s)
+            except (nats.errors.Error, TimeoutError, OSError) as exc:
+                log.warning("nats client %r: flush before close failed: %s", self.name, exc)
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._nc.close()
 
     async def __aenter__(self) -> Bus:
         return self
@@ -463,7 +312,7 @@ class Bus:
             have = info.config
             if have.retention != settings["retention"]:
                 raise FailedPrecondition(
-                    f"{what}: the stream exists with retention {have.retention.value!r}, which "
+                    f"{what}: the stream exists with retention {str(have.retention)!r}, which "
                     f"cannot change to {retention!r}; delete the stream first",
                     field="retention",
                 )
@@ -506,7 +355,7 @@ class Bus:
 
     def _check_size(self, subject: str, message: Message, data: bytes, headers: dict) -> None:
         """Refuse what the server would refuse: it answers an oversize message by disconnecting."""
-        header_size = _header_bytes(headers)
+        header_size = header_bytes(headers)
         total = len(data) + header_size
         limit = self.max_payload
         if total > limit:
@@ -540,7 +389,7 @@ class Bus:
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
         what = f"publish to {subject!r}"
         try:
-            return await self._js.publish(subject, data, timeout=timeout, headers=hdrs)
+            ack = await self._js.publish(subject, data, timeout=timeout, headers=hdrs)
         except nats.js.errors.NoStreamResponseError as exc:
             raise NotFound(
                 f"{what}: no JetStream stream stores this subject; call ensure_stream first",
@@ -557,6 +406,8 @@ class Bus:
                 f"{what}: not acknowledged within {timeout} s ({type(exc).__name__}); retry with "
                 "the same msg_id"
             ) from exc
+        ack.duplicate = bool(ack.duplicate)  # the server omits it when false
+        return ack
 
     async def publish_event(
         self, subject: str, message: Message, headers: Mapping[str, str] | None = None
@@ -648,15 +499,18 @@ class Bus:
             raise Unavailable(f"{what}: no answer from JetStream") from exc
         backlog: collections.deque[Msg] = collections.deque()
         try:
-            while stop_event is None or not stop_event.is_set():
+            while not self._closing and (stop_event is None or not stop_event.is_set()):
                 if not backlog:
-                    backlog.extend(await self._fetch(sub, batch, timeout_s, what))
+                    fetched = await self._fetch(sub, batch, timeout_s, what)
+                    if fetched is None:
+                        return
+                    backlog.extend(fetched)
                     continue
                 msg = backlog.popleft()
                 meta = msg.metadata
                 where = f"{what}: seq {meta.sequence.stream} on {msg.subject!r}"
                 try:
-                    message = _decode(msg, message_type, where)
+                    message = decode(msg, message_type, where)
                 except InvalidArgument as exc:
                     with contextlib.suppress(nats.errors.Error):
                         await msg.term()
@@ -679,13 +533,16 @@ class Bus:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
 
-    async def _fetch(self, sub: Any, batch: int, timeout_s: float, what: str) -> list[Msg]:
-        """One fetch; [] when nothing arrived in time or the connection is being re-made."""
+    async def _fetch(self, sub: Any, batch: int, timeout_s: float, what: str) -> list[Msg] | None:
+        """One fetch; [] when nothing arrived in time or the connection is being re-made, None
+        when this Bus was closed (the iteration ends)."""
         try:
             return list(await sub.fetch(batch, timeout=timeout_s))
         except TimeoutError:
-            return []
+            return None if self._closing else []
         except nats.errors.ConnectionClosedError as exc:
+            if self._closing:
+                return None
             raise Unavailable(f"{what}: the NATS connection is closed") from exc
         except (nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError):
             await asyncio.sleep(min(timeout_s, 0.5))

@@ -214,6 +214,9 @@ def test_load_service_settings(tmp_path: Path) -> None:
         load_service_settings("heartbeat", path, "hb-x", {})
     with pytest.raises(ConfigError, match="2 services of kind 'heartbeat'; pass --name"):
         load_service_settings("heartbeat", path, None, {})
+    # A service validates only its own entry: its image may lack the other kinds' packages.
+    other = write(tmp_path, GOOD.replace("service: heartbeat\n    main", "service: x\n    main"))
+    assert load_service_settings("heartbeat", other, None, {}).interval_s == 0.5
 
 
 def test_service_references_checked_at_load(tmp_path: Path) -> None:
@@ -227,3 +230,13 @@ def test_service_references_checked_at_load(tmp_path: Path) -> None:
         f"{path}:8: services[0].settings.peers[0]: unknown service 'hb-mian' "
         "(did you mean 'hb-main'?)"
     )
+
+
+def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    assert main(["validate", str(write(tmp_path, GOOD))]) == 0
+    assert "OK" in capsys.readouterr().out
+    bad = write(tmp_path, GOOD.replace("interval_s: 0.5", "interval_s: -1"), "bad.yaml")
+    assert main(["validate", str(bad)]) == 2
+    assert f"{bad}:7: services[0].settings.interval_s: Input should be" in capsys.readouterr().err

@@ -1,0 +1,295 @@
+"""A DeepSpeed engine around a policy module, set up for a plain ``python`` process as well as
+under ``torchrun`` / the ``deepspeed`` launcher.
+
+What this adds to ``deepspeed.initialize`` (see PLATFORM.md, "DeepSpeed 0.19.8 on CPU"):
+
+- the distributed environment a single process needs (RANK, LOCAL_RANK, WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT on a free port); without it DeepSpeed tries MPI discovery;
+- the accelerator (``DS_ACCELERATOR``) chosen from ``device`` before DeepSpeed is imported;
+- a client ``torch.optim.AdamW`` (naming the optimizer in the config JIT-builds CPU FusedAdam);
+- ``TORCH_EXTENSIONS_DIR`` under a persistent cache: the first ``deepspeed.initialize`` on a
+  machine JIT-compiles the CPU shared-memory comm op (40-50 s), later ones load it (< 1 s).
+  Call ``warm_up()`` (``python -m learner.engine``) once per machine or image to pay that
+  outside any run;
+- full named weights, gathered under ZeRO-3; checkpoints with client state; a per-update
+  learning rate; and ``close()``, which destroys the process group and removes the shared-memory
+  buffer files the comm op created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from learner.settings import DeepSpeedSettings, OptimizerSettings
+
+__all__ = ["Engine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SHM_DIR = Path("/dev/shm")
+_open_engines = 0  # engines sharing this process's process group
+_own_env = False  # whether we set RANK/... (then each new process group gets a fresh port)
+
+
+def cache_dir(configured: Path | None = None) -> Path:
+    """The persistent cache (JIT-built ops): configured, $RLFLEET_CACHE_DIR, $XDG_CACHE_HOME/rlfleet
+    or ~/.cache/rlfleet."""
+    if configured is not None:
+        return Path(configured).expanduser()
+    if os.environ.get("RLFLEET_CACHE_DIR"):
+        return Path(os.environ["RLFLEET_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "rlfleet"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launched() -> bool:
+    """True under torchrun / the deepspeed launcher / MPI (they set the rank variables)."""
+    return not _own_env and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _prepare_environment(settings: DeepSpeedSettings) -> str:
+    """Set the process environment DeepSpeed reads; returns the device type ("cpu"/"cuda")."""
+    global _own_env
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+    os.environ.setdefault("DS_ACCELERATOR", device)
+    if os.environ["DS_ACCELERATOR"] != device:
+        raise RuntimeError(
+            f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} conflicts with device '{device}'"
+        )
+    extensions = cache_dir(settings.cache_dir) / "torch_extensions"
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))
+    Path(os.environ["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
+    if not _launched() and not torch.distributed.is_initialized():
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+        _own_env = True
+    return device
+
+
+def deepspeed_config(settings: DeepSpeedSettings) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``settings`` (one process: no gradient accumulation)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": settings.train_micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": settings.train_micro_batch_size * world,
+        "gradient_clipping": settings.gradient_clipping or 0.0,
+        "zero_optimization": {"stage": settings.zero_stage},
+        "steps_per_print": 2**62,  # no periodic log lines
+        "wall_clock_breakdown": False,
+    }
+    if settings.zero_stage == 3:
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if settings.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif settings.precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return config
+
+
+class Engine:
+    """A built DeepSpeed engine. Call it like the module (``engine(obs, actions)``); then
+    ``backward(loss)`` and ``step()``."""
+
+    def __init__(self, ds_engine: Any, settings: DeepSpeedSettings, init_s: float) -> None:
+        self.ds = ds_engine
+        self.settings = settings
+        self.init_s = init_s  # seconds deepspeed.initialize took (JIT build included)
+        self.dtype = _DTYPES[settings.precision]  # parameter dtype
+        self.device = torch.device(ds_engine.device)
+        self._closed = False
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ds.module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.autocast():
+            return self.ds(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Mixed-precision region for bf16/fp16 parameters (inputs stay fp32 in the policy)."""
+        if self.dtype == torch.float32:
+            yield
+            return
+        with torch.autocast(device_type=self.device.type, dtype=self.dtype):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        """Optimizer step (clips gradients first) and zero the gradients."""
+        self.ds.step()
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group (annealing, once per update)."""
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors by state_dict name, on the CPU, gathered under ZeRO-3 (every rank must
+        call this). ``dtype`` casts floating-point tensors (default: the parameter dtype)."""
+        module = self.module
+        params = list(module.parameters())
+        gather: Any = contextlib.nullcontext()
+        if self.settings.zero_stage == 3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        out: dict[str, torch.Tensor] = {}
+        with gather, torch.no_grad():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                value = tensor.detach()
+                if dtype is not None and value.is_floating_point():
+                    value = value.to(dtype)
+                out[name] = value.to("cpu", copy=True).contiguous()
+        return out
+
+    def save(
+        self, directory: Path, tag: str, client_state: dict[str, Any], *, keep: int | None = None
+    ) -> Path:
+        """Write a DeepSpeed checkpoint ``directory/tag`` (model, optimizer, ``client_state``)
+        and point ``directory/latest`` at it; then delete all but the newest ``keep`` tags."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state)
+        if keep is not None and self.ds.global_rank == 0:
+            _prune(directory, keep, current=tag)
+        return directory / tag
+
+    def load(self, directory: Path, tag: str | None = None) -> dict[str, Any] | None:
+        """Restore model and optimizer from ``directory`` (tag None: the ``latest`` one); returns
+        the client state, or None when there is no checkpoint to load."""
+        directory = Path(directory)
+        if tag is None and not (directory / "latest").is_file():
+            return None
+        path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            return None
+        log.info("restored checkpoint %s", path)
+        return dict(client_state or {})
+
+    def close(self) -> None:
+        """Destroy the process group (when no other engine of this process uses it) and remove
+        the shared-memory buffer this rank's comm op created. Idempotent."""
+        global _open_engines
+        if self._closed:
+            return
+        self._closed = True
+        _open_engines -= 1
+        if _open_engines > 0:
+            return
+        shm = _shm_buffer_path()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if shm is not None:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _shm_buffer_path() -> Path | None:
+    """The buffer DeepSpeed's CPU comm op creates when all ranks are local (LOCAL_SIZE set):
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``."""
+    env = os.environ
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}"
+        f"_{env.get('RANK', '0')}"
+    )
+    return _SHM_DIR / name
+
+
+def _prune(directory: Path, keep: int, current: str) -> None:
+    tags = sorted(
+        (p for p in directory.iterdir() if p.is_dir() and p.name != current),
+        key=lambda p: p.stat().st_mtime,
+    )
+    for old in tags[: max(0, len(tags) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_engine(
+    model: nn.Module, optimizer_cfg: OptimizerSettings, ds_cfg: DeepSpeedSettings
+) -> Engine:
+    """Wrap ``model`` (its ``forward`` is what ``engine(...)`` calls) in a DeepSpeed engine with a
+    client AdamW. The first call on a machine may take 40-50 s (JIT comm op); see ``warm_up``."""
+    global _open_engines
+    device = _prepare_environment(ds_cfg)
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=optimizer_cfg.lr,
+        betas=optimizer_cfg.betas,
+        eps=optimizer_cfg.eps,
+        weight_decay=optimizer_cfg.weight_decay,
+    )
+    start = time.perf_counter()
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(ds_cfg)
+    )
+    init_s = time.perf_counter() - start
+    _open_engines += 1
+    log.info(
+        "DeepSpeed engine ready in %.1f s (device %s, ZeRO %d, %s)",
+        init_s,
+        device,
+        ds_cfg.zero_stage,
+        ds_cfg.precision,
+    )
+    return Engine(ds_engine, ds_cfg, init_s)
+
+
+def warm_up(settings: DeepSpeedSettings | None = None) -> float:
+    """Build a throw-away engine so the JIT ops land in the cache; returns the seconds it took."""
+    settings = settings or DeepSpeedSettings(device="cpu")
+    start = time.perf_counter()
+    with build_engine(nn.Linear(2, 1), OptimizerSettings(), settings):
+        pass
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(f"DeepSpeed warm-up took {warm_up():.1f} s (cache: {os.environ['TORCH_EXTENSIONS_DIR']})")

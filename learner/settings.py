@@ -1,0 +1,142 @@
+"""Settings of the `learner` kind (YAML `settings:` or RLFLEET_LEARNER__<KEY>).
+
+Pure pydantic, no torch: the launcher imports this to validate a run before anything starts.
+Defaults are CleanRL's PPO defaults for CartPole (batch of 4 fragments of 128 steps x 1 env =
+512 transitions, 4 minibatches of 128, 4 epochs), so the system and bench/ppo_baseline.py match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, model_validator
+
+from services.config import ServiceRef, StrictModel
+
+if TYPE_CHECKING:
+    from services.policies import PolicyConfig
+
+__all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings", "PolicySettings"]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Device = Literal["cpu", "cuda", "auto"]
+
+
+class PolicySettings(StrictModel):
+    """The network's architecture: the fields of services.policies.PolicyConfig. Must match the
+    actors' `policy_config`, since they load the learner's state_dict into the module they build."""
+
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    activation: Literal["tanh", "relu"] = "tanh"
+    init_log_std: float = 0.0
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def to_config(self) -> PolicyConfig:
+        from services.policies import PolicyConfig
+
+        return PolicyConfig(
+            hidden_sizes=tuple(self.hidden_sizes),
+            activation=self.activation,
+            init_log_std=self.init_log_std,
+            extra=dict(self.extra),
+        )
+
+
+class OptimizerSettings(StrictModel):
+    """The client torch.optim.AdamW (no FusedAdam JIT build); eps 1e-5 as CleanRL."""
+
+    lr: float = Field(default=2.5e-4, gt=0)
+    eps: float = Field(default=1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)  # 0: AdamW == Adam, as in CleanRL
+
+
+class DeepSpeedSettings(StrictModel):
+    """What learner.engine turns into a DeepSpeed config."""
+
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    precision: Precision = "fp32"
+    gradient_clipping: float | None = Field(default=0.5, gt=0)  # global grad-norm clip; None = off
+    train_micro_batch_size: int = Field(default=128, ge=1)  # rows per backward (the minibatch)
+    device: Device = "auto"
+    # Where JIT-built ops (the CPU shared-memory comm op, 40-50 s to build once) are cached:
+    # TORCH_EXTENSIONS_DIR = <cache_dir>/torch_extensions unless that variable is set already.
+    # None: $RLFLEET_CACHE_DIR, else $XDG_CACHE_HOME/rlfleet, else ~/.cache/rlfleet.
+    cache_dir: Path | None = None
+
+
+class LearnerSettings(StrictModel):
+    """The game-RL learner (PPO/A2C over rollout fragments); see docs/internals.md, "Game RL"."""
+
+    algo: Literal["ppo", "a2c"] = "ppo"  # POLICY_LOSSES name
+    env_id: str = Field(default="CartPole-v1", min_length=1)
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)  # as the actors pass them
+    # Where the observation/action spaces come from: the first reachable env server (a
+    # one-env session, so the spaces are exactly what the actors step, plugins and wrappers
+    # included); with none listed, gymnasium.make(env_id, **env_kwargs) in this process.
+    env_servers: list[ServiceRef] = Field(default_factory=list)
+    spaces_timeout_s: float = Field(default=120.0, gt=0)  # wait this long for an env server
+    policy: PolicySettings = PolicySettings()
+
+    total_timesteps: int = Field(default=500_000, ge=1)  # env steps consumed, then done
+    fragments_per_update: int = Field(default=4, ge=1)
+    update_epochs: int = Field(default=4, ge=1)
+    minibatch_size: int = Field(default=128, ge=1)
+    learning_rate: float = Field(default=2.5e-4, gt=0)
+    anneal_lr: bool = True  # linear to 0 over total_timesteps (CleanRL)
+    gamma: float = Field(default=0.99, ge=0, le=1)
+    gae_lambda: float = Field(default=0.95, ge=0, le=1)
+    clip_coef: float = Field(default=0.2, gt=0)
+    clip_vloss: bool = True
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float | None = Field(default=0.5, gt=0)
+    norm_adv: bool = True  # per minibatch, as CleanRL
+    target_kl: float | None = Field(default=None, gt=0)
+    bootstrap_truncated: bool = True  # bootstrap time limits from final_values
+    # Values for GAE and the value-clipping anchor: True recomputes V(s_t), V(s_T) and V(final
+    # observation) with the learner's current critic; False uses the actor's (behaviour) values.
+    # Under policy lag the actor's values come from an older critic, so recomputing gives
+    # advantages consistent with the critic being trained; it costs one batched forward pass.
+    recompute_values: bool = True
+    # Fragments older than this many versions are dropped (acked, counted). 0 = on-policy only.
+    max_policy_lag: int = Field(default=2, ge=0)
+
+    checkpoint_every: int = Field(default=10, ge=1)  # updates between checkpoints
+    keep_checkpoints: int = Field(default=2, ge=1)
+    keep_versions: int = Field(default=4, ge=1)  # weight versions the WeightService keeps
+    ack_wait_s: float = Field(default=60.0, gt=0)  # held fragments get in_progress() meanwhile
+    applied_window: int = Field(default=100_000, ge=1)  # fragment ids remembered for dedupe
+    episode_window: int = Field(default=20, ge=1)  # episodes in charts/episodic_return
+
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    precision: Precision = "fp32"
+    device: Device = "auto"
+    cache_dir: Path | None = None  # see DeepSpeedSettings.cache_dir
+    seed: int = 1
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LearnerSettings:
+        if self.precision == "fp16" and self.device == "cpu":
+            raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
+        return self
+
+    @property
+    def max_ack_pending(self) -> int:
+        """Unacked fragments the consumer may hold: everything up to the next checkpoint, the
+        batch being gathered, and slack for the prefetch."""
+        return (self.checkpoint_every + 2) * self.fragments_per_update + 64
+
+    def optimizer(self) -> OptimizerSettings:
+        return OptimizerSettings(lr=self.learning_rate)
+
+    def deepspeed(self) -> DeepSpeedSettings:
+        return DeepSpeedSettings(
+            zero_stage=self.zero_stage,
+            precision=self.precision,
+            gradient_clipping=self.max_grad_norm,
+            train_micro_batch_size=self.minibatch_size,
+            device=self.device,
+            cache_dir=self.cache_dir,
+        )

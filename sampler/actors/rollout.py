@@ -1,0 +1,175 @@
+"""The fragment being filled: preallocated [T, N] buffers and their RolloutFragment form.
+
+One `Rollout` lives as long as the actor. Each tick writes one row t of every buffer (numpy
+slice assignments, no loop over envs); after T ticks `build` turns the rows into a
+`bus.v1.RolloutFragment` and `restart` carries the last observation over as the next
+fragment's first. Observations take T + 1 rows so that the env's answer at tick t lands
+directly in row t + 1 and row T is next_observations: nothing is copied per tick.
+
+Episode ids are numbered per actor incarnation: env n starts in episode n, and every episode
+end (terminated, truncated, or a dropped env session) gives that env the next free id, so ids
+increase along each env's timeline and never repeat across envs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from google.protobuf import timestamp_pb2
+
+from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.common.v1 import tensor_pb2
+from sampler.actors.behaviour import Behaviour, Decision, action_layout
+from sampler.actors.envs import StepOut, TickEvents
+from services import tensor
+
+__all__ = ["FragmentMeta", "Rollout", "fragment_id"]
+
+
+def fragment_id(run: str, actor: str, incarnation: str, sequence: int) -> str:
+    """`<run>/<actor>/<incarnation>/<sequence>`: unique across restarts; the Nats-Msg-Id."""
+    return f"{run}/{actor}/{incarnation}/{sequence}"
+
+
+@dataclass(frozen=True)
+class FragmentMeta:
+    """Who made a fragment and where; everything in RolloutFragment that is not an array."""
+
+    run: str
+    actor_id: str
+    incarnation: str
+    env_id: str
+    env_address: str  # comma-separated when the envs span several servers, in env order
+    env_session_id: str  # likewise
+
+
+class Rollout:
+    """Rows of the current fragment, for N envs and T steps."""
+
+    def __init__(
+        self,
+        num_steps: int,
+        num_envs: int,
+        observation_space: Any,
+        action_space: Any,
+        *,
+        has_values: bool,
+    ) -> None:
+        t, n = num_steps, num_envs
+        self.num_steps, self.num_envs = t, n
+        act_shape, act_dtype = action_layout(action_space)
+        obs_shape, obs_dtype = tuple(observation_space.shape), observation_space.dtype
+        self.obs = np.zeros((t + 1, n, *obs_shape), obs_dtype)  # row T: next_observations
+        self.actions = np.zeros((t, n, *act_shape), act_dtype)
+        self.logprobs = np.zeros((t, n), np.float32)
+        self.values = np.zeros((t, n), np.float32) if has_values else None
+        self.rewards = np.zeros((t, n), np.float32)
+        self.terminated = np.zeros((t, n), bool)
+        self.truncated = np.zeros((t, n), bool)
+        self.episode_ids = np.zeros((t, n), np.int64)
+        self._outs = [
+            StepOut(self.obs[i + 1], self.rewards[i], self.terminated[i], self.truncated[i])
+            for i in range(t)
+        ]
+        self._final_index: list[np.ndarray] = []  # flat t * N + n, per tick that had any
+        self._final_obs: list[np.ndarray] = []
+        self.episode = np.arange(n, dtype=np.int64)  # current episode id of each env
+        self._next_episode = n
+        self.t = 0
+        self.sequence = 0  # of the next fragment
+
+    @property
+    def full(self) -> bool:
+        return self.t == self.num_steps
+
+    @property
+    def current_obs(self) -> np.ndarray:
+        """Observations the next decision is made on, [N, ...]."""
+        return self.obs[self.t]
+
+    def begin(self, first_obs: np.ndarray) -> None:
+        """Start the first fragment from the envs' reset observations."""
+        self.obs[0] = first_obs
+        self.t = 0
+
+    def record(self, decision: Decision) -> StepOut:
+        """Store the decision at row t; return the rows the env step must fill."""
+        t = self.t
+        self.actions[t] = decision.actions
+        self.logprobs[t] = decision.logprobs
+        if self.values is not None and decision.values is not None:
+            self.values[t] = decision.values
+        self.episode_ids[t] = self.episode
+        return self._outs[t]
+
+    def finish(self, events: TickEvents) -> None:
+        """Close row t once the env rows are written: finals, new episode ids, t + 1."""
+        t, n = self.t, self.num_envs
+        for index, rows in zip(events.final_indices, events.final_obs, strict=True):
+            self._final_index.append(t * n + index)
+            self._final_obs.append(rows)
+        done = self.terminated[t] | self.truncated[t]
+        if done.any():
+            ended = np.flatnonzero(done)
+            self.episode[ended] = self._next_episode + np.arange(ended.size)
+            self._next_episode += ended.size
+        self.t = t + 1
+
+    def build(self, policy: Behaviour, meta: FragmentMeta) -> trajectory_pb2.RolloutFragment:
+        """The full fragment as a message (arrays copied into it: the buffers are free after)."""
+        if not self.full:
+            raise RuntimeError(f"fragment has {self.t} of {self.num_steps} steps")
+        seq = self.sequence
+        frag = trajectory_pb2.RolloutFragment(
+            run=meta.run,
+            actor_id=meta.actor_id,
+            fragment_id=fragment_id(meta.run, meta.actor_id, meta.incarnation, seq),
+            sequence=seq,
+            policy_version=policy.version,
+            num_steps=self.num_steps,
+            num_envs=self.num_envs,
+            observations=_tree(self.obs[: self.num_steps]),
+            actions=_tree(self.actions),
+            logprobs=tensor.encode(self.logprobs),
+            rewards=tensor.encode(self.rewards),
+            terminated=tensor.encode(self.terminated),
+            truncated=tensor.encode(self.truncated),
+            next_observations=_tree(self.obs[self.num_steps]),
+            episode_ids=tensor.encode(self.episode_ids),
+            env_id=meta.env_id,
+            env_address=meta.env_address,
+            env_session_id=meta.env_session_id,
+            create_time=_now(),
+        )
+        if self.values is not None:
+            frag.values.CopyFrom(tensor.encode(self.values))
+            frag.bootstrap_values.CopyFrom(tensor.encode(policy.values(self.obs[self.num_steps])))
+        if self._final_index:
+            index = np.concatenate(self._final_index)
+            order = np.argsort(index, kind="stable")
+            final_obs = np.concatenate(self._final_obs)[order]
+            frag.final_indices.CopyFrom(tensor.encode(index[order].astype(np.int64)))
+            frag.final_observations.CopyFrom(_tree(final_obs))
+            if self.values is not None:
+                frag.final_values.CopyFrom(tensor.encode(policy.values(final_obs)))
+        return frag
+
+    def restart(self) -> None:
+        """Begin the next fragment where this one ended."""
+        self.obs[0] = self.obs[self.num_steps]
+        self._final_index.clear()
+        self._final_obs.clear()
+        self.t = 0
+        self.sequence += 1
+
+
+def _tree(array: np.ndarray) -> tensor_pb2.TensorTree:
+    return tensor_pb2.TensorTree(tensor=tensor.encode(array))
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.GetCurrentTime()
+    return stamp

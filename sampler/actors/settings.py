@@ -1,0 +1,91 @@
+"""Settings of the `game_actor` kind (YAML `settings:` or RLFLEET_GAME_ACTOR__<KEY>).
+
+Validated before anything starts (services/config.py), so the combinations that cannot work
+(a `learner` policy without a learner, fewer envs than env servers) fail at load time with the
+key named, not minutes later inside the actor.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field, model_validator
+
+from services.config import ServiceRef, StrictModel
+from services.policies import PolicyConfig
+
+__all__ = ["GameActorSettings", "PolicySettings"]
+
+# An optional ServiceRef. `ServiceRef | None` would hide the marker inside the union, where the
+# load-time check of instance names (services.config._service_refs) does not look.
+OptionalServiceRef = Annotated[str | None, *get_args(ServiceRef)[1:]]
+
+
+class PolicySettings(StrictModel):
+    """The network's architecture: the fields of services.policies.PolicyConfig. Must match the
+    learner's, since the actor loads the learner's state_dict into the module it builds."""
+
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    activation: Literal["tanh", "relu"] = "tanh"
+    init_log_std: float = 0.0
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def to_config(self) -> PolicyConfig:
+        return PolicyConfig(
+            hidden_sizes=tuple(self.hidden_sizes),
+            activation=self.activation,
+            init_log_std=self.init_log_std,
+            extra=dict(self.extra),
+        )
+
+
+class GameActorSettings(StrictModel):
+    """One actor: `num_envs` environments split over `env_servers`, stepped in lock step."""
+
+    env_servers: list[ServiceRef] = Field(min_length=1)  # instance names or host:port
+    env_id: str = Field(min_length=1)
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to gymnasium.make
+    num_envs: int = Field(default=8, ge=1)  # in total; server j gets an equal share (+1 for some)
+    # Env k of this actor (0 <= k < num_envs) is seeded with seed + actor_index * num_envs + k,
+    # so actors of one job (same seed, actor_index 0, 1, ...) never share an env seed.
+    seed: int = Field(default=0, ge=0)
+    actor_index: int = Field(default=0, ge=0)
+    rollout_length: int = Field(default=128, ge=1)  # T, steps per fragment
+    policy: Literal["random", "learner"] = "random"
+    learner: OptionalServiceRef = None  # the learner's WeightService (needed by policy: learner)
+    policy_config: PolicySettings = PolicySettings()
+    total_steps: int = Field(default=0, ge=0)  # env steps of this actor; 0 = until stopped
+    # Publish RolloutFragments; unset means "when the policy is the learner's".
+    publish_fragments: bool | None = None
+    stats_interval_s: float = Field(default=5.0, gt=0)  # Metrics event period
+    device: str = "cpu"  # torch device of the policy forward
+    request_timeout_s: float = Field(default=30.0, gt=0)  # one env request's deadline
+    reconnect_timeout_s: float = Field(default=60.0, gt=0)  # give up on a dead env server after
+    weights_timeout_s: float = Field(default=600.0, gt=0)  # wait this long for the first version
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GameActorSettings:
+        if self.policy == "learner" and not self.learner:
+            raise ValueError("policy 'learner' needs `learner` (the learner's instance name)")
+        if self.num_envs < len(self.env_servers):
+            raise ValueError(
+                f"num_envs={self.num_envs} is fewer than the {len(self.env_servers)} env servers: "
+                "every server needs at least one env"
+            )
+        return self
+
+    @property
+    def publishes(self) -> bool:
+        """Whether this actor publishes fragments (explicit, or because it trains a learner)."""
+        if self.publish_fragments is None:
+            return self.policy == "learner"
+        return self.publish_fragments
+
+    def env_split(self) -> list[int]:
+        """Envs per server, in env_servers order: as even as possible, the first ones larger."""
+        share, extra = divmod(self.num_envs, len(self.env_servers))
+        return [share + (j < extra) for j in range(len(self.env_servers))]
+
+    def env_seed(self) -> int:
+        """Seed of this actor's env 0 (env k gets env_seed() + k)."""
+        return self.seed + self.actor_index * self.num_envs

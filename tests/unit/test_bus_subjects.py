@@ -1,0 +1,55 @@
+"""Subject and stream names: one token per run name, upper-case stream names, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bus import subjects
+from services.errors import InvalidArgument
+
+
+def test_run_subjects_and_stream_name() -> None:
+    assert subjects.traj_subject("demo-1") == "rlfleet.v1.traj.demo-1"
+    assert subjects.events_subject("demo-1", "metrics") == "rlfleet.v1.events.demo-1.metrics"
+    assert subjects.events_wildcard("demo-1") == "rlfleet.v1.events.demo-1.>"
+    assert subjects.stream_name("demo-1") == "RLFLEET_DEMO_1"
+    assert subjects.work_queue_subject("demo", "prompts") == "rlfleet.v1.work.demo.prompts"
+    assert subjects.work_queue_stream("demo", "math-easy") == "RLFLEET_DEMO-WQ-MATH_EASY"
+
+
+def test_work_queue_streams_never_collide_with_run_streams() -> None:
+    # A run named like "<run>-wq-<queue>" must not land on a work queue's stream.
+    assert subjects.stream_name("a-wq-b") != subjects.work_queue_stream("a", "b")
+    assert subjects.work_queue_stream("a-b", "c") != subjects.work_queue_stream("a", "b-c")
+
+
+@pytest.mark.parametrize("name", ["a", "0", "run-1", "x" * 63])
+def test_valid_run_names(name: str) -> None:
+    assert subjects.validate_run_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name", ["", "-a", "Run", "a.b", "a b", "a*", "a>", "a_b", "x" * 64, "é", None, 3]
+)
+def test_invalid_run_names_are_refused_with_the_rule(name: object) -> None:
+    with pytest.raises(InvalidArgument, match=r"invalid run name .*\[a-z0-9\]") as info:
+        subjects.validate_run_name(name)  # type: ignore[arg-type]
+    assert info.value.field == "run.name"
+
+
+def test_every_builder_validates_the_run_name() -> None:
+    for build in (subjects.traj_subject, subjects.events_wildcard, subjects.stream_name):
+        with pytest.raises(InvalidArgument):
+            build("Bad.Run")
+
+
+@pytest.mark.parametrize("kind", ["", "a.b", "*", ">", "Metrics"])
+def test_invalid_event_kinds(kind: str) -> None:
+    with pytest.raises(InvalidArgument, match="invalid event kind"):
+        subjects.events_subject("demo", kind)
+
+
+def test_event_kinds_may_use_underscores_but_queue_names_may_not() -> None:
+    assert subjects.events_subject("demo", "weights_published").endswith(".weights_published")
+    with pytest.raises(InvalidArgument, match="invalid queue name"):
+        subjects.work_queue_subject("demo", "math_easy")
