@@ -174,7 +174,9 @@ class TorchBehaviour:
     def load(self, state_dict: dict[str, Any], version: int) -> None:
         """Take the learner's weights for `version` (names must match exactly)."""
         torch = self._torch
-        state = {k: torch.as_tensor(v).to(self.device, torch.float32) for k, v in state_dict.items()}
+        state = {
+            k: torch.as_tensor(v).to(self.device, torch.float32) for k, v in state_dict.items()
+        }
         missing, unexpected = self.net.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise InvalidArgument(

@@ -141,7 +141,7 @@ class EnvGroup:
             link = self.links[0]
             try:
                 results: list[Any] = [await link.session.step(actions)]  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001 - sorted by is_transient below
+            except Exception as exc:  # sorted by is_transient below
                 results = [exc]
         else:
             results = await asyncio.gather(

@@ -48,7 +48,9 @@ class WeightFollower:
 
     async def start(self) -> None:
         """Subscribe before the first fetch, so no announcement falls between the two."""
-        sub = await self.bus.subscribe(events_subject(self.run, "weights"), events_pb2.WeightsPublished)
+        sub = await self.bus.subscribe(
+            events_subject(self.run, "weights"), events_pb2.WeightsPublished
+        )
         self._tasks = [
             asyncio.create_task(self._watch(sub), name="weights-watch"),
             asyncio.create_task(self._fetcher(), name="weights-fetch"),

@@ -88,7 +88,10 @@ class GameActor:
         async with sub:
             async for delivery in sub:
                 if delivery.message.state in _RUN_OVER:
-                    log.info("run is over (%s): stopping", events_pb2.RunState.Name(delivery.message.state))
+                    log.info(
+                        "run is over (%s): stopping",
+                        events_pb2.RunState.Name(delivery.message.state),
+                    )
                     self.stop.set()
                     return
 
@@ -128,7 +131,9 @@ class GameActor:
             has_values=policy.has_values,
         )
         rollout.begin(obs)
-        stats = ActorStats(self.bus, ctx.run_name, ctx.name, settings.env_id, settings.stats_interval_s)
+        stats = ActorStats(
+            self.bus, ctx.run_name, ctx.name, settings.env_id, settings.stats_interval_s
+        )
         meta = FragmentMeta(
             ctx.run_name, ctx.name, self.incarnation, settings.env_id, envs.addresses, ""
         )

@@ -1,0 +1,249 @@
+"""Weight sync: publish and fetch latency through a real WeightService, next to the floors.
+
+The learner side (WeightStore + WeightService + a raw-bytes stream service) runs in its own
+process, as it does in a run; this process is the sampler. For each tensor set:
+
+- publish: ``WeightStore.publish(state_dict)`` (snapshot copy + SHA-256 per tensor), in the
+  server process;
+- fetch cold / warm: ``services.weights.fetch_weights`` of one version (manifest, stream, CRC per
+  chunk, SHA-256 per tensor, tensors rebuilt); cold is the first fetch of a version (the server
+  computes and caches the chunk CRCs), warm a later one (what every other sampler sees);
+- floors: ``memcpy``, the bytes copied once (numpy copyto, measured here), and ``raw stream``, the
+  same bytes in the same 2 MiB chunks over a bare grpc unary-stream with no protobuf, no
+  checksums and nothing done with the data on arrival.
+
+Tensor sets: the CartPole actor-critic (two 4-64-64 tanh MLPs, services/policies.py defaults)
+and about 100M fp32 parameters (24 Linear(2048, 2048) layers, 403 MB).
+
+    python bench/weight_sync.py              # both sets, 3 repeats
+    python bench/weight_sync.py --sets tiny --repeats 5
+
+Prints a table and writes bench/results/weight_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+if not __package__:  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
+from services.server import GrpcServer, channel
+from services.weights import MAX_CHUNK_BYTES, fetch_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "weight_sync.json"
+RAW_SERVICE = "rlfleet.bench.v1.RawStream"
+RAW_METHOD = f"/{RAW_SERVICE}/Fetch"
+
+
+def tensor_set(name: str) -> dict[str, torch.Tensor]:
+    """The named set's state_dict, deterministic."""
+    torch.manual_seed(0)
+    if name == "tiny":
+
+        def mlp(out: int) -> torch.nn.Sequential:
+            return torch.nn.Sequential(
+                torch.nn.Linear(4, 64), torch.nn.Tanh(),
+                torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                torch.nn.Linear(64, out),
+            )  # fmt: skip
+
+        model = torch.nn.ModuleDict({"actor": mlp(2), "critic": mlp(1)})
+    elif name == "100m":
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(24)])
+    else:
+        raise SystemExit(f"unknown tensor set {name!r}")
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Best time to copy ``nbytes`` once (both buffers already touched)."""
+    src = np.ones(max(nbytes, 1), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# --------------------------------------------------------------------------- server process
+
+
+def raw_handler(store: WeightStore) -> grpc.GenericRpcHandler:
+    """A bare unary-stream: version number in, the version's bytes out in 2 MiB chunks."""
+
+    async def fetch(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        payload = store.get(int(request)).payload
+        for start in range(0, len(payload), MAX_CHUNK_BYTES):
+            yield payload[start : start + MAX_CHUNK_BYTES].tobytes()
+
+    handlers = {"Fetch": grpc.unary_stream_rpc_method_handler(fetch)}
+    return grpc.method_handlers_generic_handler(RAW_SERVICE, handlers)
+
+
+async def serve(name: str, repeats: int) -> None:
+    """Publish the set ``repeats`` times, report on stdout, serve until stdin closes."""
+    state = tensor_set(name)
+    store = WeightStore(name, keep=repeats)
+    publish = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await asyncio.to_thread(store.publish, state)
+        publish.append(time.perf_counter() - start)
+        for tensor in state.values():  # training goes on: the next version differs
+            tensor.add_(1.0)
+    manifest = store.get().manifest
+    report = {
+        "publish_s": publish,
+        "total_bytes": manifest.total_bytes,
+        "num_tensors": len(manifest.tensors),
+        "memcpy_s": memcpy_seconds(manifest.total_bytes),
+    }
+    server = GrpcServer("bench-learner")
+    server.add_service(add_weight_service, WeightServicer(store), SERVICE_NAME)
+    server.add_service(
+        lambda _, grpc_server: grpc_server.add_generic_rpc_handlers((raw_handler(store),)),
+        None,
+        RAW_SERVICE,
+    )
+    async with server:
+        server.set_serving()
+        print(json.dumps({"port": server.port, "report": report}), flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the parent closes the pipe
+
+
+# --------------------------------------------------------------------------- client side
+
+
+async def raw_stream_seconds(chan: grpc.aio.Channel, version: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    received = 0
+    async for raw in chan.unary_stream(RAW_METHOD)(str(version).encode(), timeout=600):
+        received += len(raw)
+    return time.perf_counter() - start, received
+
+
+async def measure(port: int, info: dict[str, Any], repeats: int) -> dict[str, Any]:
+    cold, warm, raw = [], [], []
+    async with channel(f"127.0.0.1:{port}") as chan:
+        for version in range(repeats):
+            for times in (cold, warm):
+                start = time.perf_counter()
+                manifest, tensors = await fetch_weights(chan, version)
+                times.append(time.perf_counter() - start)
+                assert manifest.total_bytes == info["total_bytes"]
+                del tensors
+            seconds, received = await raw_stream_seconds(chan, version)
+            assert received == info["total_bytes"], (received, info["total_bytes"])
+            raw.append(seconds)
+    return {"fetch_cold_s": cold, "fetch_warm_s": warm, "raw_stream_s": raw}
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:9.2f} ms"
+
+
+def _mb_s(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:8.0f} MB/s" if nbytes else "       - MB/s"
+
+
+def print_table(results: dict[str, Any]) -> None:
+    header = f"{'set':6} {'what':12} {'median':>12} {'throughput':>13} {'vs raw':>7}"
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        n = r["total_bytes"]
+        raw = r["median"]["raw_stream_s"]
+        for key, label in (
+            ("memcpy_s", "memcpy"),
+            ("raw_stream_s", "raw stream"),
+            ("publish_s", "publish"),
+            ("fetch_cold_s", "fetch cold"),
+            ("fetch_warm_s", "fetch warm"),
+        ):
+            s = r["median"][key]
+            ratio = f"{raw / s:6.2f}x" if key.startswith("fetch") else ""
+            print(f"{name:6} {label:12} {_fmt_s(s)} {_mb_s(n, s)} {ratio:>7}")
+        print(f"{'':6} {n} bytes in {r['num_tensors']} tensors")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "grpcio": metadata.version("grpcio"),
+        "protobuf": metadata.version("protobuf"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def run_set(name: str, repeats: int) -> dict[str, Any]:
+    """Start a learner process for one set, measure from here, stop it."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--repeats", str(repeats)]
+    server = subprocess.Popen(
+        [*cmd, "--sets", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if not line:
+            raise SystemExit(f"learner process exited with {server.wait()}")
+        hello = json.loads(line)
+        result = {
+            **hello["report"],
+            **asyncio.run(measure(hello["port"], hello["report"], repeats)),
+        }
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(timeout=60)
+    result["median"] = {
+        k: statistics.median(v) if isinstance(v, list) else v
+        for k, v in result.items()
+        if k.endswith("_s")
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sets", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve(args.sets[0], args.repeats))
+        return
+
+    results = {name: run_set(name, args.repeats) for name in args.sets}
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine(), "sets": results}, indent=2) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
