@@ -85,6 +85,7 @@ class EnvSession:
         self._channel = channel(address, max_message_bytes=max_message_bytes)
         self._call: Any = None
         self._ids = itertools.count(1)
+        self._busy = False
         self.info: SessionInfo | None = None
 
     async def __aenter__(self) -> EnvSession:
@@ -94,9 +95,12 @@ class EnvSession:
         await self.close()
 
     async def _request(self, **kind: Any) -> env_pb2.SessionResponse:
+        if self._busy:  # answers come in order: two tasks would take each other's answers
+            raise RuntimeError("EnvSession: one request at a time (another task is waiting)")
         request = env_pb2.SessionRequest(request_id=next(self._ids), **kind)
         if self._call is None:
             self._call = env_pb2_grpc.EnvServiceStub(self._channel).Session()
+        self._busy = True
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 await self._call.write(request)
@@ -109,6 +113,8 @@ class EnvSession:
                 f"{self.address}: no answer to request {request.request_id} within "
                 f"{self.request_timeout_s:g}s; session aborted"
             ) from None
+        finally:
+            self._busy = False
         if response is grpc.aio.EOF:
             raise Unavailable(f"{self.address}: the server ended the session stream")
         if response.HasField("error"):
@@ -187,18 +193,20 @@ class EnvSession:
         return tensor.decode((await self._request(render=request)).render.frames, name="frames")
 
     async def close(self) -> int:
-        """Close the pool and the stream; returns the session's total env steps (0 if none)."""
-        total = 0
-        call, self._call = self._call, None
-        if call is not None and not call.done():
-            self._call = call
-            try:
+        """Close the pool and the stream; returns the session's total env steps (0 if none).
+
+        Idempotent; the channel is closed even when the server is already gone.
+        """
+        call, total = self._call, 0
+        try:
+            if call is not None and not call.done():
                 total = (await self._request(close=env_pb2.CloseRequest())).close.total_steps
                 await call.done_writing()
-            finally:
-                self._call = None
+        finally:
+            self._call = None
+            if call is not None:
                 call.cancel()  # no-op once the server has ended the stream
-        await self._channel.close()
+            await self._channel.close()
         return total
 
     def abort(self) -> None:
@@ -326,9 +334,7 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         infos = self._out(result.infos)
         if result.final_observations is not None:
             ended = result.terminated | result.truncated
-            infos["final_obs"] = _rows(
-                self.single_observation_space, result.final_observations, ended
-            )
+            infos["final_obs"] = _rows(result.final_observations, ended)
             infos["_final_obs"] = ended.copy()
         return (
             self._out(result.observations),
@@ -358,19 +364,23 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         self._session.close()
 
 
-def _rows(space: Any, batch: Any, ended: np.ndarray) -> np.ndarray:
+def _rows(batch: Any, ended: np.ndarray) -> np.ndarray:
     """An object array of N per-env final observations (None where no episode ended)."""
-    from gymnasium.vector.utils import iterate
-
     out = np.full(len(ended), None, dtype=object)
-    for i, row in enumerate(iterate(batch_space(space, len(ended)), _as_batch(batch))):
-        if ended[i]:
-            out[i] = np.array(row) if isinstance(row, np.ndarray) else row
+    for i in np.flatnonzero(ended).tolist():
+        out[i] = _row(batch, i)
     return out
 
 
-def _as_batch(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value  # Text batches are tuples
+def _row(value: Any, i: int) -> Any:
+    """Env i's entry of a batch, unbatched like the space (arrays copied, scalars as scalars)."""
+    if isinstance(value, dict):
+        return {k: _row(v, i) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_row(v, i) for v in value)
+    if isinstance(value, list) or value.ndim == 1:
+        return value[i]  # a string, or a numpy scalar (immutable: nothing to copy)
+    return np.array(value[i])
 
 
 class RemoteEnv(gymnasium.Env):
@@ -412,7 +422,7 @@ class RemoteEnv(gymnasium.Env):
     ) -> tuple[Any, dict[str, Any]]:
         super().reset(seed=seed)
         obs, infos = self._session.reset(seed=seed, options=options)
-        return _first(obs), _first_info(infos)
+        return _row(obs, 0), _first_info(infos)
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         batch = _batch_one(self.action_space, action)
@@ -423,7 +433,7 @@ class RemoteEnv(gymnasium.Env):
                 f"{exc.message} (call reset() first)", field=exc.field
             ) from None
         return (
-            _first(result.observations),
+            _row(result.observations, 0),
             float(result.rewards[0]),
             bool(result.terminated[0]),
             bool(result.truncated[0]),
@@ -453,17 +463,6 @@ def _batch_one(space: Any, action: Any) -> Any:
     if not isinstance(action, np.ndarray | np.generic):
         array = array.astype(space.dtype)  # a Python int/float/list carries no dtype of its own
     return array[None]
-
-
-def _first(value: Any) -> Any:
-    """Row 0 of a batch of one, as a writable copy."""
-    if isinstance(value, dict):
-        return {k: _first(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_first(v) for v in value)
-    if isinstance(value, list) or value.ndim == 1:
-        return value[0]  # a string, or a numpy scalar (immutable: nothing to copy)
-    return np.array(value[0])
 
 
 def _first_info(infos: dict[str, Any]) -> dict[str, Any]:

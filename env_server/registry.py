@@ -66,7 +66,9 @@ class EnvEntry:
         return cls(msg.env_id, msg.source, msg.max_episode_steps, threshold)
 
 
+@functools.cache
 def _gymnasium() -> Any:
+    """gymnasium, with the ids of GYMNASIUM_PLUGIN_MODULES registered (imported once)."""
     import gymnasium
 
     for module in GYMNASIUM_PLUGIN_MODULES:

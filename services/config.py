@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.errors import ConfigError
-from services.registry import get_service
+from services.registry import get_job, get_service
 
 __all__ = [
     "ENV_PREFIX",
@@ -118,6 +118,8 @@ class RunConfig(StrictModel):
 
     run: RunSection
     nats: NatsSection = NatsSection()
+    # A job's knobs as written (kind + settings); already expanded into `services` on load.
+    job: dict[str, Any] | None = None
     services: list[ServiceEntry] = Field(min_length=1)
 
     @field_validator("services")
@@ -459,10 +461,50 @@ def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource
     source = parse_yaml(text, str(path))
     if not isinstance(source.data, dict):
         raise ConfigError(f"{path}:1: the top level of a run config must be a mapping")
+    data = _expand_job(source)
     try:
-        return RunConfig.model_validate(source.data), source
+        return RunConfig.model_validate(data), source
     except ValidationError as exc:
         raise _render(_issues_of(exc, RunConfig, (), {}), source) from None
+
+
+def _expand_job(source: YamlSource) -> dict[str, Any]:
+    """The run mapping with its ``job:`` (if any) expanded into leading ``services`` entries.
+
+    The job's knobs are validated against the job kind's model first, so a bad knob is reported
+    at its own line; generated entries point at the ``job:`` line in later messages."""
+    data = dict(source.data)
+    job = data.get("job")
+    if job is None:
+        return data
+    if not isinstance(job, Mapping) or "kind" not in job:
+        raise _render([_Issue(("job",), "job must be a mapping with a 'kind' key")], source)
+    try:
+        spec = get_job(str(job["kind"]))
+    except ConfigError as exc:
+        raise _render([_Issue(("job", "kind"), exc.message)], source) from None
+    run = data.get("run") if isinstance(data.get("run"), Mapping) else {}
+    knobs = {k: v for k, v in job.items() if k != "kind"}
+    try:
+        settings = spec.settings.model_validate(knobs)
+    except ValidationError as exc:
+        raise _render(_issues_of(exc, spec.settings, ("job",), {}), source) from None
+    generated = spec.expand(settings, str(run.get("name", "run")))
+    written = list(data.get("services") or [])
+    shift = len(generated)
+    written_lines = {
+        loc: line
+        for loc, line in source.lines.items()
+        if loc[:1] == ("services",) and len(loc) > 1 and isinstance(loc[1], int)
+    }
+    for loc in written_lines:
+        del source.lines[loc]
+    for (_, index, *rest), line in written_lines.items():
+        source.lines[("services", index + shift, *rest)] = line
+    for i in range(shift):
+        source.lines[("services", i)] = source.lines.get(("job",), 1)
+    data["services"] = [*generated, *written]
+    return data
 
 
 def load_service_settings(

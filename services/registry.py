@@ -33,14 +33,17 @@ __all__ = [
     "ENV_RUN_NAME",
     "SERVICES_GROUP",
     "EntryPointRegistry",
+    "JobSpec",
     "ServiceContext",
     "ServiceSpec",
     "entry_point_registry",
+    "get_job",
     "get_service",
     "service_kinds",
 ]
 
 SERVICES_GROUP = "rlfleet.services"
+JOBS_GROUP = "rlfleet.jobs"
 # The environment a launcher (or a container spec) hands to `rlfleet serve`.
 ENV_RUN_NAME = "RLFLEET_RUN_NAME"
 ENV_RUN_DIR = "RLFLEET_RUN_DIR"
@@ -138,6 +141,33 @@ def get_service(kind: str) -> ServiceSpec:
     if not isinstance(spec, ServiceSpec) or spec.kind != kind:
         raise ConfigError(
             f"entry point '{kind}' ({registry.target(kind)}) is not a ServiceSpec of kind '{kind}'"
+        )
+    return spec
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job kind: flat, user-facing knobs (``job:`` in a run file) and how they expand into
+    service entries (dicts shaped like ``services:`` items). Expansion must be deterministic:
+    every ``rlfleet serve`` of the run re-reads the same file and expands it again."""
+
+    kind: str
+    settings: type[StrictModel]
+    expand: Callable[[StrictModel, str], list[dict]]  # (settings, run name) -> service entries
+
+
+def get_job(kind: str) -> JobSpec:
+    """The JobSpec registered as ``kind`` in ``rlfleet.jobs``; unknown kinds list the known."""
+    registry = entry_point_registry(JOBS_GROUP)
+    if kind not in registry:
+        close = difflib.get_close_matches(kind, list(registry), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        known = ", ".join(registry) or "none installed"
+        raise ConfigError(f"unknown job kind '{kind}' ({hint}known: {known})")
+    spec = registry[kind]
+    if not isinstance(spec, JobSpec) or spec.kind != kind:
+        raise ConfigError(
+            f"entry point '{kind}' ({registry.target(kind)}) is not a JobSpec of kind '{kind}'"
         )
     return spec
 

@@ -19,7 +19,7 @@ import pytest_asyncio
 from google.rpc import error_details_pb2
 from prometheus_client import REGISTRY
 
-from env_server.client import EnvSession, list_envs
+from env_server.client import EnvSession, RemoteVectorEnv, list_envs
 from env_server.service import EnvServerSettings, main
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services import tensor
@@ -38,6 +38,7 @@ NAME = "env-contract"
 MAX_SESSIONS = 3
 MAX_ENVS = 32
 RAISING_ID = "RlfleetTest/Raising-v0"
+NESTED_ID = "RlfleetTest/Nested-v0"
 
 
 class RaisingEnv(gym.Env):
@@ -56,10 +57,40 @@ class RaisingEnv(gym.Env):
         return np.zeros(2, np.float32), 1.0, False, False, {}
 
 
+class NestedEnv(gym.Env):
+    """Dict observations (with Text) and Tuple actions: the nested wire format end to end.
+
+    The observation echoes the last action, so the test can see that it arrived intact.
+    """
+
+    observation_space = gym.spaces.Dict(
+        {
+            "pos": gym.spaces.Box(-10.0, 10.0, (2,), np.float32),
+            "last": gym.spaces.Discrete(3),
+            "name": gym.spaces.Text(8, charset="abc"),
+        }
+    )
+    action_space = gym.spaces.Tuple(
+        [gym.spaces.Discrete(3), gym.spaces.Box(-1.0, 1.0, (2,), np.float32)]
+    )
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return {"pos": np.zeros(2, np.float32), "last": 0, "name": "a"}, {}
+
+    def step(self, action):
+        self.t += 1
+        choice, move = action
+        obs = {"pos": np.asarray(move, np.float32), "last": int(choice), "name": "ab" * choice}
+        return obs, float(choice), False, self.t >= 3, {"t": self.t}
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def address() -> AsyncIterator[str]:
-    if RAISING_ID not in gym.registry:
-        gym.register(RAISING_ID, entry_point=RaisingEnv)
+    for env_id, entry_point in ((RAISING_ID, RaisingEnv), (NESTED_ID, NestedEnv)):
+        if env_id not in gym.registry:
+            gym.register(env_id, entry_point=entry_point)
     settings = EnvServerSettings(
         max_sessions=MAX_SESSIONS, max_envs_per_session=MAX_ENVS, preload=["CartPole-v1"]
     )
@@ -348,6 +379,7 @@ async def test_render_frames(address: str) -> None:
             await s.render()
 
 
+@pytest.mark.filterwarnings("ignore:.*is not within the observation space")  # flappy's own
 async def test_flappy_bird_creates_and_steps(address: str) -> None:
     async with session(address) as s:
         info = await s.create("FlappyBird-v0", 2, seed=0)
@@ -398,3 +430,51 @@ async def test_raw_protocol_echoes_ids_and_reports_codes_in_band(address: str) -
         assert answers[3].reset.observations.tensor.shape == [2, 4]
         assert answers[5].close.total_steps == 0
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_nested_spaces_travel_both_ways(address: str) -> None:
+    async with session(address) as s:
+        info = await s.create(NESTED_ID, 2)
+        assert info.observation_space == NestedEnv.observation_space
+        assert info.action_space == NestedEnv.action_space
+        obs, _ = await s.reset(seed=0)
+        assert obs["name"] == ["a", "a"] and obs["pos"].shape == (2, 2)
+        moves = np.array([[0.5, -0.5], [0.25, 1.0]], np.float32)
+        result = await s.step((np.array([1, 2]), moves))
+        np.testing.assert_array_equal(result.observations["pos"], moves)
+        assert result.observations["last"].tolist() == [1, 2]
+        assert result.observations["name"] == ["ab", "abab"]
+        assert result.infos["t"].tolist() == [1, 1] and result.infos["_t"].all()
+        with pytest.raises(InvalidArgument, match="value 3 is outside") as err:
+            await s.step((np.array([3, 0]), moves))
+        assert err.value.field == "actions[0]"
+        await s.step((np.array([0, 0]), moves))
+        result = await s.step((np.array([2, 1]), moves))  # third step: both truncate
+        assert result.truncated.all() and result.final_observations["name"] == ["abab", "ab"]
+        assert result.observations["name"] == ["a", "a"]  # autoreset, same step
+        assert result.infos["_final_info"].all() and result.infos["final_info"]["t"].tolist() == [
+            3,
+            3,
+        ]
+
+
+async def test_remote_vector_env_final_obs_rows_for_nested_spaces(address: str) -> None:
+    """RemoteVectorEnv (sync, on its own loop) in a worker thread while this loop serves."""
+
+    def run() -> dict:
+        envs = RemoteVectorEnv(address, NESTED_ID, 2)
+        try:
+            envs.reset(seed=0)
+            moves = np.zeros((2, 2), np.float32)
+            for _ in range(3):
+                *_, infos = envs.step((np.array([1, 2]), moves))
+            return infos
+        finally:
+            envs.close()
+
+    infos = await asyncio.to_thread(run)
+    assert infos["_final_obs"].tolist() == [True, True]
+    first = infos["final_obs"][0]
+    assert first["name"] == "ab" and first["last"] == 1
+    np.testing.assert_array_equal(first["pos"], np.zeros(2, np.float32))
+    assert infos["final_info"]["t"].tolist() == [3, 3]
