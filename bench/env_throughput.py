@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
+    load_before = os.getloadavg()
     port = free_port()
     server = start_server(port)
     address = f"127.0.0.1:{port}"
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            # other work on the machine skews both sides; interleaved rounds keep it fair-ish
+            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         },
         "versions": _versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -4,12 +4,12 @@ The learner side (WeightStore + WeightService + a raw-bytes stream service) runs
 process, as it does in a run; this process is the sampler. For each tensor set:
 
 - publish: ``WeightStore.publish(state_dict)`` (snapshot copy + SHA-256 per tensor), in the
-  server process;
+  server process, into fresh memory and (``publish reuse``) into an evicted version's buffer;
 - fetch cold / warm: ``services.weights.fetch_weights`` of one version (manifest, stream, CRC per
   chunk, SHA-256 per tensor, tensors rebuilt); cold is the first fetch of a version (the server
   computes and caches the chunk CRCs), warm a later one (what every other sampler sees);
 - floors: ``memcpy``, the bytes copied once (numpy copyto, measured here), and ``raw stream``, the
-  same bytes in the same 2 MiB chunks over a bare grpc unary-stream with no protobuf, no
+  same bytes in the same chunks over a bare grpc unary-stream with no protobuf, no
   checksums and nothing done with the data on arrival.
 
 Tensor sets: the CartPole actor-critic (two 4-64-64 tanh MLPs, services/policies.py defaults)
@@ -45,7 +45,7 @@ if not __package__:  # run as a script: make the repository root importable
 
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
 from services.server import GrpcServer, channel
-from services.weights import MAX_CHUNK_BYTES, fetch_weights
+from services.weights import chunk_spans, fetch_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "weight_sync.json"
@@ -89,31 +89,45 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 
 def raw_handler(store: WeightStore) -> grpc.GenericRpcHandler:
-    """A bare unary-stream: version number in, the version's bytes out in 2 MiB chunks."""
+    """A bare unary-stream: version number in, the version's bytes out, in the same chunks as
+    FetchWeights (at most 2 MiB, one tensor each) but without protobuf or checksums."""
 
     async def fetch(request: bytes, context: grpc.aio.ServicerContext) -> Any:
-        payload = store.get(int(request)).payload
-        for start in range(0, len(payload), MAX_CHUNK_BYTES):
-            yield payload[start : start + MAX_CHUNK_BYTES].tobytes()
+        entry = store.get(int(request))
+        for _, start, stop in chunk_spans(entry.manifest):
+            yield entry.payload[start:stop].tobytes()
 
     handlers = {"Fetch": grpc.unary_stream_rpc_method_handler(fetch)}
     return grpc.method_handlers_generic_handler(RAW_SERVICE, handlers)
 
 
 async def serve(name: str, repeats: int) -> None:
-    """Publish the set ``repeats`` times, report on stdout, serve until stdin closes."""
+    """Publish the set ``repeats`` times, report on stdout, serve until stdin closes.
+
+    Publish is timed twice: into the store that serves (every version in fresh memory, as a
+    learner's first versions) and into a ``keep=1`` store whose later versions reuse an evicted
+    version's buffer (a learner's steady state).
+    """
     state = tensor_set(name)
     store = WeightStore(name, keep=repeats)
-    publish = []
-    for _ in range(repeats):
+    steady = WeightStore(name, keep=1)
+    fresh, recycled = [], []
+    for i in range(repeats + 2):
+        if i < repeats:
+            start = time.perf_counter()
+            await asyncio.to_thread(store.publish, state)
+            fresh.append(time.perf_counter() - start)
         start = time.perf_counter()
-        await asyncio.to_thread(store.publish, state)
-        publish.append(time.perf_counter() - start)
+        await asyncio.to_thread(steady.publish, state)
+        if i >= 2:  # versions 0 and 1 had no evicted buffer to reuse yet
+            recycled.append(time.perf_counter() - start)
         for tensor in state.values():  # training goes on: the next version differs
             tensor.add_(1.0)
+    del steady
     manifest = store.get().manifest
     report = {
-        "publish_s": publish,
+        "publish_s": fresh,
+        "publish_recycled_s": recycled,
         "total_bytes": manifest.total_bytes,
         "num_tensors": len(manifest.tensors),
         "memcpy_s": memcpy_seconds(manifest.total_bytes),
@@ -134,28 +148,52 @@ async def serve(name: str, repeats: int) -> None:
 # --------------------------------------------------------------------------- client side
 
 
-async def raw_stream_seconds(chan: grpc.aio.Channel, version: int) -> tuple[float, int]:
-    start = time.perf_counter()
+async def raw_stream(chan: grpc.aio.Channel, version: int) -> int:
     received = 0
     async for raw in chan.unary_stream(RAW_METHOD)(str(version).encode(), timeout=600):
         received += len(raw)
-    return time.perf_counter() - start, received
+    return received
 
 
-async def measure(port: int, info: dict[str, Any], repeats: int) -> dict[str, Any]:
-    cold, warm, raw = [], [], []
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of this process or of ``pid`` (Linux /proc).
+
+    Reported next to wall time: the build machines are shared, and CPU time varies far less
+    with the neighbours' load than wall time does.
+    """
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    port: int, server_pid: int, info: dict[str, Any], repeats: int
+) -> dict[str, list[float]]:
+    """Wall, client CPU and server CPU seconds of each kind of transfer, ``repeats`` times."""
+    out: dict[str, list[float]] = {}
+
+    async def timed(kind: str, transfer: Any) -> None:
+        wall, cpu, server = time.perf_counter(), process_cpu_s(), process_cpu_s(server_pid)
+        await transfer
+        out.setdefault(f"{kind}_s", []).append(time.perf_counter() - wall)
+        out.setdefault(f"{kind}_client_cpu_s", []).append(process_cpu_s() - cpu)
+        out.setdefault(f"{kind}_server_cpu_s", []).append(process_cpu_s(server_pid) - server)
+
+    async def fetch(version: int) -> None:
+        manifest, _ = await fetch_weights(chan, version)
+        assert manifest.total_bytes == info["total_bytes"]
+
+    async def raw(version: int) -> None:
+        assert await raw_stream(chan, version) == info["total_bytes"]
+
     async with channel(f"127.0.0.1:{port}") as chan:
         for version in range(repeats):
-            for times in (cold, warm):
-                start = time.perf_counter()
-                manifest, tensors = await fetch_weights(chan, version)
-                times.append(time.perf_counter() - start)
-                assert manifest.total_bytes == info["total_bytes"]
-                del tensors
-            seconds, received = await raw_stream_seconds(chan, version)
-            assert received == info["total_bytes"], (received, info["total_bytes"])
-            raw.append(seconds)
-    return {"fetch_cold_s": cold, "fetch_warm_s": warm, "raw_stream_s": raw}
+            await timed("fetch_cold", fetch(version))
+            await timed("fetch_warm", fetch(version))
+            await timed("raw_stream", raw(version))
+    return out
 
 
 def _fmt_s(seconds: float) -> str:
@@ -167,22 +205,31 @@ def _mb_s(nbytes: int, seconds: float) -> str:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    header = f"{'set':6} {'what':12} {'median':>12} {'throughput':>13} {'vs raw':>7}"
+    header = (
+        f"{'set':6} {'what':14} {'median':>12} {'throughput':>13} {'vs raw':>7} "
+        f"{'client CPU':>12} {'server CPU':>12}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
-        n = r["total_bytes"]
-        raw = r["median"]["raw_stream_s"]
+        n, median = r["total_bytes"], r["median"]
         for key, label in (
-            ("memcpy_s", "memcpy"),
-            ("raw_stream_s", "raw stream"),
-            ("publish_s", "publish"),
-            ("fetch_cold_s", "fetch cold"),
-            ("fetch_warm_s", "fetch warm"),
+            ("memcpy", "memcpy"),
+            ("raw_stream", "raw stream"),
+            ("publish", "publish"),
+            ("publish_recycled", "publish reuse"),
+            ("fetch_cold", "fetch cold"),
+            ("fetch_warm", "fetch warm"),
         ):
-            s = r["median"][key]
-            ratio = f"{raw / s:6.2f}x" if key.startswith("fetch") else ""
-            print(f"{name:6} {label:12} {_fmt_s(s)} {_mb_s(n, s)} {ratio:>7}")
+            s = median[f"{key}_s"]
+            ratio = f"{median['raw_stream_s'] / s:6.2f}x" if key.startswith("fetch") else ""
+            cpu = "".join(
+                f" {_fmt_s(median[f'{key}_{side}_cpu_s'])}"
+                if f"{key}_{side}_cpu_s" in median
+                else f" {'':12}"
+                for side in ("client", "server")
+            )
+            print(f"{name:6} {label:14} {_fmt_s(s)} {_mb_s(n, s)} {ratio:>7}{cpu}")
         print(f"{'':6} {n} bytes in {r['num_tensors']} tensors")
 
 
@@ -211,10 +258,8 @@ def run_set(name: str, repeats: int) -> dict[str, Any]:
         if not line:
             raise SystemExit(f"learner process exited with {server.wait()}")
         hello = json.loads(line)
-        result = {
-            **hello["report"],
-            **asyncio.run(measure(hello["port"], hello["report"], repeats)),
-        }
+        timings = asyncio.run(measure(hello["port"], server.pid, hello["report"], repeats))
+        result = {**hello["report"], **timings}
     finally:
         assert server.stdin is not None
         server.stdin.close()
@@ -224,6 +269,9 @@ def run_set(name: str, repeats: int) -> dict[str, Any]:
         for k, v in result.items()
         if k.endswith("_s")
     }
+    median = result["median"]
+    result["fetch_warm_vs_raw_stream"] = median["raw_stream_s"] / median["fetch_warm_s"]
+    result["fetch_cold_vs_raw_stream"] = median["raw_stream_s"] / median["fetch_cold_s"]
     return result
 
 

@@ -24,6 +24,7 @@ import grpc
 import gymnasium
 import numpy as np
 from google.protobuf import struct_pb2
+from google.rpc import status_pb2
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
@@ -31,7 +32,13 @@ from env_server.pool import EpisodeStats, StepResult
 from env_server.registry import EnvEntry
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services import spaces, tensor
-from services.errors import FailedPrecondition, Unavailable, from_rpc_error, from_status
+from services.errors import (
+    FailedPrecondition,
+    RlfleetError,
+    Unavailable,
+    from_rpc_error,
+    from_status,
+)
 from services.server import channel
 
 __all__ = [
@@ -86,6 +93,7 @@ class EnvSession:
         self._call: Any = None
         self._ids = itertools.count(1)
         self._busy = False
+        self._ended: RlfleetError | None = None  # why the stream is over, once it is
         self.info: SessionInfo | None = None
 
     async def __aenter__(self) -> EnvSession:
@@ -97,6 +105,8 @@ class EnvSession:
     async def _request(self, **kind: Any) -> env_pb2.SessionResponse:
         if self._busy:  # answers come in order: two tasks would take each other's answers
             raise RuntimeError("EnvSession: one request at a time (another task is waiting)")
+        if self._ended is not None:
+            raise self._ended
         request = env_pb2.SessionRequest(request_id=next(self._ids), **kind)
         if self._call is None:
             self._call = env_pb2_grpc.EnvServiceStub(self._channel).Session()
@@ -106,20 +116,37 @@ class EnvSession:
                 await self._call.write(request)
                 response = await self._call.read()
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self._end(from_rpc_error(exc)) from None
+        except asyncio.InvalidStateError:  # writing to a stream the server has already ended
+            raise self._end(await self._status_error()) from None
         except TimeoutError:
             self.abort()
-            raise Unavailable(
-                f"{self.address}: no answer to request {request.request_id} within "
-                f"{self.request_timeout_s:g}s; session aborted"
+            raise self._end(
+                Unavailable(
+                    f"{self.address}: no answer to request {request.request_id} within "
+                    f"{self.request_timeout_s:g}s; session aborted"
+                )
             ) from None
         finally:
             self._busy = False
         if response is grpc.aio.EOF:
-            raise Unavailable(f"{self.address}: the server ended the session stream")
+            raise self._end(await self._status_error())
         if response.HasField("error"):
             raise from_status(response.error)
         return response
+
+    async def _status_error(self) -> RlfleetError:
+        """The error for a stream the server has ended: its status, as an RlfleetError."""
+        code = await self._call.code()
+        if code == grpc.StatusCode.OK:
+            return Unavailable(f"{self.address}: the server ended the session stream")
+        status = status_pb2.Status(code=code.value[0], message=await self._call.details() or "")
+        return from_status(status)
+
+    def _end(self, error: RlfleetError) -> RlfleetError:
+        """Remember that the stream is over: a session is one stream, later requests fail too."""
+        self._ended = error
+        return error
 
     async def create(
         self,
@@ -199,13 +226,13 @@ class EnvSession:
         """
         call, total = self._call, 0
         try:
-            if call is not None and not call.done():
+            if call is not None and self._ended is None and not call.done():
                 total = (await self._request(close=env_pb2.CloseRequest())).close.total_steps
                 await call.done_writing()
         finally:
-            self._call = None
             if call is not None:
                 call.cancel()  # no-op once the server has ended the stream
+            self._end(FailedPrecondition("the session is closed"))
             await self._channel.close()
         return total
 
@@ -213,7 +240,7 @@ class EnvSession:
         """Drop the stream without a CloseRequest (the server frees the pool on cancellation)."""
         if self._call is not None:
             self._call.cancel()
-            self._call = None
+        self._end(FailedPrecondition("the session was aborted"))
 
 
 def _struct(value: dict[str, Any]) -> struct_pb2.Struct:

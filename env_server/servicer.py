@@ -84,9 +84,9 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         requests: AsyncIterator[env_pb2.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        # Reader/writer style rather than an async generator: the server's interceptors wrap a
-        # generator handler in one more generator each, a per-message cost; a coroutine is
-        # wrapped once per stream.
+        # Reader/writer style (context.read/write; `requests` stays unused) rather than an async
+        # generator: the server's interceptors wrap a generator handler in one more generator
+        # each, a per-message cost; a coroutine is wrapped once per stream.
         session = _Session(self)
         try:
             while not session.closed:
@@ -112,7 +112,7 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
 
 
 class _Session:
-    """The state of one Session stream: its pool (once created) and its spaces."""
+    """The state of one Session stream: its pool, once created, and whether it holds a slot."""
 
     def __init__(self, service: EnvService) -> None:
         self.service = service

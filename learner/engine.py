@@ -19,6 +19,7 @@ What this adds to ``deepspeed.initialize`` (see PLATFORM.md, "DeepSpeed 0.19.8 o
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -214,7 +215,10 @@ class Engine:
             return
         shm = _shm_buffer_path()
         if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            import deepspeed.comm
+
+            # DeepSpeed's version also drops its cached groups, so a later engine can start over.
+            deepspeed.comm.destroy_process_group()
         if shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
@@ -248,6 +252,20 @@ def _prune(directory: Path, keep: int, current: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _skip_shm_op_when_alone() -> None:
+    """With one process there is nothing for the CPU shared-memory all-reduce op to speed up, yet
+    DeepSpeed builds it on every first init of a machine (40-50 s of g++, minutes on a loaded
+    host). Skip it then; DeepSpeed falls back to torch.distributed, as when the op is missing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        return
+    try:  # (`from deepspeed.comm import torch` would find the torch package re-exported there)
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # layout changed: just build it
+        return
+    if hasattr(ds_comm_torch, "build_shm_op"):
+        ds_comm_torch.build_shm_op = lambda: None
+
+
 def build_engine(
     model: nn.Module, optimizer_cfg: OptimizerSettings, ds_cfg: DeepSpeedSettings
 ) -> Engine:
@@ -257,6 +275,7 @@ def build_engine(
     device = _prepare_environment(ds_cfg)
     import deepspeed
 
+    _skip_shm_op_when_alone()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     optimizer = torch.optim.AdamW(
         model.parameters(),

@@ -16,16 +16,19 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import timestamp_pb2
 
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import weights_pb2, weights_pb2_grpc
-from services.bus import MSG_ID_HEADER, Bus, events_subject
+from services.bus import MSG_ID_HEADER, Bus, events_subject, validate_run_name
 from services.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from services.weights import build_manifest, iter_chunk_bytes
+from services.weights import build_manifest, iter_chunk_bytes, new_buffer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SERVICE_NAME",
@@ -44,7 +47,8 @@ class StoredVersion:
     """One kept version: its manifest, its bytes, and what serving it has learnt."""
 
     manifest: weights_pb2.WeightManifest
-    payload: memoryview  # the version's stream, read-only, manifest.total_bytes long
+    payload: memoryview  # the stream, read-only; valid while the version is kept or pinned
+    buffer: torch.Tensor | None = None  # uint8 tensor under payload, recycled after eviction
     crc_cache: dict[tuple[int, int], int] = field(default_factory=dict)  # (start, stop) -> CRC
     streams: int = 0  # FetchWeights calls reading it; pins it against eviction
 
@@ -54,7 +58,9 @@ class WeightStore:
 
     ``start_version`` is the version the first ``publish`` gets (0 for a fresh run, the
     checkpoint's version + 1 for a restarted learner) so versions never repeat within a run.
-    A version being streamed stays until its streams end, even past ``keep``.
+    A version being streamed stays until its streams end, even past ``keep``. Memory: the kept
+    (and streamed) versions plus one spare buffer, an evicted version's, that the next publish
+    of the same size reuses.
     """
 
     def __init__(
@@ -70,13 +76,14 @@ class WeightStore:
             raise InvalidArgument(f"keep must be >= 1, got {keep}", field="keep")
         if start_version < 0:
             raise InvalidArgument(f"start_version must be >= 0, got {start_version}")
-        self.run = run
+        self.run = validate_run_name(run)
         self.keep = keep
         self.base_model = base_model
         self.hash_workers = hash_workers
         self._next_version = start_version
         self._versions: dict[int, StoredVersion] = {}  # insertion order = version order
-        self._lock = threading.Lock()  # guards _versions and the stream counts
+        self._spare: torch.Tensor | None = None  # an evicted version's buffer, for reuse
+        self._lock = threading.Lock()  # guards _versions, _spare and the stream counts
         self._publish_lock = threading.Lock()  # one snapshot at a time; versions in call order
 
     def publish(
@@ -89,18 +96,41 @@ class WeightStore:
         """
         with self._publish_lock:
             version = self._next_version
-            manifest, payload = build_manifest(
-                self.run,
-                version,
-                named_tensors,
-                base_model=self.base_model,
-                hash_workers=self.hash_workers,
-            )
+            allocated: list[torch.Tensor] = []
+
+            def allocate(nbytes: int) -> torch.Tensor:
+                allocated.append(self._allocate(nbytes))
+                return allocated[-1]
+
+            try:
+                manifest, payload = build_manifest(
+                    self.run,
+                    version,
+                    named_tensors,
+                    base_model=self.base_model,
+                    hash_workers=self.hash_workers,
+                    allocate=allocate,
+                )
+            except BaseException:
+                if allocated:  # keep the buffer for the next try
+                    with self._lock:
+                        self._spare = allocated[0]
+                raise
             with self._lock:
-                self._versions[version] = StoredVersion(manifest, payload)
+                self._versions[version] = StoredVersion(manifest, payload, allocated[0])
                 self._next_version = version + 1
                 self._evict()
         return manifest
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """The spare buffer if it has the right size (the usual case: same model, next version),
+        else a new one. Reusing memory already touched saves its page faults (see build_manifest).
+        """
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == nbytes:
+            return spare
+        return new_buffer(nbytes)
 
     @property
     def next_version(self) -> int:
@@ -150,8 +180,11 @@ class WeightStore:
     def _evict(self) -> None:
         """Drop versions older than the newest ``keep`` that no stream reads (lock held)."""
         for version in list(self._versions)[: -self.keep]:
-            if self._versions[version].streams == 0:
+            entry = self._versions[version]
+            if entry.streams == 0:
                 del self._versions[version]
+                # Nothing reads the buffer now: FetchWeights only reads a version it pinned.
+                self._spare, entry.buffer = entry.buffer, None
 
 
 class WeightServicer(weights_pb2_grpc.WeightServiceServicer):

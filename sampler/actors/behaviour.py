@@ -81,15 +81,19 @@ class RandomBehaviour:
         self.rng = np.random.default_rng(seed)
         shape, _ = action_layout(action_space)
         self._shape = (num_envs, *shape)
-        if isinstance(action_space, spaces.Discrete):
-            self._sample = self._discrete
-            self._logp = -math.log(int(action_space.n))
-        elif isinstance(action_space, spaces.MultiDiscrete):
-            self._sample = self._multi_discrete
-            self._logp = -float(np.log(action_space.nvec.astype(np.float64)).sum())
-        elif isinstance(action_space, spaces.MultiBinary):
-            self._sample = self._multi_binary
-            self._logp = -math.log(2.0) * int(np.prod(action_space.shape))
+        self._logp_row: np.ndarray | None = None
+        if isinstance(action_space, spaces.Discrete | spaces.MultiDiscrete | spaces.MultiBinary):
+            # All three are integers uniform in [low, high) per component.
+            if isinstance(action_space, spaces.Discrete):
+                low, count = int(action_space.start), int(action_space.n)
+            elif isinstance(action_space, spaces.MultiDiscrete):
+                low, count = action_space.start.astype(np.int64), action_space.nvec
+            else:
+                low, count = 0, np.full(action_space.shape, 2)
+            self._int_low, self._int_high = low, low + count
+            self._sample = self._integers
+            logp = -float(np.log(np.asarray(count, dtype=np.float64)).sum())
+            self._logp_row = np.full(num_envs, logp, dtype=np.float32)  # constant: shared
         else:
             self._sample = self._box
             low = np.broadcast_to(action_space.low, action_space.shape).astype(np.float64)
@@ -104,26 +108,15 @@ class RandomBehaviour:
 
     def act(self, obs: np.ndarray) -> Decision:
         actions, logprobs = self._sample()
-        return Decision(actions, actions, logprobs, None)
+        env_actions = actions.astype(self.space.dtype, copy=False)  # MultiBinary wants int8
+        return Decision(env_actions, actions, logprobs, None)
 
     def values(self, obs: np.ndarray) -> None:
         return None
 
-    def _constant_logp(self) -> np.ndarray:
-        return np.full(self.num_envs, self._logp, dtype=np.float32)
-
-    def _discrete(self) -> tuple[np.ndarray, np.ndarray]:
-        space = self.space
-        actions = self.rng.integers(0, int(space.n), size=self.num_envs) + int(space.start)
-        return actions, self._constant_logp()
-
-    def _multi_discrete(self) -> tuple[np.ndarray, np.ndarray]:
-        space = self.space
-        actions = self.rng.integers(0, space.nvec, size=self._shape) + space.start
-        return actions.astype(np.int64), self._constant_logp()
-
-    def _multi_binary(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.rng.integers(0, 2, size=self._shape), self._constant_logp()
+    def _integers(self) -> tuple[np.ndarray, np.ndarray]:
+        actions = self.rng.integers(self._int_low, self._int_high, size=self._shape)
+        return actions, self._logp_row  # type: ignore[return-value]
 
     def _box(self) -> tuple[np.ndarray, np.ndarray]:
         out = self.rng.uniform(self._low, self._high, size=self._shape)
@@ -144,7 +137,12 @@ class TorchBehaviour:
     """The shared actor-critic, run under torch.no_grad in float32 on `device`.
 
     Built exactly as the learner builds it (services.policies.build_policy) so the learner's
-    state_dict loads by name. Samples with torch's global generator, seeded once per actor.
+    state_dict loads by name. For discrete actions the actor samples from the network's logits
+    itself (log-softmax + inverse CDF in numpy, seeded) instead of through
+    `ActorCritic.evaluate`: torch.distributions' per-call overhead (argument validation, the
+    entropy the actor does not need) cost several times the MLP forward at these batch sizes.
+    The log-probabilities are the same function of the logits as Categorical.log_prob.
+    Box actions go through `evaluate` (torch's generator, seeded).
     """
 
     has_values = True
@@ -164,10 +162,15 @@ class TorchBehaviour:
 
         if seed is not None:
             torch.manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
         self.device = torch.device(device)
         self.net = build_policy(observation_space, action_space, config).to(self.device).eval()
-        if getattr(self.net, "action_offset", None) is not None:
+        self.action_space = action_space
+        self.action_dims: list[int] = list(self.net.action_dims)
+        if self.action_dims:
             self.net.action_offset = self.net.action_offset.to(self.device)
+            self._offset = self.net.action_offset.cpu().numpy().astype(np.int64)
+            self._edges = np.cumsum([0, *self.action_dims])
         self.version = 0
         self._torch = torch
 
@@ -188,20 +191,50 @@ class TorchBehaviour:
         self.version = int(version)
 
     def _tensor(self, obs: np.ndarray) -> Any:
-        return self._torch.from_numpy(np.ascontiguousarray(obs)).to(self.device)
+        x = self._torch.from_numpy(np.ascontiguousarray(obs)).to(self.device)
+        return x if x.dtype == self._torch.uint8 else x.float()
 
     def act(self, obs: np.ndarray) -> Decision:
+        if not self.action_dims:
+            return self._act_continuous(obs)
+        net = self.net
+        with self._torch.no_grad():
+            features = net.trunk(self._tensor(obs))
+            logits = net.actor(features).cpu().numpy()
+            values = net.critic(features).squeeze(-1).cpu().numpy()
+        n = logits.shape[0]
+        heads = len(self.action_dims)
+        actions = np.empty((n, heads), dtype=np.int64)
+        logp = np.zeros(n, dtype=np.float64)
+        rows = np.arange(n)
+        for k in range(heads):  # one per action component, not per env
+            part = logits[:, self._edges[k] : self._edges[k + 1]].astype(np.float64)
+            part -= part.max(axis=1, keepdims=True)
+            log_probs = part - np.log(np.exp(part).sum(axis=1, keepdims=True))
+            cdf = np.exp(log_probs).cumsum(axis=1)
+            u = self.rng.random((n, 1)) * cdf[:, -1:]  # scaled: rounding never overshoots
+            choice = np.minimum((u >= cdf).sum(axis=1), self.action_dims[k] - 1)
+            actions[:, k] = choice
+            logp += log_probs[rows, choice]
+        actions += self._offset
+        if heads == 1 and self.action_space.shape == ():
+            actions = actions[:, 0]
+        else:
+            actions = actions.reshape(n, *self.action_space.shape)
+        return Decision(
+            env_actions=actions,
+            actions=actions,
+            logprobs=logp.astype(np.float32),
+            values=values.astype(np.float32, copy=False),
+        )
+
+    def _act_continuous(self, obs: np.ndarray) -> Decision:
         with self._torch.no_grad():
             action, logp, _, value = self.net.evaluate(self._tensor(obs))
             env_actions = self.net.to_env_action(action)
-        actions = action.cpu().numpy()
-        if env_actions.dtype.kind in "iu":
-            actions = actions.astype(np.int64, copy=False)
-        else:
-            actions = actions.astype(np.float32, copy=False)
         return Decision(
             env_actions=env_actions,
-            actions=actions,
+            actions=action.cpu().numpy().astype(np.float32, copy=False),
             logprobs=logp.cpu().numpy().astype(np.float32, copy=False),
             values=value.cpu().numpy().astype(np.float32, copy=False),
         )

@@ -30,6 +30,8 @@ __all__ = ["EnvGroup", "Link", "StepOut", "TickEvents"]
 
 log = logging.getLogger(__name__)
 
+MAX_CONSECUTIVE_DROPS = 5  # a step that fails on every new session is not a hiccup
+
 # Codes after which a new session may work: the server went away, restarts, or is full for now.
 _TRANSIENT = {
     grpc.StatusCode.UNAVAILABLE,
@@ -57,6 +59,7 @@ class Link:
     session: EnvSession | None = None
     info: SessionInfo | None = None
     reconnects: int = 0
+    failures: int = 0  # drops since the last good step
 
     @property
     def num_envs(self) -> int:
@@ -137,23 +140,25 @@ class EnvGroup:
     async def step(self, actions: np.ndarray, obs: np.ndarray, out: StepOut) -> TickEvents:
         """Step every env with its row of `actions`; `obs` are the observations acted on."""
         events = TickEvents()
-        if len(self.links) == 1:  # no gather: saves the task overhead of the common case
-            link = self.links[0]
-            try:
-                results: list[Any] = [await link.session.step(actions)]  # type: ignore[union-attr]
-            except Exception as exc:  # sorted by is_transient below
-                results = [exc]
-        else:
-            results = await asyncio.gather(
-                *(link.session.step(actions[link.start : link.stop]) for link in self.links),  # type: ignore[union-attr]
-                return_exceptions=True,
-            )
+        # Link 0 is stepped inline, only the others as tasks: one task fewer per tick than
+        # asyncio.gather, which matters at a few hundred microseconds per tick.
+        others = [asyncio.ensure_future(_step(link, actions)) for link in self.links[1:]]
+        try:
+            results = [await _step(self.links[0], actions)]
+            for task in others:
+                results.append(await task)
+        finally:
+            for task in others:
+                task.cancel()  # only matters when cancelled half way
         for link, result in zip(self.links, results, strict=True):
             if isinstance(result, BaseException):
-                if not is_transient(result):
+                link.failures += 1
+                if not is_transient(result) or link.failures > MAX_CONSECUTIVE_DROPS:
                     raise result
                 await self._drop(link, result, obs, out, events)
             else:
+                if link.failures:
+                    link.failures = 0
                 _write(link, result, out, events)
         return events
 
@@ -249,6 +254,14 @@ class EnvGroup:
         await asyncio.gather(*(self._close_link(link) for link in self.links))
 
 
+async def _step(link: Link, actions: np.ndarray) -> StepResult | Exception:
+    """One link's step; an error is returned, not raised, so the others' results survive."""
+    try:
+        return await link.session.step(actions[link.start : link.stop])  # type: ignore[union-attr]
+    except Exception as exc:
+        return exc
+
+
 def _write(link: Link, result: StepResult, out: StepOut, events: TickEvents) -> None:
     """Copy one server's answer into the rows of its envs."""
     rows = slice(link.start, link.stop)
@@ -256,14 +269,13 @@ def _write(link: Link, result: StepResult, out: StepOut, events: TickEvents) -> 
     out.rewards[rows] = result.rewards
     out.terminated[rows] = result.terminated
     out.truncated[rows] = result.truncated
-    if not result.episodes:
-        return
-    base = link.start
-    events.episodes.extend(
-        (base + e.env_index, e.episode_return, e.length, e.truncated) for e in result.episodes
-    )
-    if result.final_observations is not None:
+    if result.final_observations is not None:  # some env ended; truncations need finals
         cut = np.flatnonzero(result.truncated & ~result.terminated)
         if cut.size:
-            events.final_indices.append(cut + base)
+            events.final_indices.append(cut + link.start)
             events.final_obs.append(np.array(result.final_observations[cut]))
+    if result.episodes:
+        base = link.start
+        events.episodes.extend(
+            (base + e.env_index, e.episode_return, e.length, e.truncated) for e in result.episodes
+        )

@@ -24,11 +24,14 @@ __all__ = ["WeightFollower"]
 log = logging.getLogger(__name__)
 
 
-async def _fetch(address: str, version: int | None) -> tuple[int, dict[str, Any]]:
-    """(version, state dict) of `version` (None: the latest) from the learner's WeightService."""
+async def _fetch(
+    address: str, version: int | None, digest: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """(version, state dict) of `version` (None: the latest) from the learner's WeightService;
+    `digest` is the manifest digest the announcement named (checked by fetch_weights)."""
     from services.weights import fetch_weights
 
-    manifest, tensors = await fetch_weights(address, version)
+    manifest, tensors = await fetch_weights(address, version, expected_digest=digest or None)
     return int(manifest.version), tensors
 
 
@@ -42,6 +45,7 @@ class WeightFollower:
         self.retry_s = retry_s
         self.version = -1  # newest version fetched (handed over or pending)
         self._announced = -1
+        self._digests: dict[int, str] = {}  # announced version -> manifest digest
         self._wake = asyncio.Event()
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -89,6 +93,7 @@ class WeightFollower:
                 version = int(delivery.message.version)
                 if version > max(self._announced, self.version):
                     self._announced = version
+                    self._digests = {version: delivery.message.manifest_digest}
                     self._wake.set()
 
     async def _fetcher(self) -> None:
@@ -99,7 +104,7 @@ class WeightFollower:
             if wanted <= self.version:
                 continue
             try:
-                version, state = await _fetch(self.address, wanted)
+                version, state = await _fetch(self.address, wanted, self._digests.get(wanted))
             except RlfleetError as exc:
                 log.warning("fetching weights v%d from %s failed: %s", wanted, self.address, exc)
                 if isinstance(exc, Unavailable):  # else (no longer kept): wait for a newer one

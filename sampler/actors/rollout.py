@@ -81,6 +81,13 @@ class Rollout:
         self.sequence = 0  # of the next fragment
 
     @property
+    def nbytes(self) -> int:
+        """Size of a fragment's arrays (finals aside): about its size on the wire."""
+        arrays = (self.obs, self.actions, self.logprobs, self.values, self.rewards)
+        flags = (self.terminated, self.truncated, self.episode_ids)
+        return sum(a.nbytes for a in (*arrays, *flags) if a is not None)
+
+    @property
     def full(self) -> bool:
         return self.t == self.num_steps
 

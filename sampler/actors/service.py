@@ -25,7 +25,7 @@ from sampler.actors.rollout import FragmentMeta, Rollout
 from sampler.actors.settings import GameActorSettings
 from sampler.actors.stats import ActorStats
 from services.bus import Bus, events_subject, stream_name, traj_subject
-from services.errors import ConfigError, Unavailable
+from services.errors import ConfigError, InvalidArgument, Unavailable
 from services.registry import ServiceContext, ServiceSpec
 
 __all__ = ["SPEC", "GameActor", "main"]
@@ -131,6 +131,7 @@ class GameActor:
             has_values=policy.has_values,
         )
         rollout.begin(obs)
+        self._check_fragment_size(rollout)
         stats = ActorStats(
             self.bus, ctx.run_name, ctx.name, settings.env_id, settings.stats_interval_s
         )
@@ -160,14 +161,14 @@ class GameActor:
                 await stats.episodes_ended(events.episodes, policy.version)
             if time.monotonic() >= stats.next_report:
                 await stats.report(policy.version)
-            if total and stats.steps >= total:
-                break
             if rollout.full:
                 if settings.publishes:
                     meta = dataclasses.replace(meta, env_session_id=envs.session_ids)
                     await self._publish(rollout.build(policy, meta))
                 rollout.restart()
                 self._swap_weights(policy)
+            if total and stats.steps >= total:
+                break
         await stats.report(policy.version)
         log.info(
             "actor %s done: %d env steps in %.1fs (%.0f steps/s), %d episodes%s",
@@ -178,6 +179,20 @@ class GameActor:
             stats.episodes,
             f", {rollout.sequence} fragments" if settings.publishes else "",
         )
+
+    def _check_fragment_size(self, rollout: Rollout) -> None:
+        """Fail at start, not at the first publish, when a fragment cannot fit one message
+        (fragments by reference, bus.v1.PayloadRef, are not implemented yet)."""
+        if self.bus is None or not self.settings.publishes:
+            return
+        limit = self.bus.max_payload
+        if rollout.nbytes > limit * 0.9:  # headroom for finals, headers, protobuf framing
+            raise InvalidArgument(
+                f"a fragment of {rollout.num_steps} steps x {rollout.num_envs} envs of "
+                f"{self.settings.env_id} takes about {rollout.nbytes} bytes, over the bus's "
+                f"max payload of {limit}; lower rollout_length or num_envs",
+                field="rollout_length",
+            )
 
     def _swap_weights(self, policy: Behaviour) -> None:
         pending = self.follower.take() if self.follower is not None else None

@@ -20,7 +20,8 @@ from google.rpc import error_details_pb2
 from prometheus_client import REGISTRY
 
 from env_server.client import EnvSession, RemoteVectorEnv, list_envs
-from env_server.service import EnvServerSettings, main
+from env_server.service import SERVICE_NAME, EnvServerSettings, main
+from env_server.servicer import EnvService
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services import tensor
 from services.errors import (
@@ -29,10 +30,11 @@ from services.errors import (
     NotFound,
     ResourceExhausted,
     RlfleetError,
+    Unavailable,
 )
 from services.ports import free_port
 from services.registry import ServiceContext
-from services.server import channel
+from services.server import GrpcServer, channel
 
 NAME = "env-contract"
 MAX_SESSIONS = 3
@@ -478,3 +480,26 @@ async def test_remote_vector_env_final_obs_rows_for_nested_spaces(address: str) 
     assert first["name"] == "ab" and first["last"] == 1
     np.testing.assert_array_equal(first["pos"], np.zeros(2, np.float32))
     assert infos["final_info"]["t"].tolist() == [3, 3]
+
+
+async def test_server_shutdown_ends_sessions_with_unavailable() -> None:
+    """A fatal end of the stream is a gRPC status; the session stays ended afterwards."""
+    service = EnvService(name="env-shutdown")
+    server = GrpcServer("env-shutdown", grace_s=0.2)
+    server.add_service(env_pb2_grpc.add_EnvServiceServicer_to_server, service, SERVICE_NAME)
+    port = await server.start()
+    s = EnvSession(f"127.0.0.1:{port}", request_timeout_s=30)
+    try:
+        await s.create("CartPole-v1", 2)
+        await s.reset()
+        await server.stop()
+        async with asyncio.timeout(10):  # the pool is closed on the way out
+            while service.active_sessions:
+                await asyncio.sleep(0.01)
+        with pytest.raises(Unavailable):
+            await s.step(np.zeros(2, np.int64))
+        with pytest.raises(Unavailable):  # no silent new stream without a pool
+            await s.step(np.zeros(2, np.int64))
+    finally:
+        assert await s.close() == 0
+        await s.close()  # idempotent
