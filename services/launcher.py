@@ -40,7 +40,9 @@ HEALTH_TIMEOUT_S = 120.0  # vLLM's first compile can take a minute on CPU
 GRACE_S = 10.0
 BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
 MAX_BACKOFF_S = 10.0
-MONITORED_EVENTS = frozenset({"metrics", "episode", "episodes"})
+# Episodes are summarised by the metrics events (mean return of the last ones): one line per
+# episode would flood the terminal at thousands of episodes per minute.
+MONITORED_EVENTS = frozenset({"metrics"})
 
 
 # --- event printing: a formatter per message type ----------------------------------------------
