@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             # other work on the machine skews both sides; interleaved rounds keep it fair-ish
             "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+            "niceness": os.nice(0),  # < 0 when run with `nice -n -N` to shield it from that load
         },
         "versions": _versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -91,6 +91,11 @@ class EnvSession:
         self.request_timeout_s = request_timeout_s
         self._channel = channel(address, max_message_bytes=max_message_bytes)
         self._call: Any = None
+        # Requests reach grpc through an iterator rather than call.write(): with the client
+        # interceptors channel() installs, each write() costs a task, a queue hand-off and an
+        # asyncio.wait; a fed iterator cut a 1-env step's median round trip by 5-8% (no
+        # measurable change at 64 envs, where stepping dominates).
+        self._outbox: asyncio.Queue[env_pb2.SessionRequest | None] = asyncio.Queue()
         self._ids = itertools.count(1)
         self._busy = False
         self._ended: RlfleetError | None = None  # why the stream is over, once it is
@@ -109,16 +114,14 @@ class EnvSession:
             raise self._ended
         request = env_pb2.SessionRequest(request_id=next(self._ids), **kind)
         if self._call is None:
-            self._call = env_pb2_grpc.EnvServiceStub(self._channel).Session()
+            self._call = env_pb2_grpc.EnvServiceStub(self._channel).Session(self._requests())
         self._busy = True
         try:
+            self._outbox.put_nowait(request)
             async with asyncio.timeout(self.request_timeout_s):
-                await self._call.write(request)
                 response = await self._call.read()
         except grpc.RpcError as exc:
             raise self._end(from_rpc_error(exc)) from None
-        except asyncio.InvalidStateError:  # writing to a stream the server has already ended
-            raise self._end(await self._status_error()) from None
         except TimeoutError:
             self.abort()
             raise self._end(
@@ -134,6 +137,11 @@ class EnvSession:
         if response.HasField("error"):
             raise from_status(response.error)
         return response
+
+    async def _requests(self) -> AsyncIterator[env_pb2.SessionRequest]:
+        """The stream's requests, as `_request` posts them; None half-closes the stream."""
+        while (request := await self._outbox.get()) is not None:
+            yield request
 
     async def _status_error(self) -> RlfleetError:
         """The error for a stream the server has ended: its status, as an RlfleetError."""
@@ -228,7 +236,7 @@ class EnvSession:
         try:
             if call is not None and self._ended is None and not call.done():
                 total = (await self._request(close=env_pb2.CloseRequest())).close.total_steps
-                await call.done_writing()
+                self._outbox.put_nowait(None)
         finally:
             if call is not None:
                 call.cancel()  # no-op once the server has ended the stream

@@ -15,8 +15,9 @@ message copies ``data``, serializing copies it again, reading ``.data`` once mor
 serializing alone took about 3 ms per chunk on the build machine, as long as gRPC took to carry
 it. Chunks therefore travel as hand-encoded wire bytes (``encode_chunk``, byte-identical to
 ``SerializeToString``) and are read back as memoryview slices (``parse_chunk``); other clients
-see ordinary FetchWeightsResponse messages. CRC-32, the copy into place and SHA-256 run in a
-worker thread (zlib, numpy and hashlib release the GIL), overlapping the next chunk's arrival.
+see ordinary FetchWeightsResponse messages. CRC-32 and the copy into place run in one worker
+thread while a second one hashes the same chunk (zlib, numpy and hashlib release the GIL), all
+overlapping the next chunk's arrival.
 Buffers come from ``new_buffer``, never bytearray(n), whose zero-fill is a whole extra pass.
 
 torch is imported lazily: services/ is installed on hosts without it (env servers).
@@ -29,6 +30,7 @@ import bisect
 import hashlib
 import math
 import mmap
+import re
 import sys
 import time
 import warnings
@@ -91,6 +93,7 @@ if sys.byteorder != "little":  # the stream is little-endian and tensors are cop
     raise ImportError("services.weights supports little-endian hosts only")
 
 DType = tensor_pb2.DType
+_WHITESPACE = re.compile(r"\s")
 
 
 class WeightsCorrupted(RlfleetError):
@@ -166,7 +169,7 @@ def manifest_digest(manifest: weights_pb2.WeightManifest) -> str:
 
 def _check_name(name: object, what: str) -> str:
     # A space or line break would make the canonical text ambiguous (two manifests, one digest).
-    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+    if not isinstance(name, str) or not name or _WHITESPACE.search(name):
         raise InvalidArgument(f"{what} {name!r}: must be a non-empty string without whitespace")
     return name
 
@@ -547,10 +550,10 @@ class _Receiver:
         self.manifest = manifest
         self.buffer: torch.Tensor | None = None  # see allocate()
         self.array: np.ndarray | None = None  # numpy's copy releases the GIL, memoryview's not
-        self.view = memoryview(b"")
         self.verified = 0
         self.expected = 0
-        self._hashers: dict[int, Any] = {}
+        self._hashers: dict[int, Any] = {}  # SHA-256 state of tensors in progress
+        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="weights-sha")
 
     async def allocate(self) -> None:
         """Make the buffer; a big one in a thread (pre-faulting takes a while) while the first
@@ -563,7 +566,6 @@ class _Receiver:
         else:
             buffer = await asyncio.to_thread(new_buffer, total)
         self.array = buffer.numpy()
-        self.view = memoryview(self.array)
         self.buffer = buffer
 
     def restart(self, offset: int) -> None:
@@ -592,9 +594,20 @@ class _Receiver:
         self.expected += size
 
     def accept(self, chunk: Chunk) -> None:
-        """CRC, copy, SHA-256: run in a worker thread for big chunks (all release the GIL)."""
-        t = self.manifest.tensors[chunk.tensor_index]
+        """CRC and copy here, SHA-256 at the same time in the hash thread, then commit.
+
+        Runs in a worker thread for big chunks (zlib, numpy and hashlib release the GIL). The
+        hash thread extends a copy of the tensor's hasher, which is kept only if the CRC holds,
+        so a bad chunk leaves the hash state as it was for the resumed stream.
+        """
+        big = len(chunk.data) >= _INLINE_BYTES
+        hashed = self._hash_thread.submit(self._hashed, chunk) if big else None
         crc = zlib.crc32(chunk.data)
+        stop = chunk.offset + len(chunk.data)
+        assert self.array is not None
+        np.copyto(self.array[chunk.offset : stop], np.frombuffer(chunk.data, dtype=np.uint8))
+        hasher = hashed.result() if hashed is not None else self._hashed(chunk)
+        t = self.manifest.tensors[chunk.tensor_index]
         if crc != chunk.crc32:
             raise _Retry(
                 WeightsCorrupted(
@@ -603,17 +616,20 @@ class _Receiver:
                     f"{chunk.crc32:08x}"
                 )
             )
-        stop = chunk.offset + len(chunk.data)
-        assert self.array is not None
-        np.copyto(self.array[chunk.offset : stop], np.frombuffer(chunk.data, dtype=np.uint8))
-        region = self.view[chunk.offset : stop]
-        hasher = self._hashers.get(chunk.tensor_index)
-        if hasher is None:
-            hasher = self._hashers[chunk.tensor_index] = hashlib.sha256()
-        hasher.update(region)
+        self._hashers[chunk.tensor_index] = hasher
         if stop == t.offset + t.nbytes:
             self._finish_tensor(chunk.tensor_index, hasher.hexdigest())
         self.verified = stop
+
+    def _hashed(self, chunk: Chunk) -> Any:
+        """The tensor's hash state extended by ``chunk`` (a copy: committed by accept)."""
+        base = self._hashers.get(chunk.tensor_index)
+        hasher = base.copy() if base is not None else hashlib.sha256()
+        hasher.update(chunk.data)
+        return hasher
+
+    def close(self) -> None:
+        self._hash_thread.shutdown(wait=True)
 
     def _finish_tensor(self, index: int, digest: str) -> None:
         t = self.manifest.tensors[index]
@@ -696,6 +712,24 @@ async def _fetch(
             field="expected_digest",
         )
     receiver = _Receiver(manifest)
+    try:
+        await _receive(chan, receiver, resume, max_retries, deadline, backoff_s)
+    finally:
+        receiver.close()
+    await receiver.allocate()  # an empty version streams nothing
+    assert receiver.buffer is not None
+    return manifest, tensors_from_buffer(manifest, receiver.buffer)
+
+
+async def _receive(
+    chan: grpc.aio.Channel,
+    receiver: _Receiver,
+    resume: bool,
+    max_retries: int,
+    deadline: float,
+    backoff_s: float,
+) -> None:
+    """Stream until every byte is in place, resuming (or restarting) after recoverable faults."""
     failures = 0
     best = 0  # furthest verified offset reached by any attempt
     while True:
@@ -711,9 +745,6 @@ async def _fetch(
                 raise retry.error from None
             await asyncio.sleep(min(backoff_s * 2 ** (failures - 1), 2.0))
             receiver.restart(receiver.verified if resume else 0)
-    await receiver.allocate()  # an empty version streams nothing
-    assert receiver.buffer is not None
-    return manifest, tensors_from_buffer(manifest, receiver.buffer)
 
 
 async def _get_manifest(
