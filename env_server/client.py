@@ -460,13 +460,7 @@ class RemoteEnv(gymnasium.Env):
         return _row(obs, 0), _first_info(infos)
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
-        batch = _batch_one(self.action_space, action)
-        try:
-            result = self._session.step(batch)
-        except FailedPrecondition as exc:
-            raise FailedPrecondition(
-                f"{exc.message} (call reset() first)", field=exc.field
-            ) from None
+        result = self._session.step(_batch_one(self.action_space, action))
         return (
             _row(result.observations, 0),
             float(result.rewards[0]),

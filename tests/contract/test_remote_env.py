@@ -85,7 +85,7 @@ def test_remote_env_has_no_autoreset(address: str) -> None:
         terminated = False
         while not terminated:
             _, _, terminated, _, _ = env.step(1)
-        with pytest.raises(FailedPrecondition, match="call reset"):
+        with pytest.raises(FailedPrecondition, match="reset them before stepping"):
             env.step(1)
         env.reset()
         env.step(0)
