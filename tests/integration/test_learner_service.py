@@ -1,6 +1,6 @@
 """The `learner` service as `rlfleet serve learner` runs it, on a real NATS: it trains on the
 fragments of the run's stream, survives a SIGKILL without losing or repeating a fragment,
-continues the version numbering, and finishes with the final policy and RunStatus DONE."""
+checkpoints on SIGTERM, continues the version numbering, and finishes with the final policy and RunStatus DONE."""
 
 from __future__ import annotations
 
@@ -172,9 +172,19 @@ async def test_learner_crash_and_restart_applies_every_fragment_once(
             assert await learner.wait() == -signal.SIGKILL
             versions_before = max(w.version for w in watcher.weights)
 
-            # Phase 2: restart, publish the rest; the 4 unacked fragments come back.
+            # Phase 2: restart; the 4 unacked fragments come back. SIGTERM after update 7: the
+            # learner checkpoints what it applied before it exits.
             learner = await start_learner(config, run, run_dir, nats_url, port)
-            for seq in range(10, FRAGMENTS):
+            for seq in range(10, 14):
+                await bus.publish(traj_subject(run), fragment(run, seq, 0), msg_id=f"{run}/{seq}")
+            await until(lambda: any(m.step == 7 for m in watcher.metrics))
+            learner.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(learner.wait(), 60) == 0
+            assert (run_dir / "checkpoints/latest").read_text().strip() == "update-00000007"
+
+            # Phase 3: the rest, to the end.
+            learner = await start_learner(config, run, run_dir, nats_url, port)
+            for seq in range(14, FRAGMENTS):
                 await bus.publish(traj_subject(run), fragment(run, seq, 0), msg_id=f"{run}/{seq}")
             assert await asyncio.wait_for(learner.wait(), 240) == 0
             await until(lambda: watcher.status)
@@ -190,7 +200,9 @@ async def test_learner_crash_and_restart_applies_every_fragment_once(
     assert after and min(after) == versions_before + 1
     assert sorted(w.version for w in watcher.weights) == [w.version for w in watcher.weights]
 
-    ledger = [json.loads(line) for line in (run_dir / "learner/applied.jsonl").read_text().split()]
+    ledger = [
+        json.loads(line) for line in (run_dir / "learner/applied.jsonl").read_text().splitlines()
+    ]
     applied = [e["id"] for e in ledger if e["status"] == "applied"]
     assert sorted(applied) == sorted(f"{run}/actor-0/inc/{seq}" for seq in range(FRAGMENTS))
     assert [e["update"] for e in ledger if e["status"] == "applied"] == [
