@@ -169,6 +169,8 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
             "rollout_length": s.rollout_length,
             "policy": "learner",
             "learner": "learner",
+            # Each actor's share of an update: paces the actor to one update ahead.
+            "fragments_per_version": -(-learner["fragments_per_update"] // s.num_actors),
             "policy_config": policy,
             "device": "cpu",
         }

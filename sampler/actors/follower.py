@@ -47,6 +47,7 @@ class WeightFollower:
         self._announced = -1
         self._digests: dict[int, str] = {}  # announced version -> manifest digest
         self._wake = asyncio.Event()
+        self._arrived = asyncio.Event()  # a newer version was fetched
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -87,6 +88,26 @@ class WeightFollower:
         pending, self._pending = self._pending, None
         return pending
 
+    async def wait_newer(self, version: int, stop: asyncio.Event, timeout_s: float) -> bool:
+        """Wait until a version newer than `version` has been fetched (True), or until stopped
+        or `timeout_s` passed (False). Bounds how far an actor runs ahead of the learner."""
+        deadline = time.monotonic() + timeout_s
+        while self.version <= version and not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._arrived.clear()
+            waiters = [
+                asyncio.ensure_future(self._arrived.wait()),
+                asyncio.ensure_future(stop.wait()),
+            ]
+            _, pending = await asyncio.wait(
+                waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            for waiter in pending:
+                waiter.cancel()
+        return self.version > version
+
     async def _watch(self, sub: Any) -> None:
         async with sub:
             async for delivery in sub:
@@ -115,6 +136,7 @@ class WeightFollower:
             if version > self.version:
                 self.version = version
                 self._pending = (version, state)
+                self._arrived.set()
                 log.info("fetched weights v%d from %s", version, self.address)
 
     async def close(self) -> None:

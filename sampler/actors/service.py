@@ -58,6 +58,7 @@ class GameActor:
         self.follower: WeightFollower | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._paced_base, self._paced_count = -1, 0  # see _pace
 
     async def run(self) -> None:
         settings = self.settings
@@ -166,6 +167,7 @@ class GameActor:
                     meta = dataclasses.replace(meta, env_session_id=envs.session_ids)
                     await self._publish(rollout.build(policy, meta))
                 rollout.restart()
+                await self._pace(policy)
                 self._swap_weights(policy)
             if total and stats.steps >= total:
                 break
@@ -193,6 +195,34 @@ class GameActor:
                 f"max payload of {limit}; lower rollout_length or num_envs",
                 field="rollout_length",
             )
+
+    async def _pace(self, policy: Behaviour) -> None:
+        """Credit-based pacing: the learner turns `fragments_per_version` fragments of each actor
+        into one new version, so after `k` fragments this actor waits for version
+        `base + ceil(k / fragments_per_version) - 1`. It thus collects one update ahead
+        (overlapping the learner's training) but never more: an actor that outruns the learner
+        only makes fragments the learner drops as too stale."""
+        per_version = self.settings.fragments_per_version
+        if not per_version or self.follower is None:
+            return
+        if self._paced_base < 0:
+            self._paced_base = policy.version
+        self._paced_count += 1
+        wanted = self._paced_base + -(-self._paced_count // per_version) - 1
+        if self.follower.version >= wanted:
+            return
+        waited = time.monotonic()
+        fresh = await self.follower.wait_newer(wanted - 1, self.stop, self.settings.version_wait_s)
+        if not fresh and not self.stop.is_set():
+            # The learner is slower than the credit assumes (an actor fewer, a restart):
+            # start counting again from the version at hand rather than wait every time.
+            log.warning(
+                "no weights v%d after %.0fs: pacing restarts from v%d",
+                wanted,
+                time.monotonic() - waited,
+                self.follower.version,
+            )
+            self._paced_base, self._paced_count = self.follower.version, 0
 
     def _swap_weights(self, policy: Behaviour) -> None:
         pending = self.follower.take() if self.follower is not None else None

@@ -54,6 +54,11 @@ class GameActorSettings(StrictModel):
     policy: Literal["random", "learner"] = "random"
     learner: OptionalServiceRef = None  # the learner's WeightService (needed by policy: learner)
     policy_config: PolicySettings = PolicySettings()
+    # Learner mode: how many of this actor's fragments the learner turns into one version. The
+    # actor then collects at most one update ahead of the learner (waiting up to version_wait_s
+    # for the version it needs). None = never wait.
+    fragments_per_version: int | None = Field(default=None, ge=1)
+    version_wait_s: float = Field(default=30.0, gt=0)
     total_steps: int = Field(default=0, ge=0)  # env steps of this actor; 0 = until stopped
     # Publish RolloutFragments; unset means "when the policy is the learner's".
     publish_fragments: bool | None = None
