@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHM_DIR = Path("/dev/shm")
 _open_engines = 0  # engines sharing this process's process group
-_own_env = False  # whether we set RANK/... (then each new process group gets a fresh port)
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_saved_env: dict[str, str | None] | None = None  # what _DIST_VARS were before we set them
 
 
 def cache_dir(configured: Path | None = None) -> Path:
@@ -63,12 +64,12 @@ def _free_port() -> int:
 
 def _launched() -> bool:
     """True under torchrun / the deepspeed launcher / MPI (they set the rank variables)."""
-    return not _own_env and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return _saved_env is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _prepare_environment(settings: DeepSpeedSettings) -> str:
     """Set the process environment DeepSpeed reads; returns the device type ("cpu"/"cuda")."""
-    global _own_env
+    global _saved_env
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,6 +84,8 @@ def _prepare_environment(settings: DeepSpeedSettings) -> str:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))
     Path(os.environ["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
     if not _launched() and not torch.distributed.is_initialized():
+        if _saved_env is None:
+            _saved_env = {name: os.environ.get(name) for name in _DIST_VARS}
         os.environ.update(
             RANK="0",
             LOCAL_RANK="0",
@@ -90,8 +93,21 @@ def _prepare_environment(settings: DeepSpeedSettings) -> str:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
         )
-        _own_env = True
     return device
+
+
+def _restore_environment() -> None:
+    """Undo _prepare_environment's rank variables, so child processes (and the next engine) do
+    not take this process's stale MASTER_PORT for a launcher's."""
+    global _saved_env
+    if _saved_env is None:
+        return
+    for name, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_env = None
 
 
 def deepspeed_config(settings: DeepSpeedSettings) -> dict[str, Any]:
@@ -222,6 +238,7 @@ class Engine:
         if shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
+        _restore_environment()
 
     def __enter__(self) -> Engine:
         return self
@@ -301,9 +318,18 @@ def build_engine(
 
 
 def warm_up(settings: DeepSpeedSettings | None = None) -> float:
-    """Build a throw-away engine so the JIT ops land in the cache; returns the seconds it took."""
+    """JIT-build the CPU shared-memory comm op into the cache (what a multi-process CPU run's
+    first init would otherwise spend 40-50 s on; single processes skip it) and check that an
+    engine builds. Returns the seconds it took; run it once per machine or image."""
     settings = settings or DeepSpeedSettings(device="cpu")
     start = time.perf_counter()
+    device = _prepare_environment(settings)
+    if device == "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            builder.load()
     with build_engine(nn.Linear(2, 1), OptimizerSettings(), settings):
         pass
     return time.perf_counter() - start

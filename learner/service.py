@@ -411,6 +411,8 @@ class GameLearner:
                 await _settle(delivery.ack())
                 continue
             try:
+                if msg.env_id and msg.env_id != s.env_id:
+                    raise InvalidArgument(f"env_id {msg.env_id!r} is not {s.env_id!r}")
                 fragment = decode_fragment(msg, self.obs_shape, self.action_shape)
             except InvalidArgument as exc:
                 p.invalid_dropped += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
 
 import gymnasium as gym
@@ -140,7 +141,9 @@ def test_named_weights_are_gathered_under_zero3() -> None:
 
 
 def test_close_destroys_the_process_group_and_the_shm_buffer() -> None:
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     engine = make_engine(0)
+    assert os.environ["WORLD_SIZE"] == "1"  # set for a plain process
     assert torch.distributed.is_initialized()
     shm = _shm_buffer_path()
     assert shm is not None
@@ -149,3 +152,5 @@ def test_close_destroys_the_process_group_and_the_shm_buffer() -> None:
     engine.close()  # idempotent
     assert not torch.distributed.is_initialized()
     assert not shm.exists()
+    # The rank variables are undone: a child process must not take them for a launcher's.
+    assert {k: os.environ.get(k) for k in before} == before

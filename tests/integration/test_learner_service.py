@@ -1,6 +1,7 @@
 """The `learner` service as `rlfleet serve learner` runs it, on a real NATS: it trains on the
 fragments of the run's stream, survives a SIGKILL without losing or repeating a fragment,
-checkpoints on SIGTERM, continues the version numbering, and finishes with the final policy and RunStatus DONE."""
+checkpoints on SIGTERM, continues the version numbering, and finishes with the final policy and
+RunStatus DONE."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ async def until(condition: Any, timeout_s: float = 120.0) -> None:
 
 
 async def start_learner(config: Path, run: str, run_dir: Path, nats_url: str, port: int) -> Any:
+    dist = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # not a launcher's
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in dist},
         "RLFLEET_RUN_NAME": run,
         "RLFLEET_RUN_DIR": str(run_dir),
         "RLFLEET_NATS_URL": nats_url,
