@@ -34,6 +34,7 @@ class GameJobSettings(StrictModel):
     num_envs: int = Field(default=8, ge=1)  # per actor
     rollout_length: int = Field(default=128, ge=1)  # steps per fragment
     total_timesteps: int = Field(default=500_000, ge=1)
+    target_return: float | None = None  # stop early at this mean return (last 20 episodes)
     fragments_per_update: int | None = Field(default=None, ge=1)  # default: num_actors
     update_epochs: int = Field(default=4, ge=1)
     minibatch_size: int = Field(default=256, ge=1)
@@ -132,6 +133,7 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
         "env_servers": servers[:1],
         "policy": policy,
         "total_timesteps": s.total_timesteps,
+        "target_return": s.target_return,
         "fragments_per_update": s.fragments_per_update or s.num_actors,
         "update_epochs": s.update_epochs,
         "minibatch_size": s.minibatch_size,

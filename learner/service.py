@@ -317,19 +317,28 @@ class GameLearner:
         ]
         self._started = time.monotonic()
 
+    def _done(self) -> bool:
+        """The step budget is spent, or the mean return of the last `episode_window` episodes
+        has reached `target_return` (when set)."""
+        s, p = self.settings, self.progress
+        if p.global_step >= s.total_timesteps:
+            return True
+        full = len(p.returns) >= s.episode_window
+        return s.target_return is not None and full and float(np.mean(p.returns)) >= s.target_return
+
     async def _loop(self) -> None:
         s, stop = self.settings, self.ctx.stop_event
-        while self.progress.global_step < s.total_timesteps and not stop.is_set():
+        while not self._done() and not stop.is_set():
             fragments = await self._gather()
             if fragments is None:
                 break
             await self._train(fragments)
-            if self.progress.global_step >= s.total_timesteps:
+            if self._done():
                 await self._finish()
                 return
             if self.progress.updates - self._checkpointed_updates >= s.checkpoint_every:
                 await self._checkpoint()
-        if self.progress.global_step >= s.total_timesteps:  # restarted after the end
+        if self._done():  # restarted after the end
             await self._finish()
 
     # ------------------------------------------------------------------ consuming

@@ -80,6 +80,8 @@ class LearnerSettings(StrictModel):
     policy: PolicySettings = PolicySettings()
 
     total_timesteps: int = Field(default=500_000, ge=1)  # env steps consumed, then done
+    # Done earlier once the mean return of the last `episode_window` episodes reaches this.
+    target_return: float | None = None
     fragments_per_update: int = Field(default=4, ge=1)
     update_epochs: int = Field(default=4, ge=1)
     minibatch_size: int = Field(default=128, ge=1)
