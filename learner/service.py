@@ -222,7 +222,7 @@ class GameLearner:
         random.seed(s.seed)
         np.random.seed(s.seed)
         torch.manual_seed(s.seed)
-        policy = build_policy(spaces[0], spaces[1], s.policy.to_config())
+        policy = build_policy(spaces[0], spaces[1], s.policy)
         policy.forward = policy.evaluate  # type: ignore[method-assign]  # DeepSpeed calls forward
         self.engine = build_engine(policy, s.optimizer(), s.deepspeed())
         state = self.engine.load(self.dirs["checkpoints"])

@@ -8,39 +8,17 @@ Defaults are CleanRL's PPO defaults for CartPole (batch of 4 fragments of 128 st
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.config import ServiceRef, StrictModel
+from services.policy_config import PolicyConfig
 
-if TYPE_CHECKING:
-    from services.policies import PolicyConfig
-
-__all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings", "PolicySettings"]
+__all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda", "auto"]
-
-
-class PolicySettings(StrictModel):
-    """The network's architecture: the fields of services.policies.PolicyConfig. Must match the
-    actors' `policy_config`, since they load the learner's state_dict into the module they build."""
-
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    activation: Literal["tanh", "relu"] = "tanh"
-    init_log_std: float = 0.0
-    extra: dict[str, Any] = Field(default_factory=dict)
-
-    def to_config(self) -> PolicyConfig:
-        from services.policies import PolicyConfig
-
-        return PolicyConfig(
-            hidden_sizes=tuple(self.hidden_sizes),
-            activation=self.activation,
-            init_log_std=self.init_log_std,
-            extra=dict(self.extra),
-        )
 
 
 class OptimizerSettings(StrictModel):
@@ -77,7 +55,7 @@ class LearnerSettings(StrictModel):
     # included); with none listed, gymnasium.make(env_id, **env_kwargs) in this process.
     env_servers: list[ServiceRef] = Field(default_factory=list)
     spaces_timeout_s: float = Field(default=120.0, gt=0)  # wait this long for an env server
-    policy: PolicySettings = PolicySettings()
+    policy: PolicyConfig = PolicyConfig()
 
     total_timesteps: int = Field(default=500_000, ge=1)  # env steps consumed, then done
     # Done earlier once the mean return of the last `episode_window` episodes reaches this.

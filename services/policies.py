@@ -9,7 +9,6 @@ CleanRL: separate actor and critic MLPs for vector observations (orthogonal init
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,16 +17,9 @@ from torch import nn
 from torch.distributions import Categorical, Normal
 
 from services.errors import InvalidArgument
+from services.policy_config import PolicyConfig
 
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Architecture knobs; identical on actor and learner."""
-
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    activation: str = "tanh"  # tanh | relu
-    init_log_std: float = 0.0  # Gaussian heads (Box actions)
-    extra: dict[str, Any] = field(default_factory=dict)
+__all__ = ["ActorCritic", "NatureCNN", "PolicyConfig", "build_policy"]
 
 
 def _layer(inp: int, out: int, gain: float = math.sqrt(2)) -> nn.Linear:

@@ -104,7 +104,7 @@ class GameActor:
         policy = TorchBehaviour(
             envs.observation_space,
             envs.action_space,
-            settings.policy_config.to_config(),
+            settings.policy_config,
             device=settings.device,
             seed=seed,
         )

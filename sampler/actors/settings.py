@@ -12,31 +12,13 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import Field, model_validator
 
 from services.config import ServiceRef, StrictModel
-from services.policies import PolicyConfig
+from services.policy_config import PolicyConfig
 
-__all__ = ["GameActorSettings", "PolicySettings"]
+__all__ = ["GameActorSettings"]
 
 # An optional ServiceRef. `ServiceRef | None` would hide the marker inside the union, where the
 # load-time check of instance names (services.config._service_refs) does not look.
 OptionalServiceRef = Annotated[str | None, *get_args(ServiceRef)[1:]]
-
-
-class PolicySettings(StrictModel):
-    """The network's architecture: the fields of services.policies.PolicyConfig. Must match the
-    learner's, since the actor loads the learner's state_dict into the module it builds."""
-
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    activation: Literal["tanh", "relu"] = "tanh"
-    init_log_std: float = 0.0
-    extra: dict[str, Any] = Field(default_factory=dict)
-
-    def to_config(self) -> PolicyConfig:
-        return PolicyConfig(
-            hidden_sizes=tuple(self.hidden_sizes),
-            activation=self.activation,
-            init_log_std=self.init_log_std,
-            extra=dict(self.extra),
-        )
 
 
 class GameActorSettings(StrictModel):
@@ -53,7 +35,7 @@ class GameActorSettings(StrictModel):
     rollout_length: int = Field(default=128, ge=1)  # T, steps per fragment
     policy: Literal["random", "learner"] = "random"
     learner: OptionalServiceRef = None  # the learner's WeightService (needed by policy: learner)
-    policy_config: PolicySettings = PolicySettings()
+    policy_config: PolicyConfig = PolicyConfig()  # as the learner's `policy`
     # Learner mode: how many of this actor's fragments the learner turns into one version. The
     # actor then collects at most one update ahead of the learner (waiting up to version_wait_s
     # for the version it needs). None = never wait.

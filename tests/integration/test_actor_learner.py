@@ -69,7 +69,8 @@ class StandInLearner:
     async def publish(self, critic_bias: float) -> int:
         """A new version: a fresh network whose critic output is shifted by `critic_bias`."""
         env = gym.make("CartPole-v1")
-        net = build_policy(env.observation_space, env.action_space, PolicyConfig(HIDDEN))
+        config = PolicyConfig(hidden_sizes=HIDDEN)
+        net = build_policy(env.observation_space, env.action_space, config)
         with torch.no_grad():
             net.critic[-1].bias.fill_(critic_bias)
         manifest = await asyncio.to_thread(self.store.publish, net.state_dict())

@@ -141,7 +141,8 @@ def test_update_matches_the_baseline(overrides: dict[str, object], recompute_val
     b, msg = rollout(agent, seed=3)
 
     env = gym.make("CartPole-v1")
-    policy = build_policy(env.observation_space, env.action_space, PolicyConfig((64, 64)))
+    config = PolicyConfig(hidden_sizes=(64, 64))
+    policy = build_policy(env.observation_space, env.action_space, config)
     policy.load_state_dict(agent.state_dict())
     policy.forward = policy.evaluate  # type: ignore[method-assign]
     cfg = LearnerSettings(

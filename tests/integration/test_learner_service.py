@@ -220,7 +220,8 @@ async def test_learner_crash_and_restart_applies_every_fragment_once(
     final = json.loads((run_dir / "final/policy.json").read_text())
     assert final["env_id"] == "CartPole-v1" and final["global_step"] == FRAGMENTS * T * N
     env = gym.make("CartPole-v1")
-    policy = build_policy(env.observation_space, env.action_space, PolicyConfig((16, 16)))
+    config = PolicyConfig(hidden_sizes=(16, 16))
+    policy = build_policy(env.observation_space, env.action_space, config)
     policy.load_state_dict(torch.load(run_dir / "final/policy.pt"))
     assert (run_dir / "checkpoints/latest").read_text().strip() == f"update-{FRAGMENTS // 2:08d}"
     assert list((run_dir / "tensorboard").iterdir())
