@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from google.protobuf import json_format, timestamp_pb2
+from google.protobuf import timestamp_pb2
 
 from learner.algos import constant, linear_anneal
 from learner.engine import Engine, build_engine
@@ -45,6 +45,7 @@ from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.bus import Bus, Delivery, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument, RlfleetError
+from services.play import save_policy
 from services.policies import build_policy
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
@@ -551,6 +552,16 @@ class GameLearner:
     async def _finish(self) -> None:
         """Final policy, last checkpoint, RunStatus DONE."""
         assert self.engine is not None and self.spaces is not None
+        p = self.progress
+        if self.writer is not None and p.returns:
+            # Episodes that arrived after the last update's report (while it was published, or
+            # during a checkpoint) can be what ended the run: record the return it ended on.
+            self.writer.add_scalar(
+                "charts/episodic_return", float(np.mean(p.returns)), p.global_step
+            )
+            self.writer.add_scalar(
+                "charts/episodic_length", float(np.mean(p.lengths)), p.global_step
+            )
         await asyncio.to_thread(self._save_final)
         await self._checkpoint()
         status = events_pb2.RunStatus(
@@ -565,25 +576,22 @@ class GameLearner:
         log.info("done: %s", status.message)
 
     def _save_final(self) -> None:
-        from services import spaces as space_codec
-
+        """``final/policy.pt`` + ``policy.json``, the layout `rlfleet play` loads."""
         assert self.engine is not None and self.spaces is not None
-        final = self.dirs["final"]
-        final.mkdir(parents=True, exist_ok=True)
-        torch.save(self.engine.named_weights(torch.float32), final / "policy.pt")
-        s = self.settings
-        description = {
-            "env_id": s.env_id,
-            "env_kwargs": s.env_kwargs,
-            "observation_space": json_format.MessageToDict(space_codec.to_proto(self.spaces[0])),
-            "action_space": json_format.MessageToDict(space_codec.to_proto(self.spaces[1])),
-            "policy": s.policy.model_dump(mode="json"),
-            "algo": s.algo,
-            "version": self.progress.version,
-            "global_step": self.progress.global_step,
-            "updates": self.progress.updates,
-        }
-        _write_atomic(final / "policy.json", json.dumps(description, indent=2) + "\n")
+        s, p = self.settings, self.progress
+        save_policy(
+            self.dirs["final"],
+            self.engine.named_weights(torch.float32),
+            env_id=s.env_id,
+            env_kwargs=s.env_kwargs,
+            observation_space=self.spaces[0],
+            action_space=self.spaces[1],
+            policy=s.policy,
+            algo=s.algo,
+            version=p.version,
+            global_step=p.global_step,
+            updates=p.updates,
+        )
 
     async def _shutdown(self) -> None:
         for task in self._tasks:

@@ -152,6 +152,19 @@ def _envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _play_args(parser: argparse.ArgumentParser) -> None:
+    from services.play import add_arguments  # stdlib-only at import; torch loads when run
+
+    add_arguments(parser)
+
+
+@command("play", "run a trained policy locally: episode returns, optional video", _play_args)
+def _play(args: argparse.Namespace) -> int:
+    from services.play import main as play_main
+
+    return play_main(args)
+
+
 def _print_table(rows: Iterable[Any]) -> None:
     """Print strings one per line, or mappings/objects/protobuf messages as aligned columns."""
     records = []

@@ -1,0 +1,104 @@
+"""`rlfleet play` against what the learner writes, and as the installed command.
+
+- the learner's own `_save_final` (the code a finished run executes; called here on a stand-in
+  learner, no engine or bus) writes a folder that `play` loads and runs;
+- `python -m services.cli play` in a subprocess: a plugin env (flappy_bird_gymnasium's
+  FlappyBird-v0 with env_kwargs) recorded to a GIF and a frame folder, and exit code 2 with a
+  one-line message for a path that is not a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from learner.service import GameLearner
+from services.play import DESCRIPTION_FILE, WEIGHTS_FILE, play, save_policy
+from services.policies import build_policy
+from services.policy_config import PolicyConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_learner_final_policy_plays(tmp_path: Path) -> None:
+    spaces = (gym.spaces.Box(-np.inf, np.inf, (4,), np.float32), gym.spaces.Discrete(2))
+    config = PolicyConfig(hidden_sizes=(16, 16))
+    net = build_policy(*spaces, config)
+    run = tmp_path / "runs" / "cartpole"
+    learner = SimpleNamespace(
+        engine=SimpleNamespace(named_weights=lambda dtype: net.state_dict()),
+        spaces=spaces,
+        settings=SimpleNamespace(env_id="CartPole-v1", env_kwargs={}, policy=config, algo="ppo"),
+        progress=SimpleNamespace(version=7, global_step=4096, updates=7),
+        dirs={"final": run / "final"},
+    )
+    GameLearner._save_final(learner)  # type: ignore[arg-type]
+    description = json.loads((run / "final" / DESCRIPTION_FILE).read_text())
+    assert description["env_id"] == "CartPole-v1" and description["version"] == 7
+    assert description["global_step"] == 4096 and description["algo"] == "ppo"
+    result = play(run, episodes=4)
+    assert len(result.episodes) == 4 and all(e.length > 0 for e in result.episodes)
+    returns = [e.ret for e in result.episodes]
+    assert result.summary()["mean_return"] == pytest.approx(np.mean(returns))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "play", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_cli_plays_a_plugin_env_and_records(tmp_path: Path) -> None:
+    pytest.importorskip("flappy_bird_gymnasium")
+    pytest.importorskip("PIL")
+    from env_server.registry import make_env
+
+    kwargs = {"use_lidar": False}
+    env = make_env("FlappyBird-v0", kwargs=kwargs)
+    torch.manual_seed(0)
+    config = PolicyConfig()
+    net = build_policy(env.observation_space, env.action_space, config)
+    final = tmp_path / "runs" / "flappy" / "final"
+    save_policy(
+        final, net.state_dict(), env_id="FlappyBird-v0", env_kwargs=kwargs,
+        observation_space=env.observation_space, action_space=env.action_space, policy=config,
+    )  # fmt: skip
+    env.close()
+
+    done = _cli("flappy", "--episodes", "3", "--video", "play.gif", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("episode") for line in lines) == 3
+    assert all(" score " in line for line in lines if line.startswith("episode"))
+    assert any(line.startswith("mean over 3 episodes of FlappyBird-v0") for line in lines)
+    assert (tmp_path / "play.gif").stat().st_size > 0 and "recorded" in lines[-1]
+
+    done = _cli(str(final), "--episodes", "2", "--frames", "frames", "--record-episodes", "2",
+                "--deterministic", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lengths = [int(line.split("length")[1].split()[0]) for line in done.stdout.splitlines()
+               if line.startswith("episode")]  # fmt: skip
+    assert len(list((tmp_path / "frames").glob("*.png"))) == sum(lengths) + 2
+
+
+def test_cli_invalid_path_exits_2(tmp_path: Path) -> None:
+    done = _cli("no-such-run", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "rlfleet: error: no run or policy at 'no-such-run' (nor at runs/no-such-run)"
+    )
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / DESCRIPTION_FILE).write_text("{}")
+    done = _cli("final", cwd=tmp_path)
+    assert done.returncode == 2 and f"missing {WEIGHTS_FILE}" in done.stderr
