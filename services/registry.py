@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.errors import ConfigError
 
@@ -129,20 +129,27 @@ def service_kinds() -> list[str]:
     return list(entry_point_registry(SERVICES_GROUP))
 
 
-def get_service(kind: str) -> ServiceSpec:
-    """The ServiceSpec registered as ``kind``; unknown kinds are a ConfigError listing the known."""
-    registry = entry_point_registry(SERVICES_GROUP)
+def _spec(group: str, what: str, kind: str, spec_type: type[Any]) -> Any:
+    """The object registered as ``kind`` in ``group``; it must be a ``spec_type`` of that kind.
+    Unknown kinds are a ConfigError listing the known ones and the closest match."""
+    registry = entry_point_registry(group)
     if kind not in registry:
         close = difflib.get_close_matches(kind, list(registry), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         known = ", ".join(registry) or "none installed"
-        raise ConfigError(f"unknown service kind '{kind}' ({hint}known: {known})")
+        raise ConfigError(f"unknown {what} kind '{kind}' ({hint}known: {known})")
     spec = registry[kind]
-    if not isinstance(spec, ServiceSpec) or spec.kind != kind:
+    if not isinstance(spec, spec_type) or spec.kind != kind:
         raise ConfigError(
-            f"entry point '{kind}' ({registry.target(kind)}) is not a ServiceSpec of kind '{kind}'"
+            f"entry point '{kind}' ({registry.target(kind)}) is not a "
+            f"{spec_type.__name__} of kind '{kind}'"
         )
     return spec
+
+
+def get_service(kind: str) -> ServiceSpec:
+    """The ServiceSpec registered as ``kind`` in ``rlfleet.services``."""
+    return _spec(SERVICES_GROUP, "service", kind, ServiceSpec)
 
 
 @dataclass(frozen=True)
@@ -157,19 +164,8 @@ class JobSpec:
 
 
 def get_job(kind: str) -> JobSpec:
-    """The JobSpec registered as ``kind`` in ``rlfleet.jobs``; unknown kinds list the known."""
-    registry = entry_point_registry(JOBS_GROUP)
-    if kind not in registry:
-        close = difflib.get_close_matches(kind, list(registry), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        known = ", ".join(registry) or "none installed"
-        raise ConfigError(f"unknown job kind '{kind}' ({hint}known: {known})")
-    spec = registry[kind]
-    if not isinstance(spec, JobSpec) or spec.kind != kind:
-        raise ConfigError(
-            f"entry point '{kind}' ({registry.target(kind)}) is not a JobSpec of kind '{kind}'"
-        )
-    return spec
+    """The JobSpec registered as ``kind`` in ``rlfleet.jobs``."""
+    return _spec(JOBS_GROUP, "job", kind, JobSpec)
 
 
 @dataclass
