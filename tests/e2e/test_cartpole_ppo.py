@@ -21,17 +21,16 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cartpole_ppo.yaml"
@@ -61,32 +60,6 @@ def write_config(tmp_path: Path, **job: Any) -> tuple[Path, Path, str]:
     return path, run_dir, name
 
 
-def cmdlines() -> Iterator[tuple[int, str]]:
-    """(pid, command line) of every live process but this one (zombies count as gone)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            yield int(entry.name), cmdline
-
-
-def pids_mentioning(*texts: str) -> list[int]:
-    return [pid for pid, cmdline in cmdlines() if all(t in cmdline for t in texts)]
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "    (no log)"
-    return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-
 def ledger(run_dir: Path) -> list[dict[str, Any]]:
     """The learner's applied.jsonl (a partly written last line is skipped)."""
     entries = []
@@ -107,82 +80,11 @@ def fragment_parts(fragment_id: str) -> tuple[str, str, str, int]:
     return run, actor, incarnation, int(seq)
 
 
-class Up:
-    """`python -m services.cli up CONFIG` in the background, its output collected."""
-
-    def __init__(self, config: Path, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.config_copy = run_dir / "config.yaml"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            cwd=config.parent,
-        )
-        self.started = time.monotonic()
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def remaining_s(self) -> float:
-        return RUN_TIMEOUT_S - (time.monotonic() - self.started)
-
-    def wait(self) -> int:
-        """The launcher's exit code; fails the test if the run outlasts RUN_TIMEOUT_S."""
-        try:
-            code = self.proc.wait(max(self.remaining_s(), 1.0))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the run did not end within {RUN_TIMEOUT_S:g}s") from None
-        self._reader.join(10)
-        return code
-
-    def wait_until(self, what: str, condition: Callable[[], bool]) -> None:
-        """Poll ``condition`` while the run goes on; fails if the run ends or times out first."""
-        while not condition():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the run ended (exit {self.proc.returncode}) before {what}")
-            if self.remaining_s() <= 0:
-                raise AssertionError(f"no {what} within {RUN_TIMEOUT_S:g}s")
-            time.sleep(0.5)
-
-    def diagnostics(self) -> str:
-        parts = [f"launcher output (last lines):\n{chr(10).join(self.lines[-60:])}"]
-        for name in SERVICES:
-            log = self.run_dir / "logs" / f"{name}.log"
-            parts.append(f"--- {log}:\n{tail(log)}")
-        return "\n".join(parts)
-
-    def stop(self) -> None:
-        """After a failure: stop the launcher (it stops its services), then kill whatever of
-        this run is left (every such process was started by this test)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in pids_mentioning(str(self.run_dir)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def launched(config: Path, run_dir: Path) -> Iterator[Up]:
     """The run; on any failure inside the block, print the launcher's output and the tail of
     every service log (pytest shows them with the failure), and leave no process behind."""
-    up = Up(config, run_dir)
+    up = Up(config, run_dir, services=SERVICES, budget_s=RUN_TIMEOUT_S)
     try:
         yield up
     except BaseException:
@@ -190,13 +92,6 @@ def launched(config: Path, run_dir: Path) -> Iterator[Up]:
         raise
     finally:
         up.stop()
-
-
-def assert_nothing_left(run_dir: Path) -> None:
-    deadline = time.monotonic() + 5
-    while (left := pids_mentioning(str(run_dir))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left == [], f"processes left behind: {left}"
 
 
 def assert_applied_once(entries: list[dict[str, Any]]) -> None:

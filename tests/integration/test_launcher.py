@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from services.config import load_run_config
 from services.launcher import Launcher
+from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
 
@@ -34,72 +34,6 @@ def write_config(tmp_path: Path, services: str, name: str = "itest") -> tuple[Pa
     )
     path.write_text(text)
     return path, run_dir
-
-
-def pids_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text`` (zombies count as gone)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-class Up:
-    """`python -m services.cli up CONFIG` with its output collected line by line."""
-
-    def __init__(self, config: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=config.parent,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not re.search(pattern, self.output):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise AssertionError(f"no {pattern!r} in output:\n{self.output}")
-            time.sleep(0.05)
-
-    def wait(self, timeout_s: float = 30.0) -> int:
-        try:
-            code = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        self._reader.join(5)
-        return code
-
-
-def assert_nothing_left(run_dir: Path) -> None:
-    deadline = time.monotonic() + 3
-    while (left := pids_mentioning(str(run_dir))) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert left == [], f"processes left behind: {left}"
 
 
 def test_run_finishes_when_main_exits(tmp_path: Path) -> None:
