@@ -110,8 +110,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/ppo_cartpole.json")
+    parser.add_argument("--config", type=Path, default=EXAMPLE, help="a ppo job run file")
     args = parser.parse_args()
-    config = yaml.safe_load(EXAMPLE.read_text())
+    config = yaml.safe_load(args.config.read_text())
     job = config["job"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
@@ -126,7 +127,7 @@ def main() -> int:
     result = {
         "benchmark": "ppo_cartpole",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "config": str(EXAMPLE.relative_to(ROOT)),
+        "config": str(args.config),
         "target_return": TARGET,
         "rows": [{**r, "baseline": {k: v for k, v in r["baseline"].items() if k != "args"}}
                  for r in rows],
