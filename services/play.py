@@ -552,7 +552,7 @@ def play(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run", metavar="RUN_OR_PATH",
-        help="run directory (runs/<name>), run name, run config, or a final/ folder",
+        help="run directory, run name (under ./runs/), run config, or a final/ folder",
     )  # fmt: skip
     parser.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
     parser.add_argument(
