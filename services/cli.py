@@ -165,6 +165,30 @@ def _play(args: argparse.Namespace) -> int:
     return play_main(args)
 
 
+def _init_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir", help="folder to write the model and tokenizer to")
+    parser.add_argument("--size", default="tiny", help="tiny (~1M params), small, base100m")
+    parser.add_argument("--generator", default="arith", help="dataset generator for the tokenizer")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+@command(
+    "init-model",
+    "create a small Qwen2 model and tokenizer on disk (no model hub)",
+    _init_model_args,
+)
+def _init_model(args: argparse.Namespace) -> int:
+    from services.models import MODEL_SIZES, init_model
+
+    if args.size not in MODEL_SIZES:
+        raise ConfigError(f"--size: unknown size {args.size!r}; known: {', '.join(MODEL_SIZES)}")
+    out = init_model(
+        args.out_dir, size=args.size, dataset={"generator": args.generator}, seed=args.seed
+    )
+    print(f"wrote {out}")
+    return 0
+
+
 def _print_table(rows: Iterable[Any]) -> None:
     """Print strings one per line, or mappings/objects/protobuf messages as aligned columns."""
     records = []

@@ -1,0 +1,165 @@
+"""Prompt datasets for language-model RL: JSONL files and procedural generators.
+
+A dataset yields ``Task`` records: a prompt (text or chat messages), the reference values reward
+functions read (``extra``, e.g. ``{"answer": "42"}``) and, when known, an expert ``solution``
+(the SFT warm-start data and CHORD's expert completions). Samplers, the learner's SFT phase and
+evaluation all read the same records, so they live here (shared pure code, no I/O besides files).
+
+Generators are registered by name (``GENERATORS``); a dataset spec is either ``{"jsonl": PATH}`` or
+``{"generator": NAME, "seed": S, ...kwargs}``. Held-out evaluation uses the same generator with a
+different ``split``: the split is folded into the seed, so train and eval prompts differ.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GENERATORS", "DatasetSpecError", "Task", "iter_tasks", "load_jsonl", "take"]
+
+
+class DatasetSpecError(ValueError):
+    """A dataset spec or file is malformed; the message names the field or line."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt with what is needed to score it."""
+
+    prompt_id: str
+    prompt: str = ""  # raw text prompt (used when messages is empty)
+    messages: tuple[dict[str, str], ...] = ()  # chat messages, rendered with the chat template
+    extra: dict[str, Any] = field(default_factory=dict)  # reward kwargs, e.g. {"answer": "42"}
+    solution: str | None = None  # an expert completion, when the dataset has one
+
+
+Generator = Callable[..., Iterator[Task]]
+GENERATORS: dict[str, Generator] = {}
+
+
+def register(name: str) -> Callable[[Generator], Generator]:
+    def decorator(fn: Generator) -> Generator:
+        if name in GENERATORS:
+            raise ValueError(f"dataset generator {name!r} registered twice")
+        GENERATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+ARITH_OPS = ("+", "-")
+
+
+def arith_prompt(a: int, b: int, op: str) -> str:
+    return f"Q: {a}{op}{b}=?\nA:"
+
+
+@register("arith")
+def arith(
+    *,
+    seed: int = 0,
+    split: str = "train",
+    digits: int = 2,
+    ops: tuple[str, ...] | list[str] = ARITH_OPS,
+    count: int | None = None,
+) -> Iterator[Task]:
+    """Integer arithmetic: ``a op b`` with operands of up to ``digits`` digits.
+
+    Completions are expected as ``<answer>N</answer>``; ``solution`` is exactly that, so the SFT
+    phase teaches the format and the RL phase the arithmetic. Infinite unless ``count`` is set.
+    """
+    for op in ops:
+        if op not in ("+", "-", "*"):
+            raise DatasetSpecError(f"arith: unknown op {op!r}; known: +, -, *")
+    if not 1 <= digits <= 6:
+        raise DatasetSpecError(f"arith: digits must be in [1, 6], got {digits}")
+    rng = random.Random(seed * 1_000_003 + zlib.crc32(split.encode()))
+    high = 10**digits - 1
+    index = 0
+    while count is None or index < count:
+        a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(list(ops))
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        yield Task(
+            prompt_id=f"arith-{split}-{seed}-{index}",
+            prompt=arith_prompt(a, b, op),
+            extra={"answer": str(value)},
+            solution=f" <answer>{value}</answer>",
+        )
+        index += 1
+
+
+def load_jsonl(path: str | Path) -> Iterator[Task]:
+    """Tasks from a JSONL file: one object per line with ``prompt`` (text) or ``messages``
+    (chat), optional ``id``, ``solution`` and any other keys (they become ``extra``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetSpecError(f"dataset file {path} does not exist")
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetSpecError(f"{path}:{number}: not JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise DatasetSpecError(f"{path}:{number}: expected an object")
+            prompt, messages = row.pop("prompt", None), row.pop("messages", None)
+            if (prompt is None) == (messages is None):
+                raise DatasetSpecError(f"{path}:{number}: set exactly one of prompt, messages")
+            if prompt is not None and (not isinstance(prompt, str) or not prompt):
+                raise DatasetSpecError(f"{path}:{number}: prompt must be a non-empty string")
+            if messages is not None and not _valid_messages(messages):
+                raise DatasetSpecError(
+                    f"{path}:{number}: messages must be a non-empty list of {{role, content}}"
+                )
+            yield Task(
+                prompt_id=str(row.pop("id", f"{path.stem}-{number}")),
+                prompt=prompt or "",
+                messages=tuple(messages or ()),
+                solution=row.pop("solution", None),
+                extra=row,
+            )
+
+
+def _valid_messages(messages: Any) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+
+
+def iter_tasks(spec: dict[str, Any], *, split: str | None = None) -> Iterator[Task]:
+    """Tasks of a dataset spec: ``{"jsonl": PATH}`` or ``{"generator": NAME, **kwargs}``;
+    ``split`` overrides the generator's split (JSONL files have none)."""
+    spec = dict(spec)
+    if "jsonl" in spec:
+        if len(spec) > 1:
+            raise DatasetSpecError(f"a jsonl dataset takes no other keys, got {sorted(spec)}")
+        return load_jsonl(spec["jsonl"])
+    name = spec.pop("generator", None)
+    if name is None:
+        raise DatasetSpecError("a dataset needs 'jsonl: PATH' or 'generator: NAME'")
+    if name not in GENERATORS:
+        raise DatasetSpecError(f"unknown dataset generator {name!r}; known: {sorted(GENERATORS)}")
+    if split is not None:
+        spec["split"] = split
+    try:
+        return GENERATORS[name](**spec)
+    except TypeError as exc:
+        raise DatasetSpecError(f"dataset generator {name!r}: {exc}") from None
+
+
+def take(tasks: Iterator[Task], count: int) -> list[Task]:
+    return [task for _, task in zip(range(count), tasks, strict=False)]

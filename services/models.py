@@ -1,0 +1,167 @@
+"""Local language models: ``rlfleet init-model`` builds a small Qwen2-architecture causal LM and a
+tokenizer trained with ``tokenizers`` on the task's text, and saves both as a Hugging Face folder.
+
+No model hub is involved: everything after this loads through the real ``from_pretrained`` paths
+(transformers in the learner and the reference engine, vLLM in the sampler).
+
+vLLM's CPU attention accepts only some head sizes (PLATFORM.md); sizes are checked here so a model
+that vLLM would refuse is never written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL_SIZES", "ModelSize", "init_model", "train_tokenizer"]
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+EOS, CHAT_START, CHAT_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (EOS, CHAT_START, CHAT_END)
+
+# Qwen2's template, trimmed to plain messages (no tools).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if not (loop.last and continue_final_message) %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Architecture hyperparameters (Qwen2Config names)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+    vocab_size: int = 512  # tokenizer training target; the real size is the trained vocab's
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def check(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim not in VLLM_CPU_HEAD_SIZES:
+            raise ValueError(
+                f"head size {self.head_dim} (hidden_size / num_attention_heads) is not one vLLM's "
+                f"CPU attention accepts: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}"
+            )
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    # ~0.9M parameters: tests and the CPU example.
+    "tiny": ModelSize(128, 4, 4, 2, 384),
+    # ~7M parameters.
+    "small": ModelSize(256, 6, 4, 2, 1024, max_position_embeddings=1024),
+    # ~100M parameters: weight-sync benchmarks.
+    "base100m": ModelSize(768, 12, 12, 4, 3072, max_position_embeddings=1024, vocab_size=2048),
+}
+
+
+def _corpus(tasks: Iterable[Any], limit: int) -> Iterator[str]:
+    for index, task in enumerate(tasks):
+        if index >= limit:
+            break
+        yield task.prompt + (task.solution or "")
+        for message in task.messages:
+            yield message["content"]
+    # Plain text so common words exist as tokens even when the task text is all digits.
+    yield "The quick brown fox jumps over the lazy dog. Think step by step; answer in tags."
+    yield "<think> </think> <answer> </answer> user assistant system"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer with one token per digit (arithmetic stays learnable)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS,
+        pad_token=EOS,
+        additional_special_tokens=[CHAT_START, CHAT_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=None,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def init_model(
+    out_dir: str | Path,
+    *,
+    size: str | ModelSize = "tiny",
+    dataset: dict[str, Any] | None = None,
+    seed: int = 0,
+    corpus_size: int = 20_000,
+    dtype: str = "float32",
+) -> Path:
+    """Write a randomly initialised Qwen2 causal LM and its tokenizer to ``out_dir``.
+
+    ``dataset`` is a dataset spec (``services.datasets.iter_tasks``) whose text trains the
+    tokenizer; default: the arithmetic generator.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from services.datasets import iter_tasks
+
+    arch = MODEL_SIZES[size] if isinstance(size, str) else size
+    arch.check()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = iter_tasks(dataset or {"generator": "arith", "seed": seed})
+    tokenizer = train_tokenizer(_corpus(tasks, corpus_size), arch.vocab_size)
+    arch = replace(arch, vocab_size=len(tokenizer))
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    config = Qwen2Config(
+        **{k: v for k, v in asdict(arch).items()},
+        head_dim=arch.head_dim,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        rope_theta=10_000.0,
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    (out / "rlfleet_model.json").write_text(
+        json.dumps({"size": asdict(arch), "parameters": params, "seed": seed}, indent=2) + "\n"
+    )
+    return out
