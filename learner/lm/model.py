@@ -1,0 +1,152 @@
+"""Loading the causal LM the learner trains (and its frozen reference), optionally with LoRA.
+
+Everything goes through ``from_pretrained`` on a local folder (``rlfleet init-model`` makes one).
+Published weights are always the full Hugging Face checkpoint names of the base model, LoRA merged
+in, so samplers load them with ``reload_weights`` whatever the learner trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from services.config import StrictModel
+
+__all__ = [
+    "LoraSettings",
+    "hf_weights",
+    "load_causal_lm",
+    "load_tokenizer",
+    "sequence_logprobs",
+    "token_logprobs",
+]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LoraSettings(StrictModel):
+    """peft LoRA adapters on the attention and MLP projections."""
+
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    path: str | Path,
+    *,
+    precision: str = "fp32",
+    lora: LoraSettings | None = None,
+    frozen: bool = False,
+) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)``; with ``lora`` only the adapters train;
+    ``frozen`` returns an eval-mode model without gradients (the KL reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[precision])
+    model.config.use_cache = False
+    if lora is not None and not frozen:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+    if frozen:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def hf_weights(module: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Full-model tensors by Hugging Face checkpoint name (a LoRA model is merged into a copy of
+    its base weights; the trained module is left untouched)."""
+    from peft import PeftModel
+
+    with torch.no_grad():
+        if isinstance(module, PeftModel):
+            state = _merged_lora_state(module)
+        else:
+            state = dict(module.state_dict())
+        out = {}
+        for name, tensor in state.items():
+            value = tensor.detach()
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            out[name] = value.to("cpu", copy=True).contiguous()
+    tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
+    if tied:  # vLLM ties lm_head to the embeddings itself and has no separate tensor to load
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _merged_lora_state(model: Any) -> dict[str, Tensor]:
+    """base weight + scale * B @ A for every LoRA layer, under the base model's names."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    state = {}
+    lora_layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        clean = name.replace(".base_layer.", ".")
+        owner = clean.rsplit(".", 1)[0]
+        layer = lora_layers.get(owner)
+        if layer is not None and clean.endswith(".weight") and not layer.merged:
+            tensor = tensor + layer.get_delta_weight("default").to(tensor.dtype)
+        state[clean] = tensor
+    return state
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[targets] without materialising the full log-softmax twice.
+
+    logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
+    logits = logits.float()  # [B, T, V]
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return picked - torch.logsumexp(logits, dim=-1)  # [B, T]
+
+
+def sequence_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Per-position log-probability of each next token and the logits' entropy.
+
+    input_ids, attention_mask [B, L] -> (logp [B, L-1], entropy [B, L-1]); position t scores
+    token t+1 given tokens 0..t. ``entropy_grad`` keeps the entropy in the graph (for an entropy
+    bonus); otherwise it is a detached metric."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [B, L-1, V]
+    logp = token_logprobs(logits, input_ids[:, 1:])  # [B, L-1]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [B, L-1, V]
+        entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, L-1]
+    return logp, entropy
