@@ -24,11 +24,9 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +34,15 @@ import torch
 from google.protobuf import timestamp_pb2
 
 from learner.algos import constant, linear_anneal
+from learner.consumer import (
+    Ledger,
+    TrajectoryConsumer,
+    now,
+    rng_state,
+    set_rng_state,
+    settle,
+    write_atomic,
+)
 from learner.engine import Engine, build_engine
 from learner.game import AppliedWindow, Fragment, FragmentBatch, decode_fragment, triage, update
 from learner.settings import LearnerSettings
@@ -43,7 +50,7 @@ from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
 from learner.weights import WeightServicer, WeightStore, add_weight_service, announce
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
-from services.bus import Bus, Delivery, events_subject, stream_name, traj_subject
+from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument, RlfleetError
 from services.play import save_policy
 from services.policies import build_policy
@@ -101,66 +108,6 @@ _COUNTERS = (
 )
 
 
-def _rng_state(generator: torch.Generator) -> dict[str, Any]:
-    return {
-        "shuffle": generator.get_state(),
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(generator: torch.Generator, state: dict[str, Any]) -> None:
-    generator.set_state(state["shuffle"])
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
-def _now() -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.GetCurrentTime()
-    return stamp
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-class Ledger:
-    """``applied.jsonl``: one JSON line per fragment applied or dropped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: Any = None
-
-    def restore(self, updates: int) -> dict[str, int]:
-        """Keep the lines the restored state includes: "applied" ones up to update ``updates``
-        and every drop (drops are acked at once, never redelivered). Returns counts by status."""
-        kept: list[str] = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    entry = json.loads(line)
-                    if entry["status"] != "applied" or entry["update"] <= updates:
-                        kept.append(line)
-        _write_atomic(self.path, "".join(f"{line}\n" for line in kept))
-        return collections.Counter(json.loads(line)["status"] for line in kept)
-
-    def write(self, **entry: Any) -> None:
-        if self._file is None:
-            self._file = self.path.open("a", buffering=1)
-        self._file.write(json.dumps(entry) + "\n")
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     """GetStatus over a running GameLearner."""
 
@@ -197,11 +144,7 @@ class GameLearner:
         self.last_update_time: timestamp_pb2.Timestamp | None = None
         self.obs_shape: tuple[int, ...] = ()
         self.action_shape: tuple[int, ...] = ()
-        self._unacked: list[Delivery[Any]] = []  # applied, waiting for the next checkpoint
-        self._gathering: list[Delivery[Any]] = []  # held for the batch being gathered
-        self._inbox: collections.deque[Delivery[Any]] = collections.deque()  # pulled, not taken
-        self._arrived = asyncio.Event()
-        self._puller: asyncio.Task[None] | None = None
+        self.consumer: TrajectoryConsumer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._checkpointed_updates = 0
         self._started = time.monotonic()
@@ -229,7 +172,7 @@ class GameLearner:
         state = self.engine.load(self.dirs["checkpoints"])
         if state is not None:
             self.progress = Progress.from_state(state, s.applied_window, s.episode_window)
-            _set_rng_state(self.generator, state["rng"])
+            set_rng_state(self.generator, state["rng"])
             self._checkpointed_updates = self.progress.updates
         counts = self.ledger.restore(self.progress.updates)
         self.progress.stale_dropped = counts.get("stale", 0)
@@ -261,7 +204,7 @@ class GameLearner:
         named = await asyncio.to_thread(self.engine.named_weights)
         manifest = await asyncio.to_thread(self.store.publish, named)
         self.progress.version = int(manifest.version)
-        _write_atomic(
+        write_atomic(
             self.dirs["learner"] / "state.json", json.dumps({"version": manifest.version}) + "\n"
         )
         assert self.server is not None
@@ -307,16 +250,30 @@ class GameLearner:
 
     async def _start_tasks(self) -> None:
         assert self.bus is not None
+        s = self.settings
         episodes = await self.bus.subscribe(
             events_subject(self.run_name, "episodes"), events_pb2.EpisodeStats
         )
-        self._puller = asyncio.create_task(self._pull(), name="pull")
-        self._tasks = [
-            self._puller,
-            asyncio.create_task(self._watch_episodes(episodes), name="episodes"),
-            asyncio.create_task(self._keep_alive(), name="in-progress"),
-        ]
+        self.consumer = TrajectoryConsumer(
+            self.bus,
+            stream=stream_name(self.run_name),
+            durable=DURABLE,
+            subject=traj_subject(self.run_name),
+            message_type=trajectory_pb2.RolloutFragment,
+            batch=s.fragments_per_update,
+            ack_wait_s=s.ack_wait_s,
+            max_ack_pending=s.max_ack_pending,
+            stop_event=self.ctx.stop_event,
+            on_invalid=self._on_invalid,
+        )
+        self.consumer.start()
+        self._tasks = [asyncio.create_task(self._watch_episodes(episodes), name="episodes")]
         self._started = time.monotonic()
+
+    def _on_invalid(self, exc: InvalidArgument) -> None:
+        self.progress.invalid_dropped += 1
+        self.ledger.write(id=None, status="invalid", error=str(exc))
+        log.warning("dropped a malformed message: %s", exc)
 
     def _done(self) -> bool:
         """The step budget is spent, or the mean return of the last `episode_window` episodes
@@ -344,67 +301,15 @@ class GameLearner:
 
     # ------------------------------------------------------------------ consuming
 
-    async def _pull(self) -> None:
-        """Move deliveries from the durable consumer into the inbox until stopped."""
-        assert self.bus is not None
-        s = self.settings
-        while not self.ctx.stop_event.is_set():
-            deliveries = self.bus.pull(
-                stream_name(self.run_name),
-                DURABLE,
-                traj_subject(self.run_name),
-                trajectory_pb2.RolloutFragment,
-                batch=s.fragments_per_update,
-                ack_wait_s=s.ack_wait_s,
-                max_ack_pending=s.max_ack_pending,
-                stop_event=self.ctx.stop_event,
-            )
-            try:
-                async for delivery in deliveries:
-                    self._inbox.append(delivery)
-                    self._arrived.set()
-            except InvalidArgument as exc:  # undecodable: the bus client terminated it
-                self.progress.invalid_dropped += 1
-                self.ledger.write(id=None, status="invalid", error=str(exc))
-                log.warning("dropped a malformed message: %s", exc)
-
-    async def _keep_alive(self) -> None:
-        """in_progress() on every held fragment so none is redelivered while we hold it."""
-        period = self.settings.ack_wait_s / 3
-        while True:
-            await asyncio.sleep(period)
-            for delivery in [*self._unacked, *self._gathering, *self._inbox]:
-                with contextlib.suppress(RlfleetError):
-                    await delivery.in_progress()
-
-    async def _next(self) -> Delivery[Any] | None:
-        """The next delivery, or None once the service is stopping; re-raises why the
-        consumer failed if it did."""
-        assert self._puller is not None
-        while not self._inbox:
-            self._arrived.clear()
-            waits = [
-                asyncio.ensure_future(self._arrived.wait()),
-                asyncio.ensure_future(self.ctx.stop_event.wait()),
-            ]
-            await asyncio.wait([*waits, self._puller], return_when=asyncio.FIRST_COMPLETED)
-            for wait in waits:
-                wait.cancel()
-            if self._puller.done() and not self._inbox:
-                self._puller.result()  # raises the consumer's error
-                return None
-            if self.ctx.stop_event.is_set():
-                return None
-        return self._inbox.popleft()
-
     async def _gather(self) -> list[Fragment] | None:
         """``fragments_per_update`` fresh fragments (their deliveries held in _gathering); drops
         stale, duplicate and malformed ones on the way. None when stopped."""
         s, p = self.settings, self.progress
+        assert self.consumer is not None
         fragments: list[Fragment] = []
         ids: set[str] = set()
         while len(fragments) < s.fragments_per_update:
-            delivery = await self._next()
+            delivery = await self.consumer.next()
             if delivery is None:
                 return None
             msg = delivery.message
@@ -413,12 +318,12 @@ class GameLearner:
             )
             if verdict == "duplicate":
                 p.duplicates_dropped += 1
-                self._gathering.append(delivery)  # acked with the next checkpoint
+                self.consumer.hold(delivery)  # acked with the next checkpoint
                 continue
             if verdict == "stale":
                 p.stale_dropped += 1
                 self._drop(msg, "stale")
-                await _settle(delivery.ack())
+                await settle(delivery.ack())
                 continue
             try:
                 if msg.env_id and msg.env_id != s.env_id:
@@ -428,11 +333,11 @@ class GameLearner:
                 p.invalid_dropped += 1
                 self._drop(msg, "invalid", error=str(exc))
                 log.warning("dropped fragment %s: %s", msg.fragment_id, exc)
-                await _settle(delivery.term())
+                await settle(delivery.term())
                 continue
             fragments.append(fragment)
             ids.add(msg.fragment_id)
-            self._gathering.append(delivery)
+            self.consumer.hold(delivery)
         return fragments
 
     def _drop(self, msg: Any, status: str, **extra: Any) -> None:
@@ -478,10 +383,10 @@ class GameLearner:
                 steps=f.size,
                 lag=lag,
             )
-        self._unacked.extend(self._gathering)
-        self._gathering = []
+        assert self.consumer is not None
+        self.consumer.applied()
         await self._publish_weights()
-        self.last_update_time = _now()
+        self.last_update_time = now()
         elapsed = max(time.monotonic() - self._started, 1e-9)
         metrics.update(
             {
@@ -507,7 +412,7 @@ class GameLearner:
             run=self.run_name,
             source=self.ctx.name,
             step=p.updates,
-            time=_now(),
+            time=now(),
             scalars=self.metrics,
             policy_version=p.version,
         )
@@ -536,7 +441,7 @@ class GameLearner:
         """Save, then ack every fragment the checkpoint covers."""
         assert self.engine is not None
         p = self.progress
-        state = {**p.to_state(), "rng": _rng_state(self.generator)}
+        state = {**p.to_state(), "rng": rng_state(self.generator)}
         await asyncio.to_thread(
             self.engine.save,
             self.dirs["checkpoints"],
@@ -545,9 +450,8 @@ class GameLearner:
             keep=self.settings.keep_checkpoints,
         )
         self._checkpointed_updates = p.updates
-        acks, self._unacked = self._unacked, []
-        await asyncio.gather(*(_settle(d.ack()) for d in acks))
-        log.info("checkpoint at update %d (%d fragments acked)", p.updates, len(acks))
+        acked = await self.consumer.ack_checkpointed() if self.consumer is not None else 0
+        log.info("checkpoint at update %d (%d fragments acked)", p.updates, acked)
 
     async def _finish(self) -> None:
         """Final policy, last checkpoint, RunStatus DONE."""
@@ -569,7 +473,7 @@ class GameLearner:
             state=events_pb2.RUN_STATE_DONE,
             message=f"{self.progress.global_step} env steps in {self.progress.updates} updates",
             source=self.ctx.name,
-            time=_now(),
+            time=now(),
         )
         assert self.bus is not None
         await self.bus.publish_event(events_subject(self.run_name, "status"), status)
@@ -601,9 +505,8 @@ class GameLearner:
         if self.engine is not None and self.progress.updates > self._checkpointed_updates:
             with contextlib.suppress(Exception):
                 await self._checkpoint()
-        for delivery in [*self._gathering, *self._inbox]:  # not applied: back to the stream at once
-            with contextlib.suppress(Exception):
-                await delivery.nak()
+        if self.consumer is not None:  # what was not applied goes back to the stream at once
+            await self.consumer.close()
         self.ledger.close()
         if self.writer is not None:
             self.writer.close()
@@ -633,14 +536,6 @@ class GameLearner:
         if self.last_update_time is not None:
             response.last_update_time.CopyFrom(self.last_update_time)
         return response
-
-
-async def _settle(call: Any) -> None:
-    """ack/nak/term, tolerating a lost connection (the fragment is then redelivered and skipped)."""
-    try:
-        await call
-    except RlfleetError as exc:
-        log.warning("could not settle a delivery: %s", exc)
 
 
 def _local_spaces(env_id: str, env_kwargs: dict[str, Any]) -> tuple[Any, Any]:

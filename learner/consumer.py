@@ -1,0 +1,224 @@
+"""What every learner workload (game fragments, LM trajectory groups) shares around the bus:
+the durable-consumer inbox with at-least-once bookkeeping, the applied/dropped ledger, and small
+helpers for checkpoints and time stamps.
+
+Delivery states: pulled (``inbox``) -> held for the batch being gathered (``gathering``) ->
+applied, waiting for the checkpoint that covers it (``unacked``) -> acked. Every held delivery
+gets ``in_progress()`` every ack_wait/3 so it is not redelivered while held; on shutdown the
+ones not applied are nak'ed back to the stream at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from google.protobuf import timestamp_pb2
+
+from services.bus import Bus, Delivery
+from services.errors import InvalidArgument, RlfleetError
+
+__all__ = [
+    "Ledger",
+    "TrajectoryConsumer",
+    "now",
+    "rng_state",
+    "set_rng_state",
+    "settle",
+    "write_atomic",
+]
+
+log = logging.getLogger(__name__)
+
+
+def now() -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.GetCurrentTime()
+    return stamp
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    return {
+        "shuffle": generator.get_state(),
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(generator: torch.Generator, state: dict[str, Any]) -> None:
+    generator.set_state(state["shuffle"])
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+async def settle(call: Any) -> None:
+    """ack/nak/term, tolerating a lost connection (the message is then redelivered and skipped)."""
+    try:
+        await call
+    except RlfleetError as exc:
+        log.warning("could not settle a delivery: %s", exc)
+
+
+class Ledger:
+    """``applied.jsonl``: one JSON line per message applied or dropped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: Any = None
+
+    def restore(self, updates: int) -> dict[str, int]:
+        """Keep the lines the restored state includes: "applied" ones up to update ``updates``
+        and every drop (drops are acked at once, never redelivered). Returns counts by status."""
+        kept: list[str] = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if entry["status"] != "applied" or entry["update"] <= updates:
+                        kept.append(line)
+        write_atomic(self.path, "".join(f"{line}\n" for line in kept))
+        return collections.Counter(json.loads(line)["status"] for line in kept)
+
+    def write(self, **entry: Any) -> None:
+        if self._file is None:
+            self._file = self.path.open("a", buffering=1)
+        self._file.write(json.dumps(entry) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TrajectoryConsumer:
+    """The learner's side of the run's trajectory stream (one durable pull consumer)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        stream: str,
+        durable: str,
+        subject: str,
+        message_type: type,
+        batch: int,
+        ack_wait_s: float,
+        max_ack_pending: int,
+        stop_event: asyncio.Event,
+        on_invalid: Callable[[InvalidArgument], None],
+    ) -> None:
+        self.bus, self.stop_event = bus, stop_event
+        self._pull_args = dict(
+            stream=stream,
+            durable=durable,
+            subject=subject,
+            message_type=message_type,
+            batch=batch,
+            ack_wait_s=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+        )
+        self.ack_wait_s = ack_wait_s
+        self.on_invalid = on_invalid
+        self.unacked: list[Delivery[Any]] = []  # applied, waiting for the next checkpoint
+        self.gathering: list[Delivery[Any]] = []  # held for the batch being gathered
+        self.inbox: collections.deque[Delivery[Any]] = collections.deque()  # pulled, not taken
+        self._arrived = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._pull(), name="pull"),
+            asyncio.create_task(self._keep_alive(), name="in-progress"),
+        ]
+
+    async def _pull(self) -> None:
+        """Move deliveries from the durable consumer into the inbox until stopped."""
+        a = self._pull_args
+        while not self.stop_event.is_set():
+            deliveries = self.bus.pull(
+                a["stream"],
+                a["durable"],
+                a["subject"],
+                a["message_type"],
+                batch=a["batch"],
+                ack_wait_s=a["ack_wait_s"],
+                max_ack_pending=a["max_ack_pending"],
+                stop_event=self.stop_event,
+            )
+            try:
+                async for delivery in deliveries:
+                    self.inbox.append(delivery)
+                    self._arrived.set()
+            except InvalidArgument as exc:  # undecodable: the bus client terminated it
+                self.on_invalid(exc)
+
+    async def _keep_alive(self) -> None:
+        """in_progress() on every held delivery so none is redelivered while we hold it."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for delivery in [*self.unacked, *self.gathering, *self.inbox]:
+                with contextlib.suppress(RlfleetError):
+                    await delivery.in_progress()
+
+    async def next(self) -> Delivery[Any] | None:
+        """The next delivery, or None once the service is stopping; re-raises why the
+        consumer failed if it did."""
+        puller = self._tasks[0]
+        while not self.inbox:
+            self._arrived.clear()
+            waits = [
+                asyncio.ensure_future(self._arrived.wait()),
+                asyncio.ensure_future(self.stop_event.wait()),
+            ]
+            await asyncio.wait([*waits, puller], return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            if puller.done() and not self.inbox:
+                puller.result()  # raises the consumer's error
+                return None
+            if self.stop_event.is_set():
+                return None
+        return self.inbox.popleft()
+
+    def hold(self, delivery: Delivery[Any]) -> None:
+        """Keep ``delivery`` for the batch being gathered (acked after its checkpoint)."""
+        self.gathering.append(delivery)
+
+    def applied(self) -> None:
+        """The gathered batch was applied: its deliveries wait for the next checkpoint."""
+        self.unacked.extend(self.gathering)
+        self.gathering = []
+
+    async def ack_checkpointed(self) -> int:
+        """Ack everything applied so far (call right after a checkpoint is on disk)."""
+        acks, self.unacked = self.unacked, []
+        await asyncio.gather(*(settle(d.ack()) for d in acks))
+        return len(acks)
+
+    async def close(self) -> None:
+        """Stop pulling; nak what was not applied so it comes back at once."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for delivery in [*self.gathering, *self.inbox]:
+            with contextlib.suppress(Exception):
+                await delivery.nak()
