@@ -1,19 +1,47 @@
-"""The pure algorithm layer: advantage estimators, policy/value/entropy losses, aggregation,
-normalisation and schedules, each a small function registered by name (see ``registry``).
+"""The pure algorithm layer: advantage estimators, policy/value/entropy/SFT/preference losses,
+KL estimators, truncated importance sampling, DAPO filters, aggregation, normalisation, schedules
+and named presets, each a small function registered by name (see ``registry``).
 
 Importing this package registers the built-ins; ``rlfleet.algos`` entry-point plugins load on the
 first registry lookup.
 """
 
-from learner.algos.advantages import discounted_returns, gae
+from learner.algos.advantages import (
+    discounted_returns,
+    gae,
+    grpo,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    rloo,
+    token_returns,
+)
 from learner.algos.aggregate import aggregate, masked_mean
-from learner.algos.losses import a2c, entropy_from_logits, entropy_loss, ppo_clip, value_loss
+from learner.algos.filters import dynamic_sampling_keep, overlong_mask
+from learner.algos.kl import kl_penalty
+from learner.algos.losses import (
+    a2c,
+    chord_mix,
+    cispo,
+    dpo_loss,
+    entropy_from_logits,
+    entropy_loss,
+    gspo,
+    ppo_clip,
+    sapo,
+    sft_loss,
+    value_loss,
+)
 from learner.algos.normalize import normalize_advantages
+from learner.algos.presets import Preset, resolve_preset
 from learner.algos.registry import (
     ADVANTAGES,
     AGGREGATIONS,
+    KL_ESTIMATORS,
     POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    PRESETS,
     SCHEDULES,
+    SFT_LOSSES,
     VALUE_LOSSES,
     DuplicateNameError,
     PluginLoadError,
@@ -21,29 +49,53 @@ from learner.algos.registry import (
     UnknownNameError,
     load_plugins,
 )
-from learner.algos.schedules import constant, linear_anneal
+from learner.algos.schedules import constant, cosine_decay, linear_anneal, warmup_cosine
+from learner.algos.tis import truncated_is_weights
 
 __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
+    "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
+    "PRESETS",
     "SCHEDULES",
+    "SFT_LOSSES",
     "VALUE_LOSSES",
     "DuplicateNameError",
     "PluginLoadError",
+    "Preset",
     "Registry",
     "UnknownNameError",
     "a2c",
     "aggregate",
+    "chord_mix",
+    "cispo",
     "constant",
+    "cosine_decay",
     "discounted_returns",
+    "dpo_loss",
+    "dynamic_sampling_keep",
     "entropy_from_logits",
     "entropy_loss",
     "gae",
+    "grpo",
+    "gspo",
+    "kl_penalty",
     "linear_anneal",
     "load_plugins",
     "masked_mean",
     "normalize_advantages",
+    "overlong_mask",
     "ppo_clip",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "resolve_preset",
+    "rloo",
+    "sapo",
+    "sft_loss",
+    "token_returns",
+    "truncated_is_weights",
     "value_loss",
+    "warmup_cosine",
 ]

@@ -8,9 +8,12 @@ T steps/tokens; ``m`` the 0/1 mask, ``n_b = sum_t m[b, t]``, ``S`` the sequences
 - ``seq-mean-token-mean``: ``1/|S| sum_{b in S} (sum_t m l / n_b)``: every sequence weighs the same
   (the GRPO paper, Shao et al. 2024);
 - ``seq-mean-token-sum-norm``: ``1/|S| sum_{b in S} (sum_t m l) / norm`` with a constant ``norm``
-  (default T): no length normalisation (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783). verl's mode
-  of the same name divides the total by ``norm`` without the 1/|S|; the two differ by the constant
-  factor |S|.
+  (default T): no length normalisation (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, which divides
+  by the generation budget MAX_TOKENS). Current verl (``agg_loss``) computes the same: per-sequence
+  token sums divided by ``loss_scale_factor`` (default: the padded response length T), then the
+  sequence mean; ``loss_scale_factor`` is accepted here as another name for ``norm``. Set it to
+  the generation limit so the divisor does not change with the padding of each batch. Older verl
+  releases left out the 1/|S| (a constant factor |S|), and verl counts padding rows in |S|.
 
 Fully masked sequences (padding rows) are excluded from |S| so they do not dilute the mean; an
 all-masked batch gives 0 (still attached to the graph). Masked-out entries are dropped with
@@ -51,7 +54,12 @@ def seq_mean_token_mean(loss: Tensor, mask: Tensor) -> Tensor:
 
 
 @AGGREGATIONS.register("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, norm: float | None = None) -> Tensor:
+def seq_mean_token_sum_norm(
+    loss: Tensor, mask: Tensor, norm: float | None = None, loss_scale_factor: float | None = None
+) -> Tensor:
+    if norm is not None and loss_scale_factor is not None:
+        raise ValueError("give norm or loss_scale_factor (verl's name for it), not both")
+    norm = loss_scale_factor if norm is None else norm
     norm = float(mask.shape[-1]) if norm is None else norm
     per_seq = _masked_sum(loss, mask, dim=-1) / norm  # [B]
     return masked_mean(per_seq, mask.sum(dim=-1) > 0)
@@ -65,7 +73,7 @@ def aggregate(
 ) -> Tensor:
     """Reduce ``loss`` to a 0-dim tensor with the aggregation ``mode`` (see the module docstring).
 
-    ``kwargs`` go to the mode (``norm=`` for ``seq-mean-token-sum-norm``).
+    ``kwargs`` go to the mode (``norm=`` or ``loss_scale_factor=`` for ``seq-mean-token-sum-norm``).
     """
     fn = AGGREGATIONS.get(mode)
     if loss.ndim == 1:

@@ -101,6 +101,10 @@ POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss")
 VALUE_LOSSES: Registry[Callable[..., Any]] = Registry("value loss")
 AGGREGATIONS: Registry[Callable[..., Any]] = Registry("loss aggregation mode")
 SCHEDULES: Registry[Callable[..., float]] = Registry("schedule")
+KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator")
+SFT_LOSSES: Registry[Callable[..., Any]] = Registry("SFT loss")
+PREFERENCE_LOSSES: Registry[Callable[..., Any]] = Registry("preference loss")
+PRESETS: Registry[Any] = Registry("algorithm preset")  # learner.algos.presets.Preset objects
 
 _plugins_loaded = False
 _plugins_lock = threading.RLock()
