@@ -32,7 +32,7 @@ from services import registry as reg
 from services.bus import TYPE_HEADER, Bus, EmbeddedNats, events_wildcard
 from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.ports import free_ports
-from services.registry import ServiceSpec, get_service
+from services.registry import ServiceSpec, get_job, get_service
 
 __all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter"]
 
@@ -261,6 +261,18 @@ class Launcher:
             for sig in signals:
                 loop.remove_signal_handler(sig)
 
+    async def _prepare_job(self) -> None:
+        """The job kind's one-time preparation (files its services need), before they start."""
+        job = self.config.job
+        if not job:
+            return
+        spec = get_job(str(job["kind"]))
+        if spec.prepare is None:
+            return
+        settings = spec.settings.model_validate({k: v for k, v in job.items() if k != "kind"})
+        self.say(f"preparing job '{spec.kind}'")
+        await asyncio.to_thread(spec.prepare, settings, self.run_dir)
+
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._stop.is_set():
             self.say(f"{sig.name} again: killing services now")
@@ -287,6 +299,7 @@ class Launcher:
                 await asyncio.to_thread(nats.start)
                 url = nats.url
             self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}")
+            await self._prepare_job()
             ports = free_ports(2 * len(self.config.services))
             for i, entry in enumerate(self.config.services):
                 log_path = self.run_dir / "logs" / f"{entry.name}.log"

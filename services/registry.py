@@ -156,11 +156,16 @@ def get_service(kind: str) -> ServiceSpec:
 class JobSpec:
     """A job kind: flat, user-facing knobs (``job:`` in a run file) and how they expand into
     service entries (dicts shaped like ``services:`` items). Expansion must be deterministic:
-    every ``rlfleet serve`` of the run re-reads the same file and expands it again."""
+    every ``rlfleet serve`` of the run re-reads the same file and expands it again.
+
+    ``prepare`` (optional) runs once in ``rlfleet up`` before any service starts, for what the
+    services need on disk (e.g. a local model that ``init-model`` creates when it is missing);
+    it must be idempotent."""
 
     kind: str
     settings: type[StrictModel]
     expand: Callable[[StrictModel, str], list[dict]]  # (settings, run name) -> service entries
+    prepare: Callable[[StrictModel, Path], None] | None = None  # (settings, run dir)
 
 
 def get_job(kind: str) -> JobSpec:

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from services.config import StrictModel
+from learner.lm.settings import LoraSettings
 
 __all__ = [
     "LoraSettings",
@@ -26,25 +25,6 @@ __all__ = [
 ]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class LoraSettings(StrictModel):
-    """peft LoRA adapters on the attention and MLP projections."""
-
-    r: int = Field(default=8, ge=1)
-    alpha: float = Field(default=16.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -1,0 +1,85 @@
+"""The supervised warm start: next-token NLL on a dataset's expert solutions.
+
+Runs on the same DeepSpeed engine as the RL updates, before the first weight version is
+published, so samplers start from the warm-started model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from learner.algos import aggregate, sft_loss
+from learner.lm.batch import Sample, collate
+from learner.lm.model import sequence_logprobs
+from services.datasets import Task
+
+__all__ = ["expert_sample", "sft_phase"]
+
+log = logging.getLogger(__name__)
+
+
+def expert_sample(task: Task, tokenizer: Any, group_id: str = "sft") -> Sample:
+    """The task's prompt and solution (+ end of sequence) as one expert completion."""
+    if task.solution is None:
+        raise ValueError(f"task {task.prompt_id} has no solution to learn from")
+    if task.messages:
+        prompt = tokenizer.apply_chat_template(list(task.messages), add_generation_prompt=True)
+    else:
+        prompt = tokenizer(task.prompt, add_special_tokens=False)["input_ids"]
+    completion = tokenizer(task.solution, add_special_tokens=False)["input_ids"]
+    completion = [*completion, tokenizer.eos_token_id]
+    return Sample(
+        group_id=group_id,
+        prompt_ids=np.asarray(prompt, dtype=np.int64),
+        completion_ids=np.asarray(completion, dtype=np.int64),
+        rollout_logp=None,
+        loss_mask=np.ones(len(completion), dtype=bool),
+        reward=None,
+        truncated=False,
+        expert=True,
+        policy_version=0,
+        scores={},
+    )
+
+
+def sft_phase(
+    engine: Any,
+    tokenizer: Any,
+    tasks: Iterator[Task],
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    log_every: int = 20,
+) -> list[dict[str, float]]:
+    """``steps`` optimizer steps of token-mean NLL; returns the logged metrics."""
+    engine.set_lr(learning_rate)
+    history: list[dict[str, float]] = []
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        samples = [expert_sample(t, tokenizer) for t in itertools.islice(tasks, batch_size)]
+        if not samples:
+            log.info("SFT data ran out after %d steps", step - 1)
+            break
+        batch = collate(samples, tokenizer.pad_token_id)
+        logp, _ = sequence_logprobs(engine, batch.input_ids, batch.attention_mask)  # [B, L-1]
+        loss = aggregate(sft_loss(logp, batch.mask), batch.mask, "token-mean")
+        engine.backward(loss)
+        engine.step()
+        if step % log_every == 0 or step == steps:
+            metrics = {"sft/loss": float(loss.detach()), "sft/step": float(step)}
+            history.append(metrics)
+            log.info(
+                "SFT step %d/%d: loss %.4f (%.1f s)",
+                step,
+                steps,
+                metrics["sft/loss"],
+                time.perf_counter() - started,
+            )
+    return history

@@ -1,0 +1,171 @@
+"""One GRPO-family update: advantages, old/reference log-probs, then minibatch steps of the policy
+loss the preset names (plus KL, entropy, truncated IS and CHORD's SFT term) on the engine.
+
+Reads top to bottom like CleanRL's update; every algorithmic piece is a registered pure function
+from ``learner.algos`` chosen by the ``Preset``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from learner.algos import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    aggregate,
+    dynamic_sampling_keep,
+    kl_penalty,
+    masked_mean,
+    overlong_mask,
+    sft_loss,
+    truncated_is_weights,
+)
+from learner.algos.losses import chord_mix
+from learner.algos.presets import Preset
+from learner.lm.batch import Batch, Sample, collate
+from learner.lm.model import sequence_logprobs
+
+__all__ = ["group_filter", "lm_update"]
+
+
+def group_filter(samples: Sequence[Sample], preset: Preset) -> tuple[list[Sample], str | None]:
+    """The samples of one group worth training on, and why the group was dropped (or None).
+
+    Completions no reward function scored are left out; with DAPO's dynamic sampling a group
+    whose rewards are all equal carries no signal (every advantage is 0) and is dropped whole.
+    """
+    scored = [s for s in samples if s.reward is not None or s.expert]
+    rl = [s for s in scored if not s.expert]
+    if not rl:
+        return [], "unscored"
+    if preset.dynamic_sampling and len({s.reward for s in rl}) < 2:
+        return [], "uniform"
+    return scored, None
+
+
+def _forward_logp(model: Any, batch: Batch, rows: Tensor | None, entropy_grad: bool):
+    b = batch if rows is None else batch.select(rows)
+    return sequence_logprobs(model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad)
+
+
+@torch.no_grad()
+def _no_grad_logp(model: Any, batch: Batch, minibatch: int) -> Tensor:
+    parts = []
+    for start in range(0, len(batch), minibatch):
+        rows = torch.arange(start, min(start + minibatch, len(batch)))
+        parts.append(_forward_logp(model, batch, rows, False)[0])
+    return torch.cat(parts)  # [B, L-1]
+
+
+def lm_update(
+    engine: Any,
+    reference: nn.Module | None,
+    samples: Sequence[Sample],
+    preset: Preset,
+    *,
+    pad_id: int,
+    lr: float,
+    step: int,
+    epochs: int = 1,
+    minibatch_size: int = 32,
+    recompute_old_logp: bool = True,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Train on ``samples`` (whole groups); returns scalar metrics (CleanRL-style names)."""
+    engine.set_lr(lr)
+    batch = collate(samples, pad_id)
+    rl_rows = (~batch.expert).nonzero().squeeze(-1)  # [R]
+    mask = batch.mask & ~batch.expert[:, None]  # [B, L-1] RL tokens
+    if preset.overlong_filter:
+        mask = overlong_mask(mask, batch.truncated)
+    expert_mask = batch.mask & batch.expert[:, None]  # [B, L-1] CHORD's SFT tokens
+
+    # Old and reference log-probs, once per update, without gradients.
+    old_logp = batch.rollout_logp  # [B, L-1]
+    metrics: dict[str, Any] = {}
+    if recompute_old_logp:
+        old_logp = _no_grad_logp(engine, batch, minibatch_size)
+    tis = torch.ones_like(old_logp)  # [B, L-1]
+    if preset.tis_cap is not None or recompute_old_logp:
+        weights, tis_metrics = truncated_is_weights(
+            old_logp, batch.rollout_logp, mask, cap=preset.tis_cap or float("inf")
+        )
+        metrics.update({f"rollout/{k}": v for k, v in tis_metrics.items()})
+        if preset.tis_cap is not None:
+            tis = weights
+    ref_logp = None
+    if preset.kl_beta > 0:
+        assert reference is not None, "kl_beta > 0 needs a reference model"
+        ref_logp = _no_grad_logp(reference, batch, minibatch_size)
+
+    # Advantages over the RL rows (group statistics never see expert completions).
+    token_rewards = None
+    if ref_logp is not None and preset.kl_in_reward:
+        token_rewards = -preset.kl_beta * kl_penalty(
+            old_logp, ref_logp, estimator=preset.kl_estimator
+        )
+    adv = torch.zeros_like(old_logp)  # [B, L-1]
+    if len(rl_rows):
+        kwargs = dict(preset.advantage_kwargs)
+        if token_rewards is not None:
+            kwargs["token_rewards"] = token_rewards[rl_rows]
+        rl_adv, adv_metrics = ADVANTAGES.get(preset.advantage)(
+            batch.rewards[rl_rows], batch.group_ids[rl_rows], mask[rl_rows], **kwargs
+        )
+        adv[rl_rows] = rl_adv.to(adv.dtype)
+        metrics.update({f"adv/{k}": v for k, v in adv_metrics.items()})
+    if preset.dynamic_sampling and len(rl_rows):
+        keep = dynamic_sampling_keep(batch.rewards[rl_rows], batch.group_ids[rl_rows])
+        metrics["rollout/kept_frac"] = keep.float().mean()
+
+    policy_loss = POLICY_LOSSES.get(preset.policy_loss)
+    sums: dict[str, float] = collections.defaultdict(float)
+    chord: dict[str, float] = collections.defaultdict(float)  # over minibatches with expert rows
+    steps = chord_steps = 0
+    entropy_grad = preset.entropy_coef != 0
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for start in range(0, len(batch), minibatch_size):
+            rows = order[start : start + minibatch_size]
+            logp, entropy = _forward_logp(engine, batch, rows, entropy_grad)  # [b, L-1] each
+            m, em = mask[rows], expert_mask[rows]
+            loss_tok, loss_metrics = policy_loss(
+                logp, old_logp[rows], adv[rows], m, **preset.loss_kwargs
+            )
+            loss = aggregate(
+                loss_tok * tis[rows], m, preset.aggregation, **preset.aggregation_kwargs
+            )
+            if ref_logp is not None and not preset.kl_in_reward:
+                kl = kl_penalty(logp, ref_logp[rows], estimator=preset.kl_estimator)  # [b, L-1]
+                kl_loss = aggregate(kl, m, preset.aggregation, **preset.aggregation_kwargs)
+                loss = loss + preset.kl_beta * kl_loss
+                sums["losses/kl"] += float(kl_loss.detach())
+            if entropy_grad:
+                loss = loss - preset.entropy_coef * aggregate(entropy, m, "token-mean")
+            if preset.chord and bool(em.any()):
+                sft = aggregate(sft_loss(logp, em, phi=preset.chord_phi), em, "token-mean")
+                mu = preset.chord_mu(step)
+                loss = chord_mix(loss, sft, mu)
+                chord["losses/sft"] += float(sft.detach())
+                chord["charts/chord_mu"] += mu
+                chord_steps += 1
+            engine.backward(loss)
+            engine.step()
+            steps += 1
+            sums["losses/policy_loss"] += float(loss.detach())
+            sums["charts/entropy"] += float(masked_mean(entropy.detach(), m))
+            for key, value in loss_metrics.items():
+                sums[f"losses/{key}"] += float(value)
+    out = {k: v / max(steps, 1) for k, v in sums.items()}
+    out.update({k: v / chord_steps for k, v in chord.items()})
+    out.update({k: float(v) for k, v in metrics.items()})
+    rl = [s for s in samples if not s.expert]
+    out["charts/learning_rate"] = lr
+    out["rollout/completion_tokens"] = float(sum(len(s.completion_ids) for s in rl))
+    out["rollout/completion_len"] = out["rollout/completion_tokens"] / max(len(rl), 1)
+    return out
