@@ -1,0 +1,373 @@
+"""The rollout driver: prompts in, scored TrajectoryGroups out.
+
+Each of `concurrency` workers loops: wait for pacing credit (pacing.py), take up to
+`prompts_per_call` prompts from the queue (prompts.py), Generate G completions of each on the
+next sampler, Score every completion (plus an expert completion per prompt with
+`expert_completions`), publish one TrajectoryGroup per prompt to `rlfleet.v1.traj.<run>` with
+Nats-Msg-Id = group_id, then ack its prompt. Publishing before acking makes delivery
+at-least-once; the deterministic group_id (groups.group_id) makes the repeat a duplicate.
+
+Errors: transient ones (UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED) are retried with
+backoff; a sampler's INVALID_ARGUMENT about one prompt (too long for the context) drops that
+prompt from the queue with an error in the log; any other error from a peer stops the driver
+with the peer's message, and its prompts go back to the queue for the other drivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from rlfleet.bus.v1 import events_pb2, trajectory_pb2
+from rlfleet.sampler.v1 import sampler_pb2
+from sampler.rollout.clients import (
+    REWARD_SERVICE,
+    SAMPLER_SERVICE,
+    RewardCalls,
+    SamplerCalls,
+    call_with_retry,
+    wait_healthy,
+)
+from sampler.rollout.groups import (
+    Expert,
+    build_groups,
+    expert_text,
+    generate_request,
+    score_request,
+)
+from sampler.rollout.pacing import Pacer, VersionWatch
+from sampler.rollout.prompts import PromptFeeder, PromptQueue, prompt_key
+from sampler.rollout.settings import RolloutSettings
+from sampler.rollout.stats import RolloutStats
+from services.bus import Bus, Delivery, events_subject, stream_name, traj_subject
+from services.errors import ConfigError, InvalidArgument, Unavailable
+from services.registry import ServiceContext
+
+__all__ = ["RolloutDriver"]
+
+log = logging.getLogger(__name__)
+
+Prompt = Delivery[trajectory_pb2.PromptTask]
+_RUN_OVER = (events_pb2.RUN_STATE_DONE, events_pb2.RUN_STATE_FAILED)
+_PROMPT_FIELD = re.compile(r"^prompts\[(\d+)\]")
+PUBLISH_ATTEMPTS = 5
+STOP_GRACE_S = 5.0  # a stopping driver lets calls this close to done finish; the rest go back
+
+
+class RolloutDriver:
+    """One driver incarnation; `run()` returns when stopped (or raises what stopped it)."""
+
+    def __init__(self, ctx: ServiceContext, settings: RolloutSettings) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.stop = ctx.stop_event
+        self.run_name = ctx.run_name
+        self.bus: Bus | None = None
+        self.samplers = SamplerCalls(
+            [ctx.resolve(name) for name in settings.sampler], settings.generate_timeout_s
+        )
+        self.rewards = RewardCalls(ctx.resolve(settings.reward_service), settings.score_timeout_s)
+        self.watch = VersionWatch()
+        self.pacer = Pacer(
+            self.watch,
+            settings.groups_per_version,
+            settings.max_policy_lag,
+            settings.version_wait_s,
+        )
+        self.queue: PromptQueue | None = None
+        self.stats: RolloutStats | None = None
+        self.tokenizer: Any = None
+        self.eos_token_id: int | None = None
+        self._intake = asyncio.Lock()  # one worker at a time takes credit and prompts
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        if not self.ctx.nats_url:
+            raise ConfigError(f"rollout {self.ctx.name}: needs a NATS url (RLFLEET_NATS_URL)")
+        self.bus = await Bus.connect(self.ctx.nats_url, name=f"{self.ctx.name}-rollout")
+        try:
+            if await self._prepare():
+                await self._work()
+        finally:
+            await self._shutdown()
+
+    async def _prepare(self) -> bool:
+        """Wait for the peers, learn the sampler's version, set up the bus; False if stopped."""
+        settings, bus, run = self.settings, self.bus, self.run_name
+        assert bus is not None
+        peers = [("sampler", a, SAMPLER_SERVICE) for a in self.samplers.addresses]
+        peers.append(("reward service", self.rewards.address, REWARD_SERVICE))
+        for what, address, service in peers:
+            log.info("waiting for %s at %s", what, address)
+            if not await wait_healthy(
+                what, address, service, self.stop, settings.startup_timeout_s
+            ):
+                return False
+        info = await self.samplers.info()
+        await self.watch.observe(int(info.policy_version))
+        if settings.expert_completions:
+            await self._load_tokenizer(info)
+        await bus.ensure_stream(stream_name(run), [traj_subject(run)])
+        self._check_group_size(bus.max_payload)
+        status = await bus.subscribe(events_subject(run, "status"), events_pb2.RunStatus)
+        self._tasks.append(asyncio.create_task(self._watch_status(status), name="status"))
+        await self.watch.start(bus, run)
+        if settings.feed:
+            feeder = PromptFeeder(
+                bus,
+                run,
+                settings.queue,
+                settings.dataset,
+                depth=settings.queue_depth,
+                epochs=settings.epochs,
+            )
+            self._tasks.append(asyncio.create_task(feeder.run_until(self.stop), name="feeder"))
+        self.queue = PromptQueue(
+            bus,
+            run,
+            settings.queue,
+            ack_wait_s=settings.prompt_ack_wait_s,
+            prefetch=settings.prompts_per_call,
+        )
+        await self.queue.start()
+        self.stats = RolloutStats(bus, run, self.ctx.name, settings.metrics_interval_s)
+        log.info(
+            "rollout %s: %s (%s, v%d), rewards from %s, G=%d, %d prompts/call x %d, feed %s",
+            self.ctx.name,
+            ", ".join(self.samplers.addresses),
+            info.model_name,
+            info.policy_version,
+            self.rewards.address,
+            settings.group_size,
+            settings.prompts_per_call,
+            settings.concurrency,
+            "on" if settings.feed else "off",
+        )
+        return not self.stop.is_set()
+
+    async def _load_tokenizer(self, info: sampler_pb2.GetInfoResponse) -> None:
+        from transformers import AutoTokenizer
+
+        path = self.settings.model_path
+        try:
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+        except Exception as exc:
+            raise ConfigError(
+                f"model_path {path!r}: cannot load the tokenizer for expert completions: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else next(iter(info.eos_token_ids), None)
+        if self.eos_token_id is None:
+            log.warning("tokenizer of %s has no EOS token: expert completions end without", path)
+
+    def _check_group_size(self, max_payload: int) -> None:
+        """Warn at start when a group of full-length completions would not fit one message
+        (groups by reference, bus.v1.PayloadRef, are not implemented yet)."""
+        settings = self.settings
+        completions = settings.group_size + settings.expert_completions
+        # Per token: int32 id, float32 logprob, bool mask, and about 4 bytes of text.
+        worst = completions * settings.sampling.max_tokens * 13
+        if worst > max_payload * 0.9:
+            log.warning(
+                "a group of %d completions of %d tokens can take about %d bytes, over the bus's "
+                "max payload of %d: such groups are dropped; lower group_size or "
+                "sampling.max_tokens, or raise the NATS server's max_payload",
+                completions,
+                settings.sampling.max_tokens,
+                worst,
+                max_payload,
+            )
+
+    async def _watch_status(self, sub: Any) -> None:
+        async with sub:
+            async for delivery in sub:
+                if delivery.message.state in _RUN_OVER:
+                    state = events_pb2.RunState.Name(delivery.message.state)
+                    log.info("run is over (%s): stopping", state)
+                    self.stop.set()
+                    return
+
+    async def _work(self) -> None:
+        """Run the workers and the metrics loop until stopped or something fails."""
+        workers = [
+            asyncio.create_task(self._worker(), name=f"rollout-worker-{i}")
+            for i in range(self.settings.concurrency)
+        ]
+        metrics = asyncio.create_task(self._report_loop(), name="rollout-metrics")
+        for task in self._tasks:  # the feeder and status watcher: a failure stops the driver
+            task.add_done_callback(self._stop_on_failure)
+        stopped = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait({*workers, metrics, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.stop.set()
+            stopped.cancel()
+            # Calls about to finish may publish; the others are cut and their prompts go back.
+            await asyncio.wait(workers, timeout=STOP_GRACE_S)
+            for task in [*workers, metrics]:
+                task.cancel()
+            await asyncio.gather(*workers, metrics, return_exceptions=True)
+        for task in [*workers, metrics, *self._tasks]:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    def _stop_on_failure(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.stop.set()
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.queue is not None:
+            await self.queue.close()
+        await self.watch.close()
+        if self.stats is not None and self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.stats.report(self.watch.version)
+        await self.samplers.close()
+        await self.rewards.close()
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.close()
+
+    async def _report_loop(self) -> None:
+        assert self.stats is not None
+        while True:
+            await asyncio.sleep(max(0.0, self.stats.next_report - time.monotonic()))
+            await self.stats.report(self.watch.version)
+
+    # ------------------------------------------------------------------ one call
+
+    async def _worker(self) -> None:
+        assert self.queue is not None
+        settings = self.settings
+        while not self.stop.is_set():
+            async with self._intake:
+                if not await self.pacer.wait_turn(self.stop):
+                    return
+                batch = await self.queue.take(settings.prompts_per_call, self.stop)
+                self.pacer.count(len(batch))
+            if not batch:
+                continue
+            try:
+                await self._roll(batch)
+            except BaseException:
+                await self.queue.nak([d for d in batch if not d.settled])
+                raise
+
+    async def _roll(self, batch: list[Prompt]) -> None:
+        """Generate, score and publish the groups of ``batch``'s prompts, acking each."""
+        assert self.queue is not None and self.stats is not None
+        generated = await self._generate(batch)
+        if generated is None:
+            await self.queue.nak(batch)
+            return
+        batch, results = generated
+        tasks = [d.message for d in batch]
+        experts = [self._expert(task) for task in tasks]
+        request = score_request(tasks, results, experts, self.settings.rewards)
+        started = time.monotonic()
+        scored = await call_with_retry(
+            lambda: self.rewards.score(request), f"scoring {len(request.items)}", self.stop
+        )
+        if scored is None:
+            await self.queue.nak(batch)
+            return
+        self.stats.scored(time.monotonic() - started)
+        groups = build_groups(
+            self.run_name, self.ctx.name, tasks, results, experts, list(scored.results)
+        )
+        for group, delivery in zip(groups, batch, strict=True):
+            if await self._publish(group, delivery):
+                await self.queue.ack([delivery])
+                self.stats.published(group, self.watch.version)
+
+    async def _generate(
+        self, batch: list[Prompt]
+    ) -> tuple[list[Prompt], list[sampler_pb2.PromptResult]] | None:
+        """(prompts kept, their results); None when stopped. A prompt the sampler refuses on
+        its own (INVALID_ARGUMENT on `prompts[i]`) is dropped and the rest asked again."""
+        assert self.queue is not None and self.stats is not None
+        settings = self.settings
+        while batch:
+            tasks = [d.message for d in batch]
+            request = generate_request(tasks, settings.sampling, settings.group_size, settings.seed)
+            started = time.monotonic()
+            try:
+                answered = await call_with_retry(
+                    lambda request=request: self.samplers.generate(request),
+                    f"generating {len(tasks)} prompts",
+                    self.stop,
+                )
+            except InvalidArgument as exc:
+                match = _PROMPT_FIELD.match(exc.field or "")
+                if match is None or int(match.group(1)) >= len(batch):
+                    raise
+                bad = batch.pop(int(match.group(1)))
+                log.error("dropping prompt %s: %s", prompt_key(bad.message), exc)
+                await self.queue.term(bad)
+                continue
+            if answered is None:
+                return None
+            address, response = answered
+            self._check_response(address, response, len(batch))
+            self.stats.generated(time.monotonic() - started, response.results)
+            for result in response.results:
+                for completion in result.completions:
+                    await self.watch.observe(completion.end_policy_version)
+            return batch, list(response.results)
+        return None
+
+    def _check_response(
+        self, address: str, response: sampler_pb2.GenerateResponse, prompts: int
+    ) -> None:
+        """A sampler that answers with the wrong shape is a bug: stop rather than mislabel."""
+        counts = [len(r.completions) for r in response.results]
+        if len(counts) != prompts or any(c != self.settings.group_size for c in counts):
+            raise InvalidArgument(
+                f"sampler {address}: Generate returned {counts} completions for {prompts} "
+                f"prompts x n={self.settings.group_size}",
+                field="results",
+            )
+
+    def _expert(self, task: trajectory_pb2.PromptTask) -> Expert | None:
+        if not self.settings.expert_completions:
+            return None
+        text = expert_text(task)
+        if text is None:
+            return None
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return Expert(text=text, token_ids=np.asarray(ids, dtype=np.int32))
+
+    async def _publish(self, group: trajectory_pb2.TrajectoryGroup, prompt: Prompt) -> bool:
+        """Publish with the same msg_id on every retry (the stream drops repeats); False when
+        the group cannot be sent (too large: its prompt is dropped with an error)."""
+        assert self.bus is not None and self.queue is not None
+        subject, delay = traj_subject(self.run_name), 0.5
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                await self.bus.publish(subject, group, msg_id=group.group_id)
+                return True
+            except InvalidArgument as exc:
+                log.error("dropping prompt %s: its group %s", prompt_key(prompt.message), exc)
+                await self.queue.term(prompt)
+                return False
+            except Unavailable as exc:
+                if attempt == PUBLISH_ATTEMPTS:
+                    raise
+                log.warning("publishing %s: %s; retrying", group.group_id, exc)
+                await asyncio.sleep(delay)
+                delay *= 2
+        return False

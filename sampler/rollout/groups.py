@@ -1,0 +1,242 @@
+"""Requests and TrajectoryGroups of a rollout call: pure functions of messages, no I/O.
+
+One call: a GenerateRequest for P prompts with n = G, then one ScoreRequest over every
+completion (prompt-major: the G completions of prompt 0, then its expert completion if any,
+then prompt 1's, ...), then one TrajectoryGroup per prompt.
+
+Unscored completions: when no reward function returned a score for a completion (all abstained
+or failed), its ItemScore.total is unset and so is TrajectoryCompletion.reward. The completion
+stays in the group (for logs and samples tables) but the learner leaves it out of training: its
+advantage would be made up. The function-level outcomes stay in `rewards` for the record.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.reward.v1 import reward_pb2
+from rlfleet.sampler.v1 import sampler_pb2
+from sampler.rollout.prompts import SOLUTION_KEY, prompt_key
+from sampler.rollout.settings import RewardSpec, SamplingSettings
+from services import tensor
+from services.errors import InvalidArgument
+
+__all__ = [
+    "Expert",
+    "build_groups",
+    "call_seed",
+    "expert_text",
+    "generate_request",
+    "group_id",
+    "prompt_text",
+    "score_request",
+]
+
+
+@dataclass(frozen=True)
+class Expert:
+    """An expert completion of one prompt: the task's solution, tokenized (EOS appended)."""
+
+    text: str
+    token_ids: np.ndarray  # int32 [T]
+
+
+def group_id(run: str, task: trajectory_pb2.PromptTask) -> str:
+    """``<run>/<dataset>/<epoch>/<prompt_id>``: one group per prompt and epoch. Deterministic,
+    so a prompt redelivered after its group was published (the driver died before acking)
+    yields the same id, which the stream and the learner drop as a duplicate."""
+    return f"{run}/{prompt_key(task)}"
+
+
+def prompt_text(task: trajectory_pb2.PromptTask) -> str:
+    """The prompt as reward functions see it: the raw text, or for a chat prompt the last user
+    message (the task itself; the rendered template is the sampler's business)."""
+    if task.WhichOneof("prompt") == "text":
+        return task.text
+    users = [m.content for m in task.chat.messages if m.role == "user"]
+    return users[-1] if users else "\n".join(m.content for m in task.chat.messages)
+
+
+def expert_text(task: trajectory_pb2.PromptTask) -> str | None:
+    """The task's expert solution, when the dataset gave one."""
+    value = task.extra.fields.get(SOLUTION_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value" or not value.string_value:
+        return None
+    return value.string_value
+
+
+def call_seed(seed: int | None, task: trajectory_pb2.PromptTask) -> int | None:
+    """The sampling seed of a call whose first prompt is ``task``: reproducible per prompt and
+    epoch without giving every call the same random stream."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + zlib.crc32(prompt_key(task).encode())) % (1 << 62)
+
+
+def generate_request(
+    tasks: Sequence[trajectory_pb2.PromptTask],
+    sampling: SamplingSettings,
+    group_size: int,
+    seed: int | None,
+) -> sampler_pb2.GenerateRequest:
+    """G completions of each prompt, with per-token logprobs."""
+    prompts = []
+    for task in tasks:
+        if task.WhichOneof("prompt") == "chat":
+            prompts.append(sampler_pb2.Prompt(chat=task.chat))
+        else:
+            prompts.append(sampler_pb2.Prompt(text=task.text))
+    params = sampler_pb2.SamplingParams(
+        n=group_size,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        max_tokens=sampling.max_tokens,
+        stop=sampling.stop,
+        stop_token_ids=sampling.stop_token_ids,
+        logprobs=True,
+    )
+    if tasks and (value := call_seed(seed, tasks[0])) is not None:
+        params.seed = value
+    return sampler_pb2.GenerateRequest(prompts=prompts, sampling=params)
+
+
+def score_request(
+    tasks: Sequence[trajectory_pb2.PromptTask],
+    results: Sequence[sampler_pb2.PromptResult],
+    experts: Sequence[Expert | None],
+    rewards: Sequence[RewardSpec],
+) -> reward_pb2.ScoreRequest:
+    """One item per completion, prompt-major, each prompt's expert completion after its G."""
+    request = reward_pb2.ScoreRequest()
+    for spec in rewards:
+        weight = request.rewards.add(name=spec.name, weight=spec.weight)
+        if spec.kwargs:
+            weight.kwargs.update(spec.kwargs)
+        if spec.timeout_s is not None:
+            weight.timeout.CopyFrom(_duration(spec.timeout_s))
+    for task, result, expert in zip(tasks, results, experts, strict=True):
+        text = prompt_text(task)
+        completions = [(c.text, c.token_ids) for c in result.completions]
+        if expert is not None:
+            completions.append((expert.text, tensor.encode(expert.token_ids)))
+        for completion, token_ids in completions:
+            item = request.items.add(prompt=text, completion=completion)
+            item.prompt_token_ids.CopyFrom(result.prompt_token_ids)
+            item.completion_token_ids.CopyFrom(token_ids)
+            item.extra.CopyFrom(task.extra)
+    return request
+
+
+def build_groups(
+    run: str,
+    source: str,
+    tasks: Sequence[trajectory_pb2.PromptTask],
+    results: Sequence[sampler_pb2.PromptResult],
+    experts: Sequence[Expert | None],
+    scores: Sequence[reward_pb2.ItemScore],
+) -> list[trajectory_pb2.TrajectoryGroup]:
+    """One TrajectoryGroup per prompt; ``scores`` in score_request's item order."""
+    pairs = zip(results, experts, strict=True)
+    expected = sum(len(result.completions) + (expert is not None) for result, expert in pairs)
+    if len(scores) != expected:
+        raise InvalidArgument(
+            f"the reward service returned {len(scores)} scores for {expected} completions",
+            field="results",
+        )
+    now = timestamp_pb2.Timestamp()
+    now.GetCurrentTime()
+    groups, at = [], 0
+    for index, (task, result, expert) in enumerate(zip(tasks, results, experts, strict=True)):
+        group = trajectory_pb2.TrajectoryGroup(
+            run=run,
+            group_id=group_id(run, task),
+            prompt_id=task.prompt_id,
+            prompt_text=prompt_text(task),
+            source=source,
+            dataset=task.dataset,
+            create_time=now,
+        )
+        group.prompt_token_ids.CopyFrom(
+            tensor.encode(_ids(result.prompt_token_ids, f"results[{index}].prompt_token_ids"))
+        )
+        for j, completion in enumerate(result.completions):
+            where = f"results[{index}].completions[{j}]"
+            group.completions.append(_sampled(completion, scores[at], where))
+            at += 1
+        if expert is not None:
+            group.completions.append(_expert(expert, scores[at]))
+            at += 1
+        sampled = [c.policy_version for c in group.completions if not c.expert]
+        group.policy_version = min(sampled) if sampled else 0
+        groups.append(group)
+    return groups
+
+
+def _sampled(
+    completion: sampler_pb2.Completion, score: reward_pb2.ItemScore, where: str
+) -> trajectory_pb2.TrajectoryCompletion:
+    token_ids = _ids(completion.token_ids, f"{where}.token_ids")
+    if not completion.HasField("logprobs"):
+        raise InvalidArgument(f"{where}: the sampler returned no logprobs", field=where)
+    logprobs = tensor.decode(completion.logprobs, name=f"{where}.logprobs")
+    if logprobs.shape != token_ids.shape:
+        raise InvalidArgument(
+            f"{where}: logprobs shape {list(logprobs.shape)} does not match the "
+            f"{len(token_ids)} token ids",
+            field=f"{where}.logprobs",
+        )
+    out = trajectory_pb2.TrajectoryCompletion(
+        token_ids=tensor.encode(token_ids),
+        logprobs=tensor.encode(logprobs.astype(np.float32, copy=False)),
+        loss_mask=tensor.encode(np.ones(len(token_ids), dtype=np.bool_)),
+        finish_reason=completion.finish_reason,
+        policy_version=completion.policy_version,
+        end_policy_version=completion.end_policy_version,
+        text=completion.text,
+    )
+    _set_reward(out, score)
+    return out
+
+
+def _expert(expert: Expert, score: reward_pb2.ItemScore) -> trajectory_pb2.TrajectoryCompletion:
+    token_ids = np.asarray(expert.token_ids, dtype=np.int32)
+    out = trajectory_pb2.TrajectoryCompletion(
+        token_ids=tensor.encode(token_ids),
+        loss_mask=tensor.encode(np.ones(len(token_ids), dtype=np.bool_)),
+        finish_reason=sampler_pb2.FINISH_REASON_STOP,
+        expert=True,
+        text=expert.text,
+    )
+    _set_reward(out, score)
+    return out
+
+
+def _set_reward(out: trajectory_pb2.TrajectoryCompletion, score: reward_pb2.ItemScore) -> None:
+    out.rewards.extend(score.scores)
+    if score.HasField("total"):  # unset total: leave reward unset (see the module docstring)
+        out.reward = score.total
+
+
+def _ids(message: object, name: str) -> np.ndarray:
+    """Token ids as int32 [L] (the sampler sends int32; another integer type is cast)."""
+    ids = tensor.decode(message, name=name)  # type: ignore[arg-type]
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidArgument(
+            f"{name}: expected integer token ids of shape [L], got {ids.dtype} {list(ids.shape)}",
+            field=name,
+        )
+    return ids.astype(np.int32, copy=False)
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    out = duration_pb2.Duration()
+    out.FromNanoseconds(int(seconds * 1e9))
+    return out

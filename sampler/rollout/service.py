@@ -1,0 +1,22 @@
+"""The `rollout` service kind: a rollout driver for language-model RL (GRPO family, CHORD).
+
+Runs until stopped (SIGTERM/SIGINT) or until the run's status says it is over; it serves no
+gRPC of its own. See driver.py for the loop, prompts.py for the prompt queue (and why exactly
+one driver feeds it), pacing.py for how far it runs ahead of the learner.
+"""
+
+from __future__ import annotations
+
+from sampler.rollout.driver import RolloutDriver
+from sampler.rollout.settings import RolloutSettings
+from services.registry import ServiceContext, ServiceSpec
+
+__all__ = ["SPEC", "main"]
+
+
+async def main(ctx: ServiceContext) -> None:
+    settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
+    await RolloutDriver(ctx, settings).run()
+
+
+SPEC = ServiceSpec(kind="rollout", settings=RolloutSettings, main=main, grpc=False)

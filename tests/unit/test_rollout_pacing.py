@@ -1,0 +1,61 @@
+"""Rollout pacing: how many groups a driver starts before it waits for a version."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sampler.rollout.pacing import Pacer, VersionWatch
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _started_without_waiting(pacer: Pacer, stop: asyncio.Event, calls: int) -> int:
+    """Groups started (one per call) before a call would have to wait."""
+    for started in range(calls):
+        turn = asyncio.ensure_future(pacer.wait_turn(stop))
+        await asyncio.sleep(0.01)
+        if not turn.done():
+            turn.cancel()
+            return started
+        assert turn.result()
+        pacer.count(1)
+    return calls
+
+
+@pytest.mark.parametrize(("lag", "free"), [(0, 2), (1, 4), (2, 6)])
+async def test_driver_runs_at_most_lag_versions_of_groups_ahead(lag: int, free: int) -> None:
+    watch, stop = VersionWatch(version=5), asyncio.Event()
+    pacer = Pacer(watch, groups_per_version=2, max_policy_lag=lag, version_wait_s=30)
+    assert await _started_without_waiting(pacer, stop, 10) == free
+    waiting = asyncio.ensure_future(pacer.wait_turn(stop))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    await watch.observe(6)  # the learner trained on the first two groups
+    assert await asyncio.wait_for(waiting, 1)
+    pacer.count(1)
+    assert await _started_without_waiting(pacer, stop, 10) == 1  # two more per version
+
+
+async def test_no_groups_per_version_never_waits_and_stop_ends_a_wait() -> None:
+    watch, stop = VersionWatch(), asyncio.Event()
+    free = Pacer(watch, groups_per_version=None, max_policy_lag=0, version_wait_s=30)
+    assert await _started_without_waiting(free, stop, 50) == 50
+    paced = Pacer(watch, groups_per_version=1, max_policy_lag=0, version_wait_s=30)
+    paced.count(0)
+    assert await paced.wait_turn(stop)
+    paced.count(1)
+    waiting = asyncio.ensure_future(paced.wait_turn(stop))
+    await asyncio.sleep(0.01)
+    stop.set()
+    assert await asyncio.wait_for(waiting, 1) is False
+
+
+async def test_pacing_restarts_from_the_current_version_after_a_long_wait() -> None:
+    watch, stop = VersionWatch(version=3), asyncio.Event()
+    pacer = Pacer(watch, groups_per_version=1, max_policy_lag=0, version_wait_s=0.1)
+    assert await pacer.wait_turn(stop)
+    pacer.count(1)
+    assert await asyncio.wait_for(pacer.wait_turn(stop), 2)  # v4 never came
+    assert (pacer.base, pacer.started) == (3, 0)
