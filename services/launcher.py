@@ -36,7 +36,9 @@ from services.registry import ServiceSpec, get_job, get_service
 
 __all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter"]
 
-HEALTH_TIMEOUT_S = 120.0  # vLLM's first compile can take a minute on CPU
+# vLLM's first compile can take a minute on CPU, and an LM sampler becomes healthy only once it
+# has loaded the learner's first version (after the learner's SFT warm start).
+HEALTH_TIMEOUT_S = 300.0
 GRACE_S = 10.0
 BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
 MAX_BACKOFF_S = 10.0

@@ -37,7 +37,10 @@ class LMJobSettings(StrictModel):
     init_model: Literal["tiny", "small", "base100m"] | None = "tiny"  # create when missing
     dataset: dict[str, Any] = Field(default_factory=lambda: {"generator": "arith"})
     rewards: list[RewardKnob] = Field(
-        default_factory=lambda: [RewardKnob(name="accuracy"), RewardKnob(name="format", weight=0.1)]
+        default_factory=lambda: [
+            RewardKnob(name="accuracy"),
+            RewardKnob(name="format", weight=0.1, kwargs={"tags": ["answer"]}),
+        ]
     )
     group_size: int = Field(default=8, ge=2)  # completions per prompt
     prompts_per_call: int = Field(default=8, ge=1)

@@ -189,16 +189,18 @@ class LMLearner:
 
             self.writer = SummaryWriter(str(self.dirs["tensorboard"]))
             await asyncio.to_thread(self._build)
-            await asyncio.to_thread(self._warm_start)
+            # Serving before the warm start: samplers start their engines meanwhile and wait for
+            # the first announced version (the WeightService has none to give until then).
             self.store = WeightStore(
                 self.run_name, keep=s.keep_versions, start_version=self._next_version()
             )
             self.server.add_service(add_weight_service, WeightServicer(self.store), WEIGHTS_SERVICE)
             await self.server.start()
+            self.server.set_serving()
             self.bus = await Bus.connect(ctx.nats_url, name=ctx.name)
             await self.bus.ensure_stream(stream_name(self.run_name), [traj_subject(self.run_name)])
+            await asyncio.to_thread(self._warm_start)
             await self._publish_weights()
-            self.server.set_serving()
             log.info("lm learner serving on %s, version %d", self.server.address, self._version)
             if not self.evals:
                 await self._evaluate()
