@@ -189,6 +189,17 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dpo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="DPO config YAML (top level: learner.lm.dpo.DPOSettings)")
+
+
+@command("dpo", "offline DPO on (prompt, chosen, rejected) JSONL pairs", _dpo_args)
+def _dpo(args: argparse.Namespace) -> int:
+    from learner.lm.dpo import run_config  # torch and transformers load only for this command
+
+    return run_config(args.config)
+
+
 def _print_table(rows: Iterable[Any]) -> None:
     """Print strings one per line, or mappings/objects/protobuf messages as aligned columns."""
     records = []
