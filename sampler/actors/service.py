@@ -20,10 +20,10 @@ from typing import Any
 from rlfleet.bus.v1 import events_pb2
 from sampler.actors.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
 from sampler.actors.envs import EnvGroup
-from sampler.actors.follower import WeightFollower
 from sampler.actors.rollout import FragmentMeta, Rollout
 from sampler.actors.settings import GameActorSettings
 from sampler.actors.stats import ActorStats
+from sampler.weights import WeightFollower
 from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.errors import ConfigError, InvalidArgument, Unavailable
 from services.registry import ServiceContext, ServiceSpec

@@ -1,9 +1,10 @@
-"""Following the learner's weight versions without stalling the rollout.
+"""Following the learner's weight versions without stalling generation.
 
-The actor needs a version before its first step (`first`), then swaps to newer ones only between
-fragments so that every fragment has one policy version. Fetching (a gRPC stream, checksums)
-runs in a background task as soon as a `WeightsPublished` event announces a version; the
-rollout loop only asks `take()` at fragment boundaries and loads whatever has arrived. Several
+Shared by game actors (sampler/actors) and the language-model sampler (sampler/lm). A consumer
+needs a version before it starts (`first`), then takes newer ones when it can apply them: an
+actor between fragments, so that every fragment has one policy version; the LM sampler as soon
+as one arrives (`wait_newer`, then `take`). Fetching (a gRPC stream, checksums) runs in a
+background task as soon as a `WeightsPublished` event announces a version. Several
 announcements while one fetch runs collapse into fetching the newest.
 """
 

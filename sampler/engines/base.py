@@ -1,0 +1,138 @@
+"""The engine protocol: what the language-model sampler needs from a generation engine.
+
+Engines see token ids only; tokenization and chat templates happen once, in the service
+(sampler/lm/prompts.py), so every engine generates from exactly the same prompt. Engines are
+found by name in ENGINES ("vllm", "hf"), which maps each name to its factory's import path, so
+adding an engine never touches the service and the service never imports an engine it does not
+run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ENGINES",
+    "Completion",
+    "EngineConfig",
+    "EngineInfo",
+    "GenerationEngine",
+    "SamplingOptions",
+    "build_engine",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """One request's sampling parameters, already validated and defaulted by the service.
+
+    `max_tokens` is per prompt (cut to the room left in the context by the service), hence a
+    list aligned with the prompts. `deadline` is a time.monotonic() value: unfinished
+    completions stop there with finish reason "abort" and keep the tokens generated so far.
+    """
+
+    max_tokens: Sequence[int]
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    deadline: float | None = None
+
+
+@dataclass
+class Completion:
+    """One completion: token ids [T]; logprobs [T] when asked; top-k ids and logprobs [T][K]."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[float] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What GetInfo reports about the engine."""
+
+    kind: str  # "vllm" | "hf"
+    version: str  # e.g. "vllm 0.32.0"
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine (the service's settings, engine-neutral)."""
+
+    model_path: str
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_n: int = 16
+    max_top_logprobs: int = 20
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 256
+    served_model_name: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # engine-specific arguments
+
+
+class GenerationEngine(Protocol):
+    """A running generation engine. Methods are called from the service's event loop."""
+
+    info: EngineInfo
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+    ) -> list[list[Completion]]:
+        """`options.n` completions per prompt, in prompt order. Concurrent calls are allowed
+        (and batched together by engines that can)."""
+        ...
+
+    async def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights with Hugging Face-named tensors (a full state dict; a tied
+        `lm_head.weight` may be missing). Called only while no generation runs."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine and free its processes and memory."""
+        ...
+
+
+# name -> "module:factory"; a factory is `async (EngineConfig) -> GenerationEngine`. Modules
+# import lazily: the hf engine must not pull vLLM in, nor the other way round.
+ENGINES: dict[str, str] = {
+    "vllm": "sampler.engines.vllm_engine:create",
+    "hf": "sampler.engines.hf_engine:create",
+}
+
+
+async def build_engine(name: str, config: EngineConfig) -> GenerationEngine:
+    """Start the engine registered as `name`."""
+    try:
+        target = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})") from None
+    module, attr = target.split(":")
+    factory: Callable[[EngineConfig], Any] = getattr(importlib.import_module(module), attr)
+    return await factory(config)

@@ -1,0 +1,216 @@
+"""Hugging Face transformers behind the engine protocol: the parity reference and the engine of
+small CPU tests.
+
+`model.generate` with `output_scores`: the scores are the processed logits that tokens were
+sampled from (after penalties, temperature, top-k/top-p), the same distribution vLLM's
+"processed_logprobs" describe. Stopping is done by one StoppingCriteria of ours (eos, stop ids,
+stop strings, the request's deadline) with generate's own eos list left empty, so `ignore_eos`
+and the finish reasons mean exactly what they mean for vLLM. One generation runs at a time, in
+a worker thread (transformers is synchronous); nothing batches across requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sampler.engines.base import Completion, EngineConfig, EngineInfo, SamplingOptions
+from sampler.engines.model_files import model_facts
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HfEngine", "create"]
+
+
+async def create(config: EngineConfig) -> HfEngine:
+    return await asyncio.to_thread(HfEngine, config)
+
+
+class HfEngine:
+    """One transformers causal LM on CPU (or whatever `extra["device"]` names)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        facts = model_facts(config.model_path)
+        self.device = str(config.extra.get("device", "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=getattr(torch, config.dtype)
+        ).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        max_len = config.max_model_len or facts.max_position_embeddings or 2048
+        self.info = EngineInfo(
+            kind="hf",
+            version=f"transformers {transformers.__version__}",
+            max_model_len=int(max_len),
+            vocab_size=facts.vocab_size,
+            eos_token_ids=facts.eos_token_ids,
+        )
+        self._lock = threading.Lock()  # one generate (or weight load) at a time
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+    ) -> list[list[Completion]]:
+        return await asyncio.to_thread(self._generate_all, prompts, options)
+
+    def _generate_all(
+        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+    ) -> list[list[Completion]]:
+        with self._lock:
+            return [
+                self._generate_one(p, options, mt)
+                for p, mt in zip(prompts, options.max_tokens, strict=True)
+            ]
+
+    def _generate_one(
+        self, prompt: Sequence[int], o: SamplingOptions, max_tokens: int
+    ) -> list[Completion]:
+        import torch
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        if o.deadline is not None and time.monotonic() >= o.deadline:
+            return [Completion([], "", "abort", [] if o.logprobs else None) for _ in range(o.n)]
+        greedy = o.temperature == 0
+        config = GenerationConfig(
+            max_new_tokens=max_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else o.temperature,
+            top_p=None if greedy else o.top_p,
+            top_k=None if greedy else max(o.top_k, 0),  # 0, not None: None means 50 here
+            min_p=None if greedy or o.min_p == 0 else o.min_p,
+            repetition_penalty=o.repetition_penalty,
+            num_return_sequences=o.n,
+            eos_token_id=[],  # stopping is _Stopper's job (see the module docstring)
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        stopper = _Stopper(self, o, len(prompt))
+        processors = LogitsProcessorList()
+        if o.presence_penalty or o.frequency_penalty:
+            processors.append(_OpenAIPenalties(len(prompt), o))
+        input_ids = torch.tensor([list(prompt)], device=self.device)
+        if o.seed is not None:
+            torch.manual_seed(o.seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([stopper]),
+            )
+        generated = out.sequences[:, len(prompt) :].tolist()
+        # [T, n, V] -> [n, T, V]
+        logps = torch.stack(out.scores, 1).float().log_softmax(-1) if out.scores else None
+        return [self._completion(i, generated[i], stopper, logps, o) for i in range(o.n)]
+
+    def _completion(
+        self,
+        row: int,
+        tokens: list[int],
+        stopper: _Stopper,
+        logps: torch.Tensor | None,
+        o: SamplingOptions,
+    ) -> Completion:
+        import torch
+
+        length = stopper.lengths[row] if stopper.lengths[row] is not None else len(tokens)
+        tokens = tokens[:length]
+        reason = stopper.reasons[row] or "length"
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if stopper.matched[row] is not None:
+            text = text[: text.find(stopper.matched[row])]
+        completion = Completion(tokens, text, reason)  # type: ignore[arg-type]
+        if logps is not None and tokens:
+            rows = logps[row, :length]
+            if o.logprobs:
+                ids = torch.tensor(tokens, device=rows.device)[:, None]
+                completion.logprobs = rows.gather(1, ids)[:, 0].tolist()
+            if o.top_logprobs:
+                values, ids = rows.topk(o.top_logprobs, dim=-1)
+                completion.top_token_ids = ids.tolist()
+                completion.top_logprobs = values.tolist()
+        elif o.logprobs:
+            completion.logprobs = []
+        return completion
+
+    async def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        await asyncio.to_thread(self._load, tensors)
+
+    def _load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        with self._lock:
+            missing, unexpected = self.model.load_state_dict(dict(tensors), strict=False)
+            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+            if unexpected or set(missing) - tied:
+                raise ValueError(
+                    f"weights do not fit the model: missing {sorted(set(missing) - tied)}, "
+                    f"unexpected {sorted(unexpected)}"
+                )
+
+    async def close(self) -> None:
+        pass
+
+
+class _Stopper:
+    """StoppingCriteria: per sequence, where and why it stopped (eos, stop id, stop string,
+    deadline). generate pads a finished sequence from then on; we cut at `lengths`."""
+
+    def __init__(self, engine: HfEngine, o: SamplingOptions, prompt_len: int) -> None:
+        self.tokenizer = engine.tokenizer
+        self.prompt_len = prompt_len
+        self.stop_ids = set(o.stop_token_ids)
+        if not o.ignore_eos:
+            self.stop_ids |= set(engine.info.eos_token_ids)
+        self.stop_strings = list(o.stop)
+        self.deadline = o.deadline
+        self.reasons: list[str | None] = [None] * o.n
+        self.lengths: list[int | None] = [None] * o.n
+        self.matched: list[str | None] = [None] * o.n
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        import torch
+
+        late = self.deadline is not None and time.monotonic() >= self.deadline
+        done = []
+        for row, ids in enumerate(input_ids.tolist()):
+            if self.reasons[row] is None:
+                self._check(row, ids[self.prompt_len :], late)
+            done.append(self.reasons[row] is not None)
+        return torch.tensor(done, device=input_ids.device)
+
+    def _check(self, row: int, tokens: list[int], late: bool) -> None:
+        if tokens[-1] in self.stop_ids:
+            self.reasons[row], self.lengths[row] = "stop", len(tokens)
+        elif self.stop_strings:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            hits = [(text.find(s), s) for s in self.stop_strings if s in text]
+            if hits:
+                self.reasons[row], self.lengths[row] = "stop", len(tokens)
+                self.matched[row] = min(hits)[1]
+        if self.reasons[row] is None and late:
+            self.reasons[row], self.lengths[row] = "abort", len(tokens)
+
+
+class _OpenAIPenalties:
+    """OpenAI presence/frequency penalties over the generated tokens (as vLLM applies them)."""
+
+    def __init__(self, prompt_len: int, o: SamplingOptions) -> None:
+        self.prompt_len = prompt_len
+        self.presence = o.presence_penalty
+        self.frequency = o.frequency_penalty
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        generated = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)

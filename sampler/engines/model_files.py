@@ -1,0 +1,39 @@
+"""Facts about a Hugging Face model folder that every engine reports the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+__all__ = ["ModelFacts", "model_facts"]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    eos_token_ids: tuple[int, ...]  # generation_config's, else config's, else the tokenizer's
+    vocab_size: int
+    max_position_embeddings: int | None
+
+
+@functools.cache
+def model_facts(model_path: str) -> ModelFacts:
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    eos = None
+    with contextlib.suppress(OSError):  # no generation_config.json
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    if eos is None:
+        eos = getattr(text_config, "eos_token_id", None)
+    if eos is None:
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
+    ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    return ModelFacts(
+        eos_token_ids=tuple(int(i) for i in ids),
+        vocab_size=int(text_config.vocab_size),
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+    )

@@ -1,0 +1,204 @@
+"""vLLM behind the engine protocol: `vllm.v1` AsyncLLM, so the prompts of concurrent Generate
+calls are scheduled into the same batches.
+
+- Each prompt is one vLLM request with `n` samples; a request's prompts run concurrently.
+- Logprobs are vLLM's "processed_logprobs": the log-probabilities of the distribution tokens
+  were sampled from (after penalties, temperature, top-k/top-p), as the proto promises. With
+  temperature 1 and no truncation that is log_softmax of the model's logits.
+- `timeout`: at the deadline the request is aborted from outside, and vLLM hands back the
+  tokens it had, with finish reason "abort".
+- Weights: `collective_rpc` to RlfleetWeightReceiver (vllm_worker.py) with raw bytes, then
+  `reset_prefix_cache()`, or prompts cached under the old weights would reuse stale KV.
+
+vLLM must be imported after the service has set its environment (cache dirs, KV space), which
+the service does before build_engine; this module imports vLLM only inside functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sampler.engines.base import Completion, EngineConfig, EngineInfo, SamplingOptions
+from sampler.engines.model_files import model_facts
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["VllmEngine", "create"]
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "sampler.engines.vllm_worker.RlfleetWeightReceiver"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+async def create(config: EngineConfig) -> VllmEngine:
+    """Start vLLM (15-60 s on CPU). Built in a thread so the event loop keeps answering health
+    checks and GetInfo meanwhile; the engine's output task starts on the first request."""
+    return await asyncio.to_thread(VllmEngine, config)
+
+
+class VllmEngine:
+    """One vllm.v1 AsyncLLM."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        facts = model_facts(config.model_path)
+        args = AsyncEngineArgs(
+            model=config.model_path,
+            tokenizer=config.model_path,
+            served_model_name=config.served_model_name,
+            dtype=config.dtype,
+            seed=config.seed,
+            max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager,
+            max_logprobs=config.max_top_logprobs,
+            logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
+            max_num_seqs=config.max_num_seqs,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            **dict(config.extra),
+        )
+        started = time.monotonic()
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.start_seconds = time.monotonic() - started
+        self.tokenizer = self.llm.get_tokenizer()
+        model_config = self.llm.model_config
+        self.info = EngineInfo(
+            kind="vllm",
+            version=f"vllm {vllm.__version__}",
+            max_model_len=int(model_config.max_model_len),
+            vocab_size=int(model_config.get_vocab_size()),
+            eos_token_ids=facts.eos_token_ids,
+        )
+        log.info("vLLM %s started in %.1fs", config.model_path, self.start_seconds)
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+    ) -> list[list[Completion]]:
+        return list(
+            await asyncio.gather(
+                *(
+                    self._generate_one(prompt, options, max_tokens)
+                    for prompt, max_tokens in zip(prompts, options.max_tokens, strict=True)
+                )
+            )
+        )
+
+    async def _generate_one(
+        self, prompt: Sequence[int], options: SamplingOptions, max_tokens: int
+    ) -> list[Completion]:
+        request_id = uuid.uuid4().hex
+        params = _sampling_params(options, max_tokens)
+        abort_timer = None
+        if options.deadline is not None:
+            delay = max(0.0, options.deadline - time.monotonic())
+            loop = asyncio.get_running_loop()
+            abort_timer = loop.call_later(
+                delay, lambda: loop.create_task(self.llm.abort(request_id))
+            )
+        final = None
+        try:
+            stream = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
+            async for output in stream:
+                final = output
+        finally:
+            if abort_timer is not None:
+                abort_timer.cancel()
+        if final is None:  # aborted before vLLM produced anything
+            return [Completion([], "", "abort") for _ in range(options.n)]
+        outputs = sorted(final.outputs, key=lambda o: o.index)
+        completions = [_completion(o, options) for o in outputs]
+        for completion, output in zip(completions, outputs, strict=True):
+            if not isinstance(output.stop_reason, str):
+                # vLLM's incremental text holds back a trailing incomplete UTF-8 sequence; the
+                # proto's text is the decoded token_ids (as the transformers engine gives it).
+                # With a stop string, vLLM's text is that decode already cut before the match.
+                completion.text = self.tokenizer.decode(
+                    completion.token_ids, skip_special_tokens=True
+                )
+        return completions
+
+    async def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        items = [_raw(name, t) for name, t in tensors.items()]
+        started = time.monotonic()
+        counts = await self.llm.collective_rpc("rlfleet_reload_weights", args=(items,))
+        await self.llm.reset_prefix_cache()
+        log.info(
+            "vLLM: weights v%d loaded (%d tensors) in %.0f ms",
+            version,
+            counts[0] if counts else 0,
+            (time.monotonic() - started) * 1000,
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
+
+
+def _raw(name: str, tensor: torch.Tensor) -> tuple[str, str, list[int], bytes]:
+    """A tensor as plain values that survive collective_rpc's serialization."""
+    import torch
+
+    t = tensor.detach().to("cpu").contiguous()
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return name, str(t.dtype).removeprefix("torch."), list(t.shape), data
+
+
+def _sampling_params(o: SamplingOptions, max_tokens: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    want_logprobs = o.logprobs or o.top_logprobs > 0
+    return SamplingParams(
+        n=o.n,
+        temperature=o.temperature,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        min_p=o.min_p,
+        seed=o.seed,
+        max_tokens=max_tokens,
+        stop=list(o.stop) or None,
+        stop_token_ids=list(o.stop_token_ids) or None,
+        ignore_eos=o.ignore_eos,
+        logprobs=o.top_logprobs if want_logprobs else None,
+        presence_penalty=o.presence_penalty,
+        frequency_penalty=o.frequency_penalty,
+        repetition_penalty=o.repetition_penalty,
+        skip_special_tokens=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _completion(output: Any, o: SamplingOptions) -> Completion:
+    token_ids = list(output.token_ids)
+    completion = Completion(
+        token_ids=token_ids,
+        text=output.text,
+        finish_reason=_FINISH.get(output.finish_reason or "abort", "abort"),  # type: ignore[arg-type]
+    )
+    positions = output.logprobs if (o.logprobs or o.top_logprobs) else None
+    if positions is None:
+        return completion
+    positions = list(positions)[: len(token_ids)]
+    if o.logprobs:
+        pairs = zip(positions, token_ids, strict=True)
+        completion.logprobs = [float(p[t].logprob) for p, t in pairs]
+    if o.top_logprobs:
+        ids, values = [], []
+        for p in positions:
+            ranked = sorted(
+                (lp.rank, tid, lp.logprob) for tid, lp in p.items() if lp.rank <= o.top_logprobs
+            )[: o.top_logprobs]
+            ids.append([tid for _, tid, _ in ranked])
+            values.append([float(v) for _, _, v in ranked])
+        completion.top_token_ids, completion.top_logprobs = ids, values
+    return completion

@@ -1,0 +1,208 @@
+"""GenerateRequest -> (prompt token ids, SamplingOptions), validating the whole request first.
+
+Every rule of sampler.proto's Generate comment is checked here, before anything is generated,
+and the first problem found is an InvalidArgument naming the field ("prompts[3].token_ids",
+"sampling.top_p"). Sampling parameters are checked before prompts (cheap before tokenizing).
+Tokenization and chat templates happen here, once, so every engine sees the same token ids.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format
+
+from rlfleet.common.v1 import tensor_pb2
+from rlfleet.sampler.v1 import sampler_pb2
+from sampler.engines.base import SamplingOptions
+from services import tensor
+from services.errors import InvalidArgument
+
+__all__ = ["Limits", "PromptRenderer", "parse_request"]
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_n: int
+    max_prompts: int
+    max_context: int  # prompt + completion tokens
+    vocab_size: int
+
+
+class PromptRenderer:
+    """Turns the three prompt forms into token ids with the model's own tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def token_ids(self, prompt: sampler_pb2.Prompt, field: str, limits: Limits) -> list[int]:
+        kind = prompt.WhichOneof("input")
+        if kind is None:
+            raise InvalidArgument(f"{field}: set one of text, token_ids, chat", field=field)
+        field = f"{field}.{kind}"
+        if kind == "text":
+            if not prompt.text:
+                raise InvalidArgument(f"{field} is empty", field=field)
+            # As vLLM's completion API tokenizes: the tokenizer's own special tokens (a BOS
+            # for models that have one) are added; special tokens in the text are parsed.
+            ids = list(self.tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
+        elif kind == "token_ids":
+            ids = _token_ids(prompt.token_ids, field, limits.vocab_size)
+        else:
+            ids = self._chat(prompt.chat, field)
+        if not ids:
+            raise InvalidArgument(f"{field}: the prompt has no tokens", field=field)
+        if len(ids) >= limits.max_context:
+            raise InvalidArgument(
+                f"{field}: the prompt has {len(ids)} tokens, leaving no room to generate in the "
+                f"context of {limits.max_context} tokens",
+                field=field,
+            )
+        return ids
+
+    def _chat(self, chat: sampler_pb2.ChatPrompt, field: str) -> list[int]:
+        if not self.has_chat_template:
+            raise InvalidArgument(
+                f"{field}: the model has no chat template; send text or token_ids", field=field
+            )
+        if not chat.messages:
+            raise InvalidArgument(f"{field}.messages is empty", field=f"{field}.messages")
+        if chat.continue_final_message and chat.messages[-1].role != "assistant":
+            raise InvalidArgument(
+                f"{field}.continue_final_message needs an assistant message last, not "
+                f"{chat.messages[-1].role!r}",
+                field=f"{field}.continue_final_message",
+            )
+        kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=not chat.continue_final_message,
+                continue_final_message=chat.continue_final_message,
+                **kwargs,
+            )
+        except Exception as exc:  # a template's own checks (raise_exception), bad kwargs
+            raise InvalidArgument(f"{field}: chat template failed: {exc}", field=field) from None
+        # The template wrote any special tokens itself.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _token_ids(msg: tensor_pb2.Tensor, field: str, vocab_size: int) -> list[int]:
+    if msg.dtype != tensor_pb2.D_TYPE_INT32 or len(msg.shape) != 1:
+        raise InvalidArgument(
+            f"{field}: expected int32 [L], got {tensor.dtype_name(msg.dtype)} {list(msg.shape)}",
+            field=field,
+        )
+    ids = tensor.decode(msg, name=field)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise InvalidArgument(f"{field}: token id {bad} is outside [0, {vocab_size})", field=field)
+    return ids.tolist()
+
+
+def _sampling(s: sampler_pb2.SamplingParams, limits: Limits) -> dict[str, Any]:
+    """Checked and defaulted sampling parameters (SamplingOptions fields but max_tokens)."""
+
+    def bad(name: str, why: str) -> InvalidArgument:
+        return InvalidArgument(f"sampling.{name} {why}", field=f"sampling.{name}")
+
+    def opt(name: str, default: Any) -> Any:
+        return getattr(s, name) if s.HasField(name) else default
+
+    n = s.n or 1
+    if n > limits.max_n:
+        raise bad("n", f"must be in [1, {limits.max_n}], got {n}")
+    out: dict[str, Any] = {
+        "n": n,
+        "temperature": opt("temperature", 1.0),
+        "top_p": opt("top_p", 1.0),
+        "top_k": opt("top_k", 0),
+        "min_p": opt("min_p", 0.0),
+        "presence_penalty": opt("presence_penalty", 0.0),
+        "frequency_penalty": opt("frequency_penalty", 0.0),
+        "repetition_penalty": opt("repetition_penalty", 1.0),
+    }
+    checks = {
+        "temperature": (lambda v: v >= 0, "must be >= 0"),
+        "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        "top_k": (lambda v: v >= -1, "must be >= -1 (-1 or 0: off)"),
+        "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+        "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+        "frequency_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+        "repetition_penalty": (lambda v: v > 0, "must be > 0"),
+    }
+    for name, (ok, why) in checks.items():
+        value = out[name]
+        if not math.isfinite(value) or not ok(value):
+            raise bad(name, f"{why}, got {value}")
+    out["top_k"] = max(out["top_k"], 0)  # -1 and 0 both mean off; engines take 0
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise bad("stop", f"has {len(s.stop)} strings, at most {MAX_STOP_STRINGS}")
+    for i, text in enumerate(s.stop):
+        if not text:
+            raise bad(f"stop[{i}]", "is empty")
+    for i, token in enumerate(s.stop_token_ids):
+        if not 0 <= token < limits.vocab_size:
+            raise bad(f"stop_token_ids[{i}]", f"{token} is outside [0, {limits.vocab_size})")
+    out.update(
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        seed=opt("seed", None),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+    )
+    return out
+
+
+def parse_request(
+    request: sampler_pb2.GenerateRequest,
+    limits: Limits,
+    renderer: PromptRenderer,
+    received: float | None = None,
+) -> tuple[list[list[int]], SamplingOptions]:
+    """Validate the whole request; returns token ids per prompt and the engine's options.
+
+    `received` is the time.monotonic() the request arrived: `timeout` counts from it.
+    """
+    received = time.monotonic() if received is None else received
+    count = len(request.prompts)
+    if count == 0:
+        raise InvalidArgument("prompts is empty: send at least one prompt", field="prompts")
+    if count > limits.max_prompts:
+        raise InvalidArgument(
+            f"prompts has {count} entries, more than max_prompts_per_request="
+            f"{limits.max_prompts}; split the batch",
+            field="prompts",
+        )
+    deadline = None
+    if request.HasField("timeout"):
+        seconds = request.timeout.seconds + request.timeout.nanos / 1e9
+        if seconds < 0:
+            raise InvalidArgument(f"timeout must be >= 0, got {seconds}s", field="timeout")
+        deadline = received + seconds
+    sampling = _sampling(request.sampling, limits)
+    prompts = [
+        renderer.token_ids(p, f"prompts[{i}]", limits) for i, p in enumerate(request.prompts)
+    ]
+    # 0 = until the context runs out; more than the room left is cut to it (finish: length).
+    wanted = request.sampling.max_tokens
+    max_tokens = [
+        min(wanted, limits.max_context - len(p)) if wanted else limits.max_context - len(p)
+        for p in prompts
+    ]
+    return prompts, SamplingOptions(max_tokens=max_tokens, deadline=deadline, **sampling)

@@ -1,0 +1,168 @@
+"""The `sampler` service kind: SamplerService over vLLM (or transformers), following the run's
+weight versions when it has a learner.
+
+Start-up order: the gRPC server first (health NOT_SERVING, GetInfo answers, Generate is
+UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then, when following the run, the
+learner's current version; only then SERVING. Later versions are loaded into the running
+engine as they are announced (sampler/weights.py fetches them in the background), each through
+the servicer's VersionGate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from rlfleet.sampler.v1 import sampler_pb2_grpc
+from sampler.engines.base import EngineConfig, GenerationEngine, build_engine
+from sampler.lm.servicer import SamplerService
+from sampler.lm.settings import SamplerSettings
+from sampler.weights import WeightFollower
+from services.bus import Bus
+from services.errors import ConfigError
+from services.registry import ServiceContext, ServiceSpec
+from services.server import GrpcServer
+
+__all__ = ["SERVICE_NAME", "SPEC", "configure_environment", "engine_config", "main"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "rlfleet.sampler.v1.SamplerService"
+# Unix socket paths (vLLM's ZMQ IPC, under TMPDIR) must stay under ~107 bytes.
+_MAX_TMPDIR_CHARS = 60
+
+
+def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
+    """vLLM reads these at import and in its spawned processes: set before importing it.
+
+    Caches go under the run directory instead of ~/.cache; no usage stats, no hub lookups.
+    """
+    cache = Path(run_dir).resolve() / "cache"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    tmp = cache / "tmp"
+    if len(str(tmp)) <= _MAX_TMPDIR_CHARS and "TMPDIR" not in os.environ:
+        tmp.mkdir(parents=True, exist_ok=True)
+        os.environ["TMPDIR"] = str(tmp)  # vLLM's IPC sockets, not left in /tmp
+
+
+def engine_config(settings: SamplerSettings) -> EngineConfig:
+    return EngineConfig(
+        model_path=settings.model_path,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_n=settings.max_n,
+        seed=settings.seed,
+        enforce_eager=settings.enforce_eager,
+        kv_cache_gib=settings.kv_cache_gib,
+        max_num_seqs=settings.max_num_seqs,
+        served_model_name=settings.served_model_name,
+    )
+
+
+class LmSampler:
+    """One sampler incarnation: engine, servicer, and the weight-following task."""
+
+    def __init__(self, ctx: ServiceContext, settings: SamplerSettings) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.servicer = SamplerService(settings)
+        self.engine: GenerationEngine | None = None
+        self.bus: Bus | None = None
+        self.follower: WeightFollower | None = None
+        self._following: asyncio.Task[None] | None = None
+
+    async def start(self) -> bool:
+        """Engine up and first weights in; False when told to stop meanwhile."""
+        from transformers import AutoTokenizer
+
+        settings, ctx = self.settings, self.ctx
+        if settings.follows and not ctx.nats_url:
+            raise ConfigError(f"sampler {ctx.name}: following the run needs RLFLEET_NATS_URL")
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, settings.model_path)
+        self.engine = await build_engine(settings.engine, engine_config(settings))
+        self.servicer.attach(self.engine, tokenizer)
+        if settings.follows and not await self._first_weights():
+            return False
+        self.servicer.set_ready()
+        return True
+
+    async def _first_weights(self) -> bool:
+        settings, ctx = self.settings, self.ctx
+        address = ctx.resolve(settings.weights_from or "")
+        self.servicer.waiting_for = f"the first weight version from {address}"
+        assert ctx.nats_url is not None
+        self.bus = await Bus.connect(ctx.nats_url, name=f"{ctx.name}-weights")
+        self.follower = WeightFollower(self.bus, ctx.run_name, address)
+        await self.follower.start()
+        first = await self.follower.first(ctx.stop_event, settings.weights_timeout_s)
+        if first is None:
+            return False
+        await self.servicer.load_weights(first[1], first[0])
+        self._following = asyncio.create_task(self._follow(), name="weights-follow")
+        return True
+
+    async def _follow(self) -> None:
+        """Load each newer fetched version as soon as the gate lets it in."""
+        follower, stop = self.follower, self.ctx.stop_event
+        assert follower is not None
+        while not stop.is_set():
+            if not await follower.wait_newer(self.servicer.gate.version, stop, 3600.0):
+                continue
+            pending = follower.take()
+            if pending is None or pending[0] <= self.servicer.gate.version:
+                continue
+            try:
+                await self.servicer.load_weights(pending[1], pending[0])
+            except Exception:
+                # Keep serving the version we have; the next announcement tries again.
+                log.exception("loading weights v%d failed", pending[0])
+
+    async def close(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            await asyncio.gather(self._following, return_exceptions=True)
+        if self.follower is not None:
+            await self.follower.close()
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.close()
+        if self.engine is not None:
+            await self.engine.close()
+
+
+async def main(ctx: ServiceContext) -> None:
+    """Serve SamplerService until ctx.stop_event is set."""
+    settings: SamplerSettings = ctx.settings  # type: ignore[assignment]
+    configure_environment(ctx.run_dir, settings)
+    sampler = LmSampler(ctx, settings)
+    server = GrpcServer(
+        ctx.name, host=ctx.host, port=ctx.port, max_message_bytes=settings.max_message_bytes
+    )
+    server.add_service(
+        sampler_pb2_grpc.add_SamplerServiceServicer_to_server, sampler.servicer, SERVICE_NAME
+    )
+    await server.start()
+    try:
+        if await sampler.start():
+            server.set_serving()
+            log.info(
+                "sampler %s serving %s (%s) on %s",
+                ctx.name,
+                settings.model_path,
+                settings.engine,
+                server.address,
+            )
+            await ctx.stop_event.wait()
+    finally:
+        await server.stop()
+        await sampler.close()
+
+
+SPEC = ServiceSpec(kind="sampler", settings=SamplerSettings, main=main)
