@@ -40,7 +40,7 @@ class SamplingOptions:
     """
 
     max_tokens: Sequence[int]
-    n: int = 1
+    n: int = 1  # > 1 only with temperature > 0 (the service repeats a greedy answer itself)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off

@@ -34,6 +34,7 @@ __all__ = ["VllmEngine", "create"]
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "sampler.engines.vllm_worker.RlfleetWeightReceiver"
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -72,6 +73,8 @@ class VllmEngine:
         self.llm = AsyncLLM.from_engine_args(args)
         self.start_seconds = time.monotonic() - started
         self.tokenizer = self.llm.get_tokenizer()
+        hf_config = self.llm.model_config.hf_text_config
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         model_config = self.llm.model_config
         self.info = EngineInfo(
             kind="vllm",
@@ -129,6 +132,14 @@ class VllmEngine:
         return completions
 
     async def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        tensors = dict(tensors)
+        embed = tensors.get(_EMBED)
+        if self.tied and _LM_HEAD not in tensors and embed is not None:
+            # Exports drop a tied lm_head.weight (it is the embedding), but vLLM's CPU reload
+            # then leaves the output layer's repacked copy stale: a new version's logits would
+            # come from the old embedding (measured: greedy tokens differ from transformers).
+            # Passing the embedding under the head's name reprocesses it.
+            tensors[_LM_HEAD] = embed
         items = [_raw(name, t) for name, t in tensors.items()]
         started = time.monotonic()
         counts = await self.llm.collective_rpc("rlfleet_reload_weights", args=(items,))
@@ -142,6 +153,9 @@ class VllmEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
+        # Drop the engine now: AsyncLLM.__del__ shuts down again, which fails noisily when it
+        # first runs at interpreter exit.
+        del self.llm
 
 
 def _raw(name: str, tensor: torch.Tensor) -> tuple[str, str, list[int], bytes]:

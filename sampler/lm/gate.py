@@ -36,7 +36,13 @@ class VersionGate:
 
     @property
     def readers(self) -> int:
+        """Generations running now."""
         return self._readers
+
+    @property
+    def writers_waiting(self) -> int:
+        """Updates waiting for the running generations to finish."""
+        return self._writers_waiting
 
     @contextlib.asynccontextmanager
     async def reading(self) -> AsyncIterator[int]:

@@ -8,6 +8,8 @@ GetInfo answers with what the settings already say. Weight versions go through t
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -95,7 +97,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         self.queued += len(prompts)
         try:
             async with self.gate.reading() as version:
-                results = await self.engine.generate(prompts, options)
+                results = await _generate(self.engine, prompts, options)
         finally:
             self.queued -= len(prompts)
         response = sampler_pb2.GenerateResponse()
@@ -126,6 +128,17 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
             reply.eos_token_ids.extend(info.eos_token_ids)
             reply.vocab_size = info.vocab_size
         return reply
+
+
+async def _generate(
+    engine: GenerationEngine, prompts: list[list[int]], options: SamplingOptions
+) -> list[list[Completion]]:
+    """Greedy decoding gives one answer however often it is asked (vLLM refuses n > 1 with
+    temperature 0): generate once per prompt and repeat it n times."""
+    if options.temperature > 0 or options.n == 1:
+        return await engine.generate(prompts, options)
+    once = await engine.generate(prompts, dataclasses.replace(options, n=1))
+    return [[copy.deepcopy(c[0]) for _ in range(options.n)] for c in once]
 
 
 def _fill(
