@@ -215,3 +215,33 @@ async def test_following_sampler_is_unavailable_until_the_first_version(
             assert (await client.info()).engine_kind == sampler_pb2.ENGINE_KIND_HF
         ctx.stop_event.set()
         await sampler.close()
+
+
+async def test_transformers_engine_matches_vllm(lm_stack: LmStack) -> None:
+    """The two engines agree on the same weights: greedy tokens, logprobs, top-k, stops."""
+    from sampler.engines.base import EngineConfig, SamplingOptions, build_engine
+
+    async with SamplerClient(lm_stack.address) as client:
+        reply = await client.generate(
+            PROMPTS, temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=2
+        )
+    version = reply.results[0].completions[0].policy_version
+    engine = await build_engine("hf", EngineConfig(model_path=str(lm_stack.model_dir)))
+    await engine.load_weights(lm_stack.weights[version], version)
+    prompts = [ids(r.prompt_token_ids) for r in reply.results]
+    options = SamplingOptions(
+        max_tokens=[20, 20], temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    for result, [mine] in zip(reply.results, await engine.generate(prompts, options), strict=True):
+        theirs = result.completions[0]
+        assert mine.token_ids == ids(theirs.token_ids)
+        assert mine.text == theirs.text and mine.finish_reason == "length"
+        np.testing.assert_allclose(mine.logprobs, tensor.decode(theirs.logprobs), atol=PARITY_ATOL)
+        assert mine.top_token_ids == tensor.decode(theirs.top_token_ids).tolist()
+    # A stop token id (the 5th greedy token) ends both at the same place, token included.
+    stop_id = ids(reply.results[0].completions[0].token_ids)[4]
+    stopped = SamplingOptions(max_tokens=[20], temperature=0.0, stop_token_ids=[stop_id])
+    [[mine]] = await engine.generate(prompts[:1], stopped)
+    want = ids(reply.results[0].completions[0].token_ids)
+    assert mine.token_ids == want[: want.index(stop_id) + 1] and mine.finish_reason == "stop"
+    await engine.close()
