@@ -264,6 +264,7 @@ class LMLearner:
         assert self.consumer is not None and self.engine is not None
         samples: list[Sample] = []
         ids: set[str] = set()
+        streak = 0  # groups filtered out in a row
         vocab = self.engine.module.get_input_embeddings().num_embeddings
         while len(ids) < s.groups_per_update:
             delivery = await self.consumer.next()
@@ -295,7 +296,16 @@ class LMLearner:
             if reason is not None:
                 self._drop(msg, "filtered", reason=reason)
                 await settle(delivery.ack())
+                streak += 1
+                if streak % 100 == 0:
+                    log.warning(
+                        "%d groups in a row filtered out (last: %s): with dynamic sampling a "
+                        "group needs rewards that differ; is the task too hard or too easy?",
+                        streak,
+                        reason,
+                    )
                 continue
+            streak = 0
             samples.extend(kept)
             ids.add(msg.group_id)
             self.consumer.hold(delivery)
