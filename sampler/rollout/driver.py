@@ -80,6 +80,7 @@ class RolloutDriver:
             settings.max_policy_lag,
             settings.version_wait_s,
         )
+        self.pacer.loaded_version = self._sampler_version
         self.queue: PromptQueue | None = None
         self.stats: RolloutStats | None = None
         self.tokenizer: Any = None
@@ -245,6 +246,11 @@ class RolloutDriver:
         while True:
             await asyncio.sleep(max(0.0, self.stats.next_report - time.monotonic()))
             await self.stats.report(self.watch.version)
+
+    async def _sampler_version(self) -> int:
+        """The lowest weight version the samplers serve."""
+        infos = [self.samplers.info(i) for i in range(len(self.samplers.addresses))]
+        return min(int(info.policy_version) for info in await asyncio.gather(*infos))
 
     # ------------------------------------------------------------------ one call
 

@@ -12,8 +12,10 @@ driver started, its k-th group (from 0) is trained by the learner at version
 `base + k // groups_per_version - max_policy_lag`. With lag 0 the driver waits while the
 learner trains (strictly on-policy); with lag 1 it samples the next batch meanwhile, so it is
 never more than `max_policy_lag + 1` versions' worth of groups ahead. The check uses announced
-versions; the sampler loads them shortly after, so a few groups may come out one version older,
-which the learner's own `max_policy_lag` check drops or corrects.
+versions; the sampler loads them shortly after, and a group generated in between would come out
+one version older and be dropped as stale by the learner (leaving this driver's count ahead of
+what the learner needs: a stall until `version_wait_s`). So after the announcement the driver
+also waits until every sampler reports the version (`loaded_version`, GetInfo).
 
 If the version needed does not come within `version_wait_s` (the learner restarted, drivers
 joined or left, so this driver's share of a batch changed), counting restarts from the newest
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlfleet.bus.v1 import events_pb2
@@ -103,6 +106,8 @@ class Pacer:
         self.version_wait_s = version_wait_s
         self.base: int | None = None  # set by the first wait, from the version then in force
         self.started = 0  # groups started since `base`
+        # The lowest version the samplers serve (GetInfo); None: do not wait for samplers.
+        self.loaded_version: Callable[[], Awaitable[int]] | None = None
 
     def needed(self) -> int:
         """The version that must be announced before the next group starts."""
@@ -116,10 +121,11 @@ class Pacer:
         if self.base is None:
             self.base = self.watch.version
         wanted = self.needed()
-        if self.watch.version >= wanted:
-            return not stop.is_set()
         waited = time.monotonic()
-        if await self.watch.wait_for(wanted, stop, self.version_wait_s):
+        if self.watch.version >= wanted or await self.watch.wait_for(
+            wanted, stop, self.version_wait_s
+        ):
+            await self._samplers_at(wanted, stop, waited + self.version_wait_s)
             return not stop.is_set()
         if stop.is_set():
             return False
@@ -131,6 +137,19 @@ class Pacer:
         )
         self.base, self.started = self.watch.version, 0
         return True
+
+    async def _samplers_at(self, version: int, stop: asyncio.Event, deadline: float) -> None:
+        """Until the samplers serve ``version`` (or the deadline passes: pacing then goes on)."""
+        if self.loaded_version is None:
+            return
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                if await self.loaded_version() >= version:
+                    return
+            except Exception as exc:  # a sampler restarting: keep pacing on announcements
+                log.debug("sampler version unknown: %s", exc)
+                return
+            await asyncio.sleep(0.02)
 
     def count(self, groups: int) -> None:
         """``groups`` more groups started."""

@@ -59,3 +59,24 @@ async def test_pacing_restarts_from_the_current_version_after_a_long_wait() -> N
     pacer.count(1)
     assert await asyncio.wait_for(pacer.wait_turn(stop), 2)  # v4 never came
     assert (pacer.base, pacer.started) == (3, 0)
+
+
+async def test_driver_waits_until_the_samplers_serve_the_announced_version() -> None:
+    """A group generated between the announcement and the sampler's reload would carry the old
+    version (stale for the learner), so the turn waits for the samplers' GetInfo version too."""
+    watch, stop = VersionWatch(version=0), asyncio.Event()
+    pacer = Pacer(watch, groups_per_version=1, max_policy_lag=0, version_wait_s=30)
+    served = {"version": 0}
+
+    async def loaded() -> int:
+        return served["version"]
+
+    pacer.loaded_version = loaded
+    assert await pacer.wait_turn(stop)
+    pacer.count(1)
+    await watch.observe(1)  # announced; the sampler is still on v0
+    turn = asyncio.ensure_future(pacer.wait_turn(stop))
+    await asyncio.sleep(0.1)
+    assert not turn.done()
+    served["version"] = 1
+    assert await asyncio.wait_for(turn, 1)
