@@ -46,7 +46,7 @@ def write_config(tmp_path: Path, model_dir: Path) -> tuple[Path, Path]:
             {"name": "accuracy", "weight": 1.0},
             {"name": "format", "weight": 1.0, "kwargs": {"tags": ["answer"]}},
         ],
-        sft_steps=12,
+        sft_steps=35,
         groups_per_update=16,
         total_updates=UPDATES,
         learning_rate=3e-4,
