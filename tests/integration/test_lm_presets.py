@@ -51,11 +51,16 @@ async def run_job(kind: str, knobs: dict[str, Any], run_dir: Path, nats_url: str
         tasks[entry["name"]] = asyncio.create_task(service.main(ctx), name=entry["name"])
     main = next(e["name"] for e in entries if e.get("main"))
     try:
-        done, _ = await asyncio.wait(
-            tasks.values(), timeout=RUN_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
-        )
-        assert tasks[main] in done, f"the run did not finish: {[t.get_name() for t in done]}"
-        tasks[main].result()
+        # Drivers stop by themselves once the learner announces the run is DONE; any service
+        # failing before the learner is done fails the test at once.
+        pending = set(tasks.values())
+        while not tasks[main].done():
+            done, pending = await asyncio.wait(
+                pending, timeout=RUN_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            assert done, f"the run did not finish within {RUN_TIMEOUT_S:g}s"
+            for task in done:
+                task.result()
     finally:
         for ctx in contexts.values():
             ctx.stop_event.set()
