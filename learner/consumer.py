@@ -31,7 +31,9 @@ from services.errors import InvalidArgument, RlfleetError
 __all__ = [
     "Ledger",
     "TrajectoryConsumer",
+    "next_version",
     "now",
+    "publish_version",
     "rng_state",
     "set_rng_state",
     "settle",
@@ -67,6 +69,32 @@ def set_rng_state(generator: torch.Generator, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+def next_version(learner_dir: Path, updates: int, version: int) -> int:
+    """First version an incarnation publishes: after the checkpoint's (``version`` at
+    ``updates``) and after any the previous incarnation published past it, which
+    ``learner_dir/state.json`` remembers (samplers holding a newer version would otherwise ignore
+    repeated numbers). A fresh run starts at 0."""
+    last = -1
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+        last = int(json.loads((learner_dir / "state.json").read_text())["version"])
+    if last < 0 and updates == 0:
+        return 0
+    return max(version, last) + 1
+
+
+async def publish_version(
+    store: Any, bus: Bus, run: str, named: dict[str, Any], learner_dir: Path, address: str
+) -> int:
+    """Store ``named`` tensors as the next version, remember it in ``state.json``, announce it
+    on the bus (WeightsPublished, with the WeightService ``address``); returns the version."""
+    from learner.weights import announce
+
+    manifest = await asyncio.to_thread(store.publish, named)
+    write_atomic(learner_dir / "state.json", json.dumps({"version": manifest.version}) + "\n")
+    await announce(bus, run, manifest, address)
+    return int(manifest.version)
 
 
 async def settle(call: Any) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import math
 import random
@@ -37,17 +36,18 @@ from learner.algos import constant, linear_anneal
 from learner.consumer import (
     Ledger,
     TrajectoryConsumer,
+    next_version,
     now,
+    publish_version,
     rng_state,
     set_rng_state,
     settle,
-    write_atomic,
 )
 from learner.engine import Engine, build_engine
 from learner.game import AppliedWindow, Fragment, FragmentBatch, decode_fragment, triage, update
 from learner.settings import LearnerSettings
 from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
-from learner.weights import WeightServicer, WeightStore, add_weight_service, announce
+from learner.weights import WeightServicer, WeightStore, add_weight_service
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.bus import Bus, events_subject, stream_name, traj_subject
@@ -188,27 +188,13 @@ class GameLearner:
             "restored" if state is not None else "fresh",
         )
 
-    def _next_version(self) -> int:
-        """First version this incarnation publishes: after the checkpoint's and after any the
-        previous incarnation published past it. A fresh run starts at 0."""
-        path = self.dirs["learner"] / "state.json"
-        last = -1
-        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-            last = int(json.loads(path.read_text())["version"])
-        if last < 0 and self.progress.updates == 0:
-            return 0
-        return max(self.progress.version, last) + 1
-
     async def _publish_weights(self) -> None:
         assert self.engine is not None and self.store is not None and self.bus is not None
-        named = await asyncio.to_thread(self.engine.named_weights)
-        manifest = await asyncio.to_thread(self.store.publish, named)
-        self.progress.version = int(manifest.version)
-        write_atomic(
-            self.dirs["learner"] / "state.json", json.dumps({"version": manifest.version}) + "\n"
-        )
         assert self.server is not None
-        await announce(self.bus, self.run_name, manifest, self.server.address)
+        named = await asyncio.to_thread(self.engine.named_weights)
+        self.progress.version = await publish_version(
+            self.store, self.bus, self.run_name, named, self.dirs["learner"], self.server.address
+        )
 
     # ------------------------------------------------------------------ the run
 
@@ -222,7 +208,11 @@ class GameLearner:
             self.action_shape = tuple(self.spaces[1].shape or ())
             await asyncio.to_thread(self._build, self.spaces)
             self.store = WeightStore(
-                self.run_name, keep=s.keep_versions, start_version=self._next_version()
+                self.run_name,
+                keep=s.keep_versions,
+                start_version=next_version(
+                    self.dirs["learner"], self.progress.updates, self.progress.version
+                ),
             )
             self.server.add_service(add_weight_service, WeightServicer(self.store), WEIGHTS_SERVICE)
             self.server.add_service(

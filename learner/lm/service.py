@@ -28,11 +28,12 @@ from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import (
     Ledger,
     TrajectoryConsumer,
+    next_version,
     now,
+    publish_version,
     rng_state,
     set_rng_state,
     settle,
-    write_atomic,
 )
 from learner.engine import Engine, build_engine
 from learner.game import AppliedWindow, triage
@@ -44,7 +45,7 @@ from learner.lm.sft import sft_phase
 from learner.lm.update import group_filter, lm_update
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
-from learner.weights import WeightServicer, WeightStore, add_weight_service, announce
+from learner.weights import WeightServicer, WeightStore, add_weight_service
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.datasets import iter_tasks, take
@@ -157,24 +158,12 @@ class LMLearner:
         if self.reference is not None:
             self.reference.load_state_dict(self.engine.module.state_dict(), strict=False)
 
-    def _next_version(self) -> int:
-        path = self.dirs["learner"] / "state.json"
-        last = -1
-        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-            last = int(json.loads(path.read_text())["version"])
-        if last < 0 and self.counters["updates"] == 0:
-            return 0
-        return max(self.counters["version"], last) + 1
-
     async def _publish_weights(self) -> None:
         assert self.engine and self.store and self.bus and self.server
         named = await asyncio.to_thread(hf_weights, self.engine.module)
-        manifest = await asyncio.to_thread(self.store.publish, named)
-        self.counters["version"] = int(manifest.version)
-        write_atomic(
-            self.dirs["learner"] / "state.json", json.dumps({"version": manifest.version}) + "\n"
+        self.counters["version"] = await publish_version(
+            self.store, self.bus, self.run_name, named, self.dirs["learner"], self.server.address
         )
-        await announce(self.bus, self.run_name, manifest, self.server.address)
 
     # ------------------------------------------------------------------ the run
 
@@ -192,7 +181,11 @@ class LMLearner:
             # Serving before the warm start: samplers start their engines meanwhile and wait for
             # the first announced version (the WeightService has none to give until then).
             self.store = WeightStore(
-                self.run_name, keep=s.keep_versions, start_version=self._next_version()
+                self.run_name,
+                keep=s.keep_versions,
+                start_version=next_version(
+                    self.dirs["learner"], self.counters["updates"], self._version
+                ),
             )
             self.server.add_service(add_weight_service, WeightServicer(self.store), WEIGHTS_SERVICE)
             await self.server.start()
