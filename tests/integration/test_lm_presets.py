@@ -107,3 +107,35 @@ async def test_preset_runs_end_to_end(preset, tiny_model_dir, nats_server, tmp_p
     ]
     applied = [e["id"] for e in ledger if e["status"] == "applied"]
     assert len(applied) == len(set(applied)) == 4
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+async def test_lora_run_publishes_merged_full_weights(tiny_model_dir, nats_server, tmp_path):
+    """With `lora`, only adapters train, yet samplers get (and final/ holds) full HF weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    knobs = {
+        "model_path": str(tiny_model_dir),
+        "dataset": {"generator": "arith", "digits": 1},
+        "engine": "hf",
+        "group_size": 4,
+        "prompts_per_call": 4,
+        "groups_per_update": 2,
+        "total_updates": 2,
+        "minibatch_size": 8,
+        "max_tokens": 8,
+        "sft_steps": 5,
+        "sft_learning_rate": 1e-2,
+        "eval_count": 0,
+        "lora": {"r": 4, "alpha": 8},
+        "device": "cpu",
+    }
+    summary = await run_job("grpo", knobs, tmp_path / "run", nats_server.url)
+    assert summary["updates"] == 2
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
+    assert set(final) == set(base)  # plain checkpoint names, no lora_ keys
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(final[name], base[name])  # the adapters were merged in
+    assert torch.equal(final["model.norm.weight"], base["model.norm.weight"])  # not adapted
