@@ -451,8 +451,8 @@ def load_run_config(
     return validate_run_config(config, environ=environ, source=source)
 
 
-def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource]:
-    """The run file validated up to (not including) each service's settings."""
+def read_yaml_mapping(path: str | os.PathLike[str], what: str = "a run config") -> YamlSource:
+    """Read and parse a YAML file whose top level must be a mapping (ConfigError otherwise)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -460,12 +460,23 @@ def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
     source = parse_yaml(text, str(path))
     if not isinstance(source.data, dict):
-        raise ConfigError(f"{path}:1: the top level of a run config must be a mapping")
-    data = _expand_job(source)
+        raise ConfigError(f"{path}:1: the top level of {what} must be a mapping")
+    return source
+
+
+def validate_model(model: type[BaseModel], data: Any, source: YamlSource) -> Any:
+    """``model.model_validate(data)``; a ValidationError becomes a ConfigError naming the file,
+    line and key of each problem (the rendering every rlfleet config error uses)."""
     try:
-        return RunConfig.model_validate(data), source
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise _render(_issues_of(exc, RunConfig, (), {}), source) from None
+        raise _render(_issues_of(exc, model, (), {}), source) from None
+
+
+def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource]:
+    """The run file validated up to (not including) each service's settings."""
+    source = read_yaml_mapping(path)
+    return validate_model(RunConfig, _expand_job(source), source), source
 
 
 def _expand_job(source: YamlSource) -> dict[str, Any]:

@@ -381,23 +381,10 @@ def train(settings: DPOSettings) -> DPOResult:
 def load_settings(path: str | Path) -> DPOSettings:
     """``DPOSettings`` from a YAML file; an unknown or ill-typed key is a ConfigError naming the
     file, line and key (the same rendering as ``rlfleet up``)."""
-    from pydantic import ValidationError
+    from services.config import read_yaml_mapping, validate_model
 
-    from services.config import _issues_of, _render, parse_yaml
-    from services.errors import ConfigError
-
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
-    source = parse_yaml(text, str(path))
-    if not isinstance(source.data, dict):
-        raise ConfigError(f"{path}:1: the top level of a DPO config must be a mapping")
-    try:
-        return DPOSettings.model_validate(source.data)
-    except ValidationError as exc:
-        raise _render(_issues_of(exc, DPOSettings, (), {}), source) from None
+    source = read_yaml_mapping(path, "a DPO config")
+    return validate_model(DPOSettings, source.data, source)
 
 
 def run_config(path: str | Path) -> int:

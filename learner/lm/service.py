@@ -97,6 +97,7 @@ class LMLearner:
         self._checkpointed = 0
         self._started = time.monotonic()
         self._tokens_this_run = 0
+        self._eval_tasks: list[Any] | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -390,7 +391,9 @@ class LMLearner:
         from reward_service.client import RewardClient
 
         assert self.engine is not None
-        tasks = take(iter_tasks(cfg.dataset, split=cfg.split), cfg.count)
+        if self._eval_tasks is None:  # the same held-out prompts at every evaluation
+            self._eval_tasks = take(iter_tasks(cfg.dataset, split=cfg.split), cfg.count)
+        tasks = self._eval_tasks
         started = time.perf_counter()
         texts = await asyncio.to_thread(
             generate_greedy,

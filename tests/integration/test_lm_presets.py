@@ -74,11 +74,11 @@ async def run_job(kind: str, knobs: dict[str, Any], run_dir: Path, nats_url: str
     return json.loads((run_dir / "final" / "rlfleet_run.json").read_text())
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
-@pytest.mark.parametrize("preset", PRESET_NAMES)
-async def test_preset_runs_end_to_end(preset, tiny_model_dir, nats_server, tmp_path):
-    knobs = {
-        "model_path": str(tiny_model_dir),
+def small_job(model_dir: Path, **knobs: Any) -> dict[str, Any]:
+    """The example's job shrunk to a few seconds: 2 updates of 2 groups of 4 short completions,
+    the transformers engine."""
+    return {
+        "model_path": str(model_dir),
         "dataset": {"generator": "arith", "digits": 1},
         "engine": "hf",
         "group_size": 4,
@@ -87,14 +87,23 @@ async def test_preset_runs_end_to_end(preset, tiny_model_dir, nats_server, tmp_p
         "total_updates": 2,
         "minibatch_size": 8,
         "max_tokens": 8,
+        "device": "cpu",
+        **knobs,
+    }
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+async def test_preset_runs_end_to_end(preset, tiny_model_dir, nats_server, tmp_path):
+    knobs = small_job(
+        tiny_model_dir,
         # DAPO's dynamic sampling drops groups whose rewards are all equal: warm up enough that
         # some completions are right (an untrained model's groups are all 0 and never fill).
-        "sft_steps": 60 if preset == "dapo" else 2,
-        "eval_count": 8,
-        "eval_every": 1,
-        "checkpoint_every": 1,
-        "device": "cpu",
-    }
+        sft_steps=60 if preset == "dapo" else 2,
+        eval_count=8,
+        eval_every=1,
+        checkpoint_every=1,
+    )
     summary = await run_job(preset, knobs, tmp_path / "run", nats_server.url)
     assert summary["updates"] == 2
     assert summary["groups"] == 4  # groups_per_update x updates, none twice
@@ -115,22 +124,9 @@ async def test_lora_run_publishes_merged_full_weights(tiny_model_dir, nats_serve
     import torch
     from transformers import AutoModelForCausalLM
 
-    knobs = {
-        "model_path": str(tiny_model_dir),
-        "dataset": {"generator": "arith", "digits": 1},
-        "engine": "hf",
-        "group_size": 4,
-        "prompts_per_call": 4,
-        "groups_per_update": 2,
-        "total_updates": 2,
-        "minibatch_size": 8,
-        "max_tokens": 8,
-        "sft_steps": 5,
-        "sft_learning_rate": 1e-2,
-        "eval_count": 0,
-        "lora": {"r": 4, "alpha": 8},
-        "device": "cpu",
-    }
+    knobs = small_job(
+        tiny_model_dir, sft_steps=5, sft_learning_rate=1e-2, eval_count=0, lora={"r": 4, "alpha": 8}
+    )
     summary = await run_job("grpo", knobs, tmp_path / "run", nats_server.url)
     assert summary["updates"] == 2
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
