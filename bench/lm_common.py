@@ -29,8 +29,8 @@ SAMPLER_SERVICE = "rlfleet.sampler.v1.SamplerService"
 
 
 def model_dir(size: str) -> Path:
-    """A local Qwen2 model of ``size`` (services.models), created on first use (base100m: ~30 s)."""
-    from services.models import init_model
+    """A local Qwen2 model of ``size`` (common.models), created on first use (base100m: ~30 s)."""
+    from common.models import init_model
 
     path = WORK_DIR / "models" / f"{size}-arith"
     if not (path / "config.json").is_file():
@@ -45,7 +45,7 @@ def model_parameters(path: Path) -> int:
 
 def arith_tasks(count: int, seed: int = 0) -> list[Any]:
     """``count`` arith tasks ("Q: 3+4=?\\nA:", answer in extra)."""
-    from services.datasets import iter_tasks, take
+    from common.datasets import iter_tasks, take
 
     return take(iter_tasks({"generator": "arith", "seed": seed}), count)
 

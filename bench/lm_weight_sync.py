@@ -14,7 +14,7 @@ weights vK loaded (N tensors) in X ms"), and first sample (served -> first reply
 
 Floor, measured in the same run from a separate client process (the sampler's position):
 bytes / the bandwidth of bench/weight_sync.py's raw gRPC stream (same chunks, no protobuf, no
-checksums), plus the vLLM reload time. "fetch alone" is services.weights.fetch_weights of the
+checksums), plus the vLLM reload time. "fetch alone" is common.weights.fetch_weights of the
 same version from that client, with no engine to feed.
 
     python bench/lm_weight_sync.py                    # tiny and base100m (~100M), 5 versions
@@ -65,8 +65,8 @@ PARTS = ("fetch_s", "gate_wait_s", "load_s", "vllm_reload_s", "first_sample_s", 
 async def floor_client(address: str, version: int, repeats: int) -> dict[str, Any]:
     """Runs in a child process (the sampler's position): raw stream and fetch_weights times."""
     from bench.weight_sync import raw_stream
+    from learner.client import fetch_weights
     from services.server import channel
-    from services.weights import fetch_weights
 
     out: dict[str, Any] = {"raw_stream_s": [], "fetch_alone_s": []}
     async with channel(address) as chan:

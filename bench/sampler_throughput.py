@@ -69,7 +69,7 @@ class Service:
         self.client = SamplerClient(proc.address)
 
     async def run(self, prompts: list[list[int]], a: argparse.Namespace) -> int:
-        from services import tensor
+        from common import tensor
 
         reply = await self.client.generate(
             prompts,

@@ -5,14 +5,14 @@ process, as it does in a run; this process is the sampler. For each tensor set:
 
 - publish: ``WeightStore.publish(state_dict)`` (snapshot copy + SHA-256 per tensor), in the
   server process, into fresh memory and (``publish reuse``) into an evicted version's buffer;
-- fetch cold / warm: ``services.weights.fetch_weights`` of one version (manifest, stream, CRC per
+- fetch cold / warm: ``common.weights.fetch_weights`` of one version (manifest, stream, CRC per
   chunk, SHA-256 per tensor, tensors rebuilt); cold is the first fetch of a version (the server
   computes and caches the chunk CRCs), warm a later one (what every other sampler sees);
 - floors: ``memcpy``, the bytes copied once (numpy copyto, measured here), and ``raw stream``, the
   same bytes in the same chunks over a bare grpc unary-stream with no protobuf, no
   checksums and nothing done with the data on arrival.
 
-Tensor sets: the CartPole actor-critic (two 4-64-64 tanh MLPs, services/policies.py defaults)
+Tensor sets: the CartPole actor-critic (two 4-64-64 tanh MLPs, common/policies.py defaults)
 and about 100M fp32 parameters (24 Linear(2048, 2048) layers, 403 MB).
 
     python bench/weight_sync.py              # both sets, 3 repeats
@@ -43,9 +43,10 @@ import torch
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.weights import chunk_spans
+from learner.client import fetch_weights
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
 from services.server import GrpcServer, channel
-from services.weights import chunk_spans, fetch_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "weight_sync.json"

@@ -28,10 +28,10 @@ from google.rpc import status_pb2
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
+from common import spaces, tensor
 from env_server.pool import EpisodeStats, StepResult
 from env_server.registry import EnvEntry
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
-from services import spaces, tensor
 from services.errors import (
     FailedPrecondition,
     RlfleetError,

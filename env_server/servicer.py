@@ -30,10 +30,10 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from common import spaces, tensor
 from env_server import registry
 from env_server.pool import EnvPool, StepResult
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
-from services import spaces, tensor
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,

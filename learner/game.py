@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.tensor import decode, decode_tree
 from learner.algos import (
     ADVANTAGES,
     POLICY_LOSSES,
@@ -40,7 +41,6 @@ from learner.algos import (
 )
 from rlfleet.bus.v1 import trajectory_pb2
 from services.errors import InvalidArgument
-from services.tensor import decode, decode_tree
 
 if TYPE_CHECKING:
     from learner.engine import Engine

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from google.protobuf import timestamp_pb2
 
+from common.policies import build_policy
+from env_server.play import save_policy
 from learner.algos import constant, linear_anneal
 from learner.consumer import (
     Ledger,
@@ -52,8 +54,6 @@ from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument, RlfleetError
-from services.play import save_policy
-from services.policies import build_policy
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 
@@ -545,8 +545,8 @@ async def _remote_spaces(
     tries each address in turn until ``timeout_s``."""
     from google.protobuf import struct_pb2
 
+    from common import spaces as space_codec
     from rlfleet.env.v1 import env_pb2, env_pb2_grpc
-    from services import spaces as space_codec
     from services.errors import from_status
     from services.server import channel
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from common.policy_config import PolicyConfig
 from services.config import ServiceRef, StrictModel
-from services.policy_config import PolicyConfig
 
 __all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings"]
 

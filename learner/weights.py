@@ -1,7 +1,7 @@
 """The learner's weight versions: a bounded in-memory store, the WeightService, announcements.
 
 ``WeightStore.publish`` snapshots the model's tensors into one contiguous buffer per version
-(services.weights.build_manifest), so training may mutate the model as soon as it returns, and
+(common.weights.build_manifest), so training may mutate the model as soon as it returns, and
 every chunk a sampler asks for is a slice of that buffer. Chunk CRCs are computed on the first
 fetch of a version and cached: all samplers fetch the same chunks, so later fetches only copy.
 
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import timestamp_pb2
 
+from common.weights import build_manifest, iter_chunk_bytes, new_buffer
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import weights_pb2, weights_pb2_grpc
 from services.bus import MSG_ID_HEADER, Bus, events_subject, validate_run_name
 from services.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from services.weights import build_manifest, iter_chunk_bytes, new_buffer
 
 if TYPE_CHECKING:
     import torch

@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from common import tensor
 from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
-from services import tensor
 from services.errors import InvalidArgument, RlfleetError, from_rpc_error, from_status
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, channel
 

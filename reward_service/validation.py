@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
+from common import tensor
 from reward_service.rewards.registry import BATCH_KEYS, RewardFunction
 from reward_service.settings import RewardSettings
 from rlfleet.reward.v1 import reward_pb2
-from services import tensor
 from services.errors import InvalidArgument, Unavailable
 
 __all__ = ["Batch", "Call", "Plan", "check_kwargs", "default_timeout_s", "plain", "validate"]

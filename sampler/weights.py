@@ -30,7 +30,7 @@ async def _fetch(
 ) -> tuple[int, dict[str, Any]]:
     """(version, state dict) of `version` (None: the latest) from the learner's WeightService;
     `digest` is the manifest digest the announcement named (checked by fetch_weights)."""
-    from services.weights import fetch_weights
+    from learner.client import fetch_weights
 
     manifest, tensors = await fetch_weights(address, version, expected_digest=digest or None)
     return int(manifest.version), tensors

@@ -153,14 +153,14 @@ def _envs(args: argparse.Namespace) -> int:
 
 
 def _play_args(parser: argparse.ArgumentParser) -> None:
-    from services.play import add_arguments  # stdlib-only at import; torch loads when run
+    from env_server.play import add_arguments  # stdlib-only at import; torch loads when run
 
     add_arguments(parser)
 
 
 @command("play", "run a trained policy locally: episode returns, optional video", _play_args)
 def _play(args: argparse.Namespace) -> int:
-    from services.play import main as play_main
+    from env_server.play import main as play_main
 
     return play_main(args)
 
@@ -178,7 +178,7 @@ def _init_model_args(parser: argparse.ArgumentParser) -> None:
     _init_model_args,
 )
 def _init_model(args: argparse.Namespace) -> int:
-    from services.models import MODEL_SIZES, init_model
+    from common.models import MODEL_SIZES, init_model
 
     if args.size not in MODEL_SIZES:
         raise ConfigError(f"--size: unknown size {args.size!r}; known: {', '.join(MODEL_SIZES)}")

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.tensor import decode as decode_tensor
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import InvalidArgument
-from services.tensor import decode as decode_tensor
 
 __all__ = ["Batch", "Sample", "collate", "decode_group"]
 

@@ -389,7 +389,7 @@ def load_settings(path: str | Path) -> DPOSettings:
 
 def run_config(path: str | Path) -> int:
     """``rlfleet dpo CONFIG.yaml``: bad config or data lines become ConfigErrors (exit 2)."""
-    from services.datasets import DatasetSpecError
+    from common.datasets import DatasetSpecError
     from services.errors import ConfigError
 
     logging.basicConfig(

@@ -6,7 +6,7 @@ of ``{role, content}`` messages that the tokenizer's chat template renders (chos
 are then the assistant's reply). Other keys (an ``id``, a source) are allowed and ignored.
 
 ``python -m learner.lm.dpo_data OUT.jsonl --count N`` writes pairs for the "arith" generator of
-services/datasets.py: chosen is the correct `` <answer>N</answer>``, rejected a near miss in the
+common/datasets.py: chosen is the correct `` <answer>N</answer>``, rejected a near miss in the
 same format, so the pair differs only in the number (what DPO has to learn, not the format).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.datasets import DatasetSpecError, arith
+from common.datasets import DatasetSpecError, arith
 
 __all__ = [
     "EncodedPair",

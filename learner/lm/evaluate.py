@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from services.datasets import Task
+from common.datasets import Task
 
 __all__ = ["generate_greedy", "score_accuracy"]
 

@@ -182,7 +182,7 @@ def prepare(settings: StrictModel, run_dir: Path) -> None:
     s: LMJobSettings = settings  # type: ignore[assignment]
     if (s.model_path / "config.json").is_file() or s.init_model is None:
         return
-    from services.models import init_model
+    from common.models import init_model
 
     init_model(s.model_path, size=s.init_model, dataset=s.dataset, seed=s.seed)
 

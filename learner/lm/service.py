@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.datasets import iter_tasks, take
 from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import (
     Ledger,
@@ -48,7 +49,6 @@ from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
 from learner.weights import WeightServicer, WeightStore, add_weight_service
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import Bus, events_subject, stream_name, traj_subject
-from services.datasets import iter_tasks, take
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from common.datasets import Task
 from learner.algos import aggregate, sft_loss
 from learner.lm.batch import Sample, collate
 from learner.lm.model import sequence_logprobs
-from services.datasets import Task
 
 __all__ = ["expert_sample", "sft_phase"]
 

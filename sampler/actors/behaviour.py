@@ -6,7 +6,7 @@ the fragment stores it (for Box actions the unclipped sample, whose log-probabil
 recomputes), its behaviour log-probability and, when there is a critic, V(s).
 
 - `RandomBehaviour`: uniform over the action space, seeded; no critic. The demo's policy.
-- `TorchBehaviour`: the shared actor-critic (services.policies), whose weights come from the
+- `TorchBehaviour`: the shared actor-critic (common.policies), whose weights come from the
   learner; `version` is the learner version loaded.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from common.policies import PolicyConfig
 from services.errors import InvalidArgument
-from services.policies import PolicyConfig
 
 __all__ = ["Behaviour", "Decision", "RandomBehaviour", "TorchBehaviour", "action_layout"]
 
@@ -136,7 +136,7 @@ class RandomBehaviour:
 class TorchBehaviour:
     """The shared actor-critic, run under torch.no_grad in float32 on `device`.
 
-    Built exactly as the learner builds it (services.policies.build_policy) so the learner's
+    Built exactly as the learner builds it (common.policies.build_policy) so the learner's
     state_dict loads by name. For discrete actions the actor samples from the network's logits
     itself (log-softmax + inverse CDF in numpy, seeded) instead of through
     `ActorCritic.evaluate`: torch.distributions' per-call overhead (argument validation, the
@@ -158,7 +158,7 @@ class TorchBehaviour:
     ) -> None:
         import torch
 
-        from services.policies import build_policy
+        from common.policies import build_policy
 
         if seed is not None:
             torch.manual_seed(seed)

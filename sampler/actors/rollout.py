@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from google.protobuf import timestamp_pb2
 
+from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
 from sampler.actors.behaviour import Behaviour, Decision, action_layout
 from sampler.actors.envs import StepOut, TickEvents
-from services import tensor
 
 __all__ = ["FragmentMeta", "Rollout", "fragment_id"]
 

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
+from common.policy_config import PolicyConfig
 from services.config import ServiceRef, StrictModel
-from services.policy_config import PolicyConfig
 
 __all__ = ["GameActorSettings"]
 

@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 from google.protobuf import duration_pb2
 
+from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
-from services import tensor
 from services.errors import from_rpc_error
 from services.server import channel
 

@@ -15,10 +15,10 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from common import tensor
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from sampler.engines.base import SamplingOptions
-from services import tensor
 from services.errors import InvalidArgument
 
 __all__ = ["Limits", "PromptRenderer", "parse_request"]

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import Completion, GenerationEngine, SamplingOptions
 from sampler.lm.gate import VersionGate
 from sampler.lm.requests import Limits, PromptRenderer, parse_request
-from services import tensor
 from services.errors import ResourceExhausted, Unavailable
 
 if TYPE_CHECKING:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from sampler.rollout.prompts import SOLUTION_KEY, prompt_key
 from sampler.rollout.settings import RewardSpec, SamplingSettings
-from services import tensor
 from services.errors import InvalidArgument
 
 __all__ = [

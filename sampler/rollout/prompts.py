@@ -27,10 +27,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from common.datasets import DatasetSpecError, Task, iter_tasks
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.bus import Bus, Delivery, work_queue_stream, work_queue_subject
-from services.datasets import DatasetSpecError, Task, iter_tasks
 from services.errors import Unavailable
 
 __all__ = [

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from common.datasets import DatasetSpecError, iter_tasks
 from services.bus.subjects import validate_token
 from services.config import ServiceRef, StrictModel
-from services.datasets import DatasetSpecError, iter_tasks
 from services.errors import InvalidArgument
 
 __all__ = ["RewardSpec", "RolloutSettings", "SamplingSettings"]
@@ -48,7 +48,7 @@ class RolloutSettings(StrictModel):
     # SamplerService instance names (or host:port), one or a list; calls go round-robin.
     sampler: list[ServiceRef] = Field(min_length=1)
     reward_service: ServiceRef  # RewardService instance name (or host:port)
-    # Where prompts come from: {"jsonl": PATH} or {"generator": NAME, ...} (services/datasets.py).
+    # Where prompts come from: {"jsonl": PATH} or {"generator": NAME, ...} (common/datasets.py).
     dataset: dict[str, Any]
     # The policy's Hugging Face folder or id, for the tokenizer that turns expert solutions into
     # token ids; needed only with expert_completions.

@@ -1,4 +1,4 @@
-"""WeightService (learner/weights.py) and fetch_weights (services/weights.py) over real gRPC.
+"""WeightService (learner/weights.py) and fetch_weights (learner/client.py) over real gRPC.
 
 Each test starts a GrpcServer on a loopback port in this process. Faults are injected by a
 wrapper servicer in front of the real one: it drops a stream with UNAVAILABLE after N chunks, or
@@ -18,19 +18,14 @@ import grpc
 import pytest
 import torch
 
+from common.weights import Chunk, WeightsCorrupted, encode_chunk, parse_chunk
+from learner.client import fetch_weights
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service, announce
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import weights_pb2, weights_pb2_grpc
 from services.bus import MSG_ID_HEADER, Bus, events_subject
 from services.errors import FailedPrecondition, NotFound, Unavailable
 from services.server import GrpcServer, channel
-from services.weights import (
-    Chunk,
-    WeightsCorrupted,
-    encode_chunk,
-    fetch_weights,
-    parse_chunk,
-)
 
 MiB = 1 << 20
 

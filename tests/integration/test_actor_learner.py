@@ -20,15 +20,15 @@ import pytest
 import pytest_asyncio
 import torch
 
+from common import tensor
+from common.policies import PolicyConfig, build_policy
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service, announce
 from rlfleet.bus.v1 import trajectory_pb2
 from sampler.actors.service import GameActor
 from sampler.actors.settings import GameActorSettings
-from services import tensor
 from services.bus import Bus, stream_name, traj_subject
-from services.policies import PolicyConfig, build_policy
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import GrpcServer, wait_for_health

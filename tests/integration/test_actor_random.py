@@ -22,12 +22,12 @@ import pytest
 import pytest_asyncio
 from prometheus_client import REGISTRY
 
+from common import tensor
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from sampler.actors.service import GameActor
 from sampler.actors.settings import GameActorSettings
-from services import tensor
 from services.bus import MSG_ID_HEADER, Bus, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument
 from services.ports import free_port

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.datasets import DatasetSpecError
 from learner.lm.dpo import DPOSettings, DPOTrainer, load_settings
 from learner.lm.dpo_data import PreferencePair, arith_pairs, encode_pair, load_pairs, write_pairs
 from learner.lm.dpo_data import main as data_main
 from learner.lm.model import LoraSettings, hf_weights, load_tokenizer
 from services.cli import main as cli_main
-from services.datasets import DatasetSpecError
 
 ROOT = Path(__file__).resolve().parents[2]
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -30,7 +30,7 @@ Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.models import init_model
+    from common.models import init_model
 
     return init_model(tmp_path_factory.mktemp("dpo") / "model", size="tiny")
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.policies import PolicyConfig, build_policy
 from learner.engine import Engine, _shm_buffer_path, build_engine
 from learner.game import Fragment, FragmentBatch, update
 from learner.settings import LearnerSettings
-from services.policies import PolicyConfig, build_policy
 
 OBS_DIM = 4
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 import yaml
 
+from common import tensor
+from common.policies import PolicyConfig, build_policy
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
-from services import tensor
 from services.bus import Bus, events_subject, stream_name, traj_subject
-from services.policies import PolicyConfig, build_policy
 from services.ports import free_port
 from services.server import channel
 

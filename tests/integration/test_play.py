@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.policies import build_policy
+from common.policy_config import PolicyConfig
+from env_server.play import DESCRIPTION_FILE, WEIGHTS_FILE, play, save_policy
 from learner.service import GameLearner
-from services.play import DESCRIPTION_FILE, WEIGHTS_FILE, play, save_policy
-from services.policies import build_policy
-from services.policy_config import PolicyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

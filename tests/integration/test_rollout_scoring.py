@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from common import tensor
+from common.datasets import Task
 from reward_service.service import serve
 from reward_service.settings import RewardSettings
 from rlfleet.bus.v1 import trajectory_pb2
@@ -22,9 +24,7 @@ from sampler.rollout.clients import REWARD_SERVICE, RewardCalls, call_with_retry
 from sampler.rollout.groups import build_groups, score_request
 from sampler.rollout.prompts import prompt_task
 from sampler.rollout.settings import RewardSpec
-from services import tensor
 from services.bus import Bus, EmbeddedNats, stream_name, traj_subject
-from services.datasets import Task
 from services.errors import InvalidArgument
 from services.ports import free_port
 from services.registry import ServiceContext

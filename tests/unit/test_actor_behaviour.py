@@ -15,10 +15,10 @@ import pytest
 import torch
 from gymnasium import spaces
 
+from common.policies import PolicyConfig, build_policy
 from sampler.actors.behaviour import RandomBehaviour, TorchBehaviour, action_layout
 from sampler.actors.settings import GameActorSettings
 from services.errors import InvalidArgument
-from services.policies import PolicyConfig, build_policy
 
 OBS = spaces.Box(-5.0, 5.0, (4,), np.float32)
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from common import tensor
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from sampler.actors.behaviour import Decision
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import FragmentMeta, Rollout, fragment_id
-from services import tensor
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import channel

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.datasets import DatasetSpecError, iter_tasks, take
-from services.models import MODEL_SIZES, ModelSize, init_model
+from common.datasets import DatasetSpecError, iter_tasks, take
+from common.models import MODEL_SIZES, ModelSize, init_model
 
 
 def test_arith_is_seeded_and_splits_differ() -> None:

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from common import tensor
+from common.policies import PolicyConfig, build_policy
 from learner.engine import Engine, build_engine
 from learner.game import (
     AppliedWindow,
@@ -23,9 +25,7 @@ from learner.game import (
 from learner.settings import LearnerSettings
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
-from services import tensor
 from services.errors import InvalidArgument
-from services.policies import PolicyConfig, build_policy
 
 OBS_DIM = 4
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from common import tensor
 from learner.algos import PRESETS
 from learner.algos.presets import resolve_preset
 from learner.lm.batch import collate, decode_group
@@ -15,7 +16,6 @@ from learner.lm.update import group_filter, lm_update
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from services import tensor
 from services.errors import InvalidArgument
 
 

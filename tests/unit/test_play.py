@@ -1,6 +1,6 @@
-"""services.play: the final-policy layout, resolving what `rlfleet play` is pointed at, acting,
+"""env_server.play: the final-policy layout, resolving what `rlfleet play` is pointed at, acting,
 recording, and the command's output and exit codes. Nothing is trained: policies are freshly
-built by services.policies and saved with the learner's writer (`save_policy`)."""
+built by common.policies and saved with the learner's writer (`save_policy`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from services import cli
-from services.errors import ConfigError
-from services.play import (
+from common.policies import build_policy
+from common.policy_config import PolicyConfig
+from env_server.play import (
     DESCRIPTION_FILE,
     WEIGHTS_FILE,
     LoadedPolicy,
@@ -25,8 +25,8 @@ from services.play import (
     save_policy,
     write_png,
 )
-from services.policies import build_policy
-from services.policy_config import PolicyConfig
+from services import cli
+from services.errors import ConfigError
 
 CARTPOLE_OBS = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
 CARTPOLE_ACT = gym.spaces.Discrete(2)

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from google.protobuf import json_format
 
+from common import tensor
+from common.datasets import Task
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
@@ -21,8 +23,6 @@ from sampler.rollout.groups import (
 )
 from sampler.rollout.prompts import prompt_key, prompt_task
 from sampler.rollout.settings import RewardSpec, RolloutSettings, SamplingSettings
-from services import tensor
-from services.datasets import Task
 from services.errors import InvalidArgument
 
 RUN = "grpo-1"

@@ -1,4 +1,4 @@
-"""services.spaces: every space type survives the wire, and every bad action is named."""
+"""common.spaces: every space type survives the wire, and every bad action is named."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
+from common import spaces as wire
+from common import tensor
 from rlfleet.common.v1 import space_pb2, tensor_pb2
-from services import spaces as wire
-from services import tensor
 from services.errors import InvalidArgument
 
 BOX = spaces.Box(low=-1.0, high=np.array([1.0, 2.0, np.inf], np.float32), dtype=np.float32)

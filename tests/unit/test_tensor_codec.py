@@ -1,4 +1,4 @@
-"""services/tensor.py: numpy/torch <-> rlfleet.common.v1.Tensor and TensorTree."""
+"""common/tensor.py: numpy/torch <-> rlfleet.common.v1.Tensor and TensorTree."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from common import tensor as codec
 from rlfleet.common.v1 import tensor_pb2
-from services import tensor as codec
 from services.errors import InvalidArgument
 
 DType = tensor_pb2.DType

@@ -1,4 +1,4 @@
-"""services/weights.py without a network: manifest digest, chunk rules, wire codec, round trips."""
+"""common/weights.py without a network: manifest digest, chunk rules, wire codec, round trips."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ import zlib
 import pytest
 import torch
 
-from rlfleet.common.v1 import tensor_pb2
-from rlfleet.learner.v1 import weights_pb2
-from services.errors import InvalidArgument
-from services.weights import (
+from common.weights import (
     MAX_CHUNK_BYTES,
     WeightsCorrupted,
     build_manifest,
@@ -24,6 +21,9 @@ from services.weights import (
     parse_chunk,
     tensors_from_buffer,
 )
+from rlfleet.common.v1 import tensor_pb2
+from rlfleet.learner.v1 import weights_pb2
+from services.errors import InvalidArgument
 
 MiB = 1 << 20
 DType = tensor_pb2.DType

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from common.policy_config import PolicyConfig
 from services.errors import InvalidArgument
-from services.policy_config import PolicyConfig
 
 __all__ = ["ActorCritic", "NatureCNN", "PolicyConfig", "build_policy"]
 

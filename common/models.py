@@ -127,13 +127,13 @@ def init_model(
 ) -> Path:
     """Write a randomly initialised Qwen2 causal LM and its tokenizer to ``out_dir``.
 
-    ``dataset`` is a dataset spec (``services.datasets.iter_tasks``) whose text trains the
+    ``dataset`` is a dataset spec (``common.datasets.iter_tasks``) whose text trains the
     tokenizer; default: the arithmetic generator.
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from services.datasets import iter_tasks
+    from common.datasets import iter_tasks
 
     arch = MODEL_SIZES[size] if isinstance(size, str) else size
     arch.check()

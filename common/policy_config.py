@@ -1,7 +1,7 @@
 """The game policy's architecture, as both the actors' and the learner's settings name it.
 
 Torch-free on purpose: run configs are validated (and so this is imported) before any process
-starts, and that must not pay for importing torch. `services.policies` builds the network.
+starts, and that must not pay for importing torch. `common.policies` builds the network.
 """
 
 from __future__ import annotations

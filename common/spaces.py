@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from common import tensor
 from rlfleet.common.v1 import space_pb2, tensor_pb2
-from services import tensor
 from services.errors import InvalidArgument
 
 if TYPE_CHECKING:

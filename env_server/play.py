@@ -8,7 +8,7 @@ The learner finishes a run by writing ``<run dir>/final/`` with `save_policy`:
   provenance (``algo``, ``version``, ``global_step``, ``updates``). Written last: its presence
   means the pair is complete.
 
-`load_policy` reads that back into a module built by `services.policies.build_policy` (the same
+`load_policy` reads that back into a module built by `common.policies.build_policy` (the same
 constructor actors and learner use), and `play` runs evaluation episodes on an environment made
 locally by the env server's registry (``env_server.registry.make_env``, so gymnasium ids, plugin
 packages such as flappy_bird_gymnasium and ``rlfleet.envs`` entry points all work), optionally
@@ -88,7 +88,7 @@ def save_policy(
     import torch
     from google.protobuf import json_format
 
-    from services import spaces as space_codec
+    from common import spaces as space_codec
 
     final = Path(directory)
     final.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ def _check_complete(final: Path) -> Path:
 
 @dataclass
 class LoadedPolicy:
-    """A saved policy, rebuilt: ``net`` is a `services.policies.ActorCritic` in eval mode."""
+    """A saved policy, rebuilt: ``net`` is a `common.policies.ActorCritic` in eval mode."""
 
     directory: Path
     description: dict[str, Any]
@@ -214,10 +214,10 @@ def load_policy(run_or_path: str | os.PathLike[str], runs_root: Path = RUNS_ROOT
     from google.protobuf import json_format
     from pydantic import ValidationError
 
+    from common import spaces as space_codec
+    from common.policies import build_policy
+    from common.policy_config import PolicyConfig
     from rlfleet.common.v1 import space_pb2
-    from services import spaces as space_codec
-    from services.policies import build_policy
-    from services.policy_config import PolicyConfig
 
     final = resolve_policy_dir(run_or_path, runs_root)
     json_path, weights_path = final / DESCRIPTION_FILE, final / WEIGHTS_FILE
