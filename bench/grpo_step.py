@@ -18,7 +18,7 @@ own request/group builders (sampler/rollout/groups.py) and the learner's decodin
   -> the sampler's "serving weights vK" log line) and first sample.
 
 The trajectories do not travel over JetStream here (the learner's consumer is not in the
-step); bench/env_throughput and the bus notes in PLATFORM.md cover that hop.
+step); bench/env_throughput and the bus notes in docs/platform.md cover that hop.
 
     python bench/grpo_step.py                          # tiny model, 1 warm-up + 5 steps
     python bench/grpo_step.py --model-size small --steps 10 --max-tokens 64
@@ -143,7 +143,9 @@ async def one_step(ctx: dict[str, Any], step: int, a: argparse.Namespace) -> dic
 
     started = time.perf_counter()
     experts = [None] * len(tasks)
-    scored = await ctx["rewards"].score(score_request(tasks, reply.results, experts, rewards))
+    scored = await ctx["rewards"].score_request(
+        score_request(tasks, reply.results, experts, rewards)
+    )
     out["reward"] = time.perf_counter() - started
     out["mean_reward"] = sum(s.total for s in scored.results) / len(scored.results)
 
@@ -170,8 +172,8 @@ async def one_step(ctx: dict[str, Any], step: int, a: argparse.Namespace) -> dic
 
 
 async def amain(a: argparse.Namespace) -> dict[str, Any]:
-    from sampler.lm.client import SamplerClient
-    from sampler.rollout.clients import RewardCalls, SamplerCalls
+    from reward_service.client import RewardClient
+    from sampler.client import SamplerClient, SamplerPool
     from services.bus import Bus, EmbeddedNats
 
     model = model_dir(a.model_size)
@@ -210,8 +212,8 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
                 "learner_address": server.address,
                 "sampler": sampler,
                 "client": client,
-                "samplers": SamplerCalls([sampler.address], timeout_s=600),
-                "rewards": RewardCalls(reward_address, timeout_s=600),
+                "samplers": SamplerPool([sampler.address], timeout_s=600),
+                "rewards": RewardClient(reward_address, timeout_s=600),
                 "tasks": arith_tasks((a.steps + a.warmup) * a.prompts),
                 "probe": probe,
             }

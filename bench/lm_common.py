@@ -25,7 +25,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
 WORK_DIR = ROOT / "runs" / "bench"  # models, run dirs, service logs (git-ignored)
-SAMPLER_SERVICE = "rlfleet.sampler.v1.SamplerService"
 
 
 def model_dir(size: str) -> Path:

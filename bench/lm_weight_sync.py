@@ -106,7 +106,7 @@ async def run_size(size: str, a: argparse.Namespace, nats_url: str) -> dict[str,
     from transformers import AutoTokenizer
 
     from learner.weights import announce
-    from sampler.lm.client import SamplerClient
+    from sampler.client import SamplerClient
     from services.bus import Bus
 
     model = model_dir(size)

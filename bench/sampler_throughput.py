@@ -5,7 +5,7 @@ Workload (default): 32 arith prompts x n=8 x 32 tokens, temperature 1, ignore_eo
 completion has exactly 32 tokens), per-token logprobs on (what RL asks for), tiny model.
 
 - service: ``python -m services.cli serve sampler`` in its own process (as deployed), called
-  with sampler/lm/client.SamplerClient on loopback; token-id prompts, one Generate call.
+  with sampler/client.SamplerClient on loopback; token-id prompts, one Generate call.
 - raw vLLM: a ``vllm.v1`` AsyncLLM in this process, built with the arguments
   sampler/engines/vllm_engine.py uses (same KV cache, max_num_seqs, logprobs mode), one request
   per prompt with the same SamplingParams, gathered; nothing done with the outputs.
@@ -64,7 +64,7 @@ class Service:
     name = "service"
 
     def __init__(self, proc: SamplerProcess) -> None:
-        from sampler.lm.client import SamplerClient
+        from sampler.client import SamplerClient
 
         self.client = SamplerClient(proc.address)
 

@@ -4,8 +4,8 @@ tokenizer trained with ``tokenizers`` on the task's text, and saves both as a Hu
 No model hub is involved: everything after this loads through the real ``from_pretrained`` paths
 (transformers in the learner and the reference engine, vLLM in the sampler).
 
-vLLM's CPU attention accepts only some head sizes (PLATFORM.md); sizes are checked here so a model
-that vLLM would refuse is never written.
+vLLM's CPU attention accepts only some head sizes (docs/platform.md); sizes are checked here so
+a model that vLLM would refuse is never written.
 """
 
 from __future__ import annotations

@@ -4,5 +4,7 @@
 - pool.py: N environments of one session stepped in lock step;
 - servicer.py: the gRPC EnvService (one pool per Session stream);
 - service.py: the `env_server` service kind (`rlfleet serve env_server`);
-- client.py: EnvSession, RemoteVectorEnv and RemoteEnv for the other side of the wire.
+- client/: the client module other services import: EnvSession, RemoteVectorEnv, RemoteEnv and
+  the plain types both sides share (client/types.py);
+- play.py, commands.py: `rlfleet play` and `rlfleet envs`.
 """

@@ -15,41 +15,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from env_server.client.types import EpisodeStats, StepResult
 from services.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
     import gymnasium
     from gymnasium.vector import AutoresetMode
 
-__all__ = ["EnvPool", "EpisodeStats", "StepResult"]
-
-
-@dataclass(frozen=True)
-class EpisodeStats:
-    """An episode that ended at this step."""
-
-    env_index: int
-    episode_return: float
-    length: int
-    truncated: bool
-
-
-@dataclass
-class StepResult:
-    """One lock step of N environments (gymnasium vector conventions)."""
-
-    observations: Any  # batched like the observation space, leading dimension N
-    rewards: np.ndarray  # float32 [N]
-    terminated: np.ndarray  # bool [N]
-    truncated: np.ndarray  # bool [N]
-    infos: dict[str, Any]  # vector-style numeric infos; SAME_STEP adds final_info/_final_info
-    final_observations: Any = None  # SAME_STEP only, when an episode ended: zeros elsewhere
-    episodes: list[EpisodeStats] = field(default_factory=list)
+__all__ = ["EnvPool"]
 
 
 class EnvPool:

@@ -17,10 +17,9 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlfleet.env.v1 import env_pb2
+from env_server.client.types import EnvEntry
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from services.registry import entry_point_registry
 
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
 __all__ = [
     "GYMNASIUM_PLUGIN_MODULES",
     "PLUGIN_GROUP",
-    "EnvEntry",
     "find_env",
     "list_local_envs",
     "make_env",
@@ -41,29 +39,6 @@ PLUGIN_GROUP = "rlfleet.envs"
 # Packages whose import registers gymnasium ids (gymnasium 1.x has no plugin discovery of its
 # own). Imported when installed; more can be named per server with the `preload` setting.
 GYMNASIUM_PLUGIN_MODULES = ("flappy_bird_gymnasium",)
-
-
-@dataclass(frozen=True)
-class EnvEntry:
-    """One creatable environment (what ListEnvs answers, and what `rlfleet envs` prints)."""
-
-    env_id: str
-    source: str  # "gymnasium" or "plugin:<entry point name>"
-    max_episode_steps: int = 0  # 0 = unlimited or unknown
-    reward_threshold: float | None = None
-
-    def to_proto(self) -> env_pb2.EnvInfo:
-        return env_pb2.EnvInfo(
-            env_id=self.env_id,
-            source=self.source,
-            max_episode_steps=self.max_episode_steps,
-            reward_threshold=self.reward_threshold,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: env_pb2.EnvInfo) -> EnvEntry:
-        threshold = msg.reward_threshold if msg.HasField("reward_threshold") else None
-        return cls(msg.env_id, msg.source, msg.max_episode_steps, threshold)
 
 
 @functools.cache

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from env_server import registry
 from env_server.servicer import EnvService
-from rlfleet.env.v1 import env_pb2_grpc
+from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.config import StrictModel
+from services.errors import RlfleetError
+from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer
 
@@ -27,6 +29,19 @@ class EnvServerSettings(StrictModel):
     # Env ids created once at start so a typo or a missing package fails the start, not a run;
     # "module:Id" imports `module` first (third-party gymnasium packages).
     preload: list[str] = Field(default_factory=list)
+
+    @field_validator("preload")
+    @classmethod
+    def _known_ids(cls, env_ids: list[str]) -> list[str]:
+        # Plain ids are checked against this install's registry when the config is validated;
+        # "module:Id" needs its module imported, which only the start does.
+        for env_id in env_ids:
+            if ":" not in env_id:
+                try:
+                    registry.find_env(env_id)
+                except RlfleetError as exc:
+                    raise ValueError(str(exc)) from None
+        return env_ids
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -48,5 +63,5 @@ async def main(ctx: ServiceContext) -> None:
     await server.serve_until(ctx.stop_event)
 
 
-SERVICE_NAME = "rlfleet.env.v1.EnvService"
+SERVICE_NAME = service_name(env_pb2, "EnvService")
 SPEC = ServiceSpec(kind="env_server", settings=EnvServerSettings, main=main)

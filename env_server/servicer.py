@@ -32,7 +32,8 @@ from google.protobuf import json_format
 
 from common import spaces, tensor
 from env_server import registry
-from env_server.pool import EnvPool, StepResult
+from env_server.client.types import StepResult
+from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
     FailedPrecondition,

@@ -37,13 +37,14 @@ from services.errors import (
     Unavailable,
     from_rpc_error,
 )
+from services.grpc_names import method_path
 from services.server import channel as make_channel
 
 if TYPE_CHECKING:
     import torch
 
-FETCH_METHOD = "/rlfleet.learner.v1.WeightService/FetchWeights"
-_MANIFEST_METHOD = "/rlfleet.learner.v1.WeightService/GetManifest"
+FETCH_METHOD = method_path(weights_pb2, "WeightService", "FetchWeights")
+_MANIFEST_METHOD = method_path(weights_pb2, "WeightService", "GetManifest")
 
 
 # --------------------------------------------------------------------------- client

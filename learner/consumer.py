@@ -1,6 +1,6 @@
 """What every learner workload (game fragments, LM trajectory groups) shares around the bus:
-the durable-consumer inbox with at-least-once bookkeeping, the applied/dropped ledger, and small
-helpers for checkpoints and time stamps.
+the durable-consumer inbox with at-least-once bookkeeping, the applied/dropped ledger, the
+dedupe window and triage rule, and small helpers for checkpoints and time stamps.
 
 Delivery states: pulled (``inbox``) -> held for the batch being gathered (``gathering``) ->
 applied, waiting for the checkpoint that covers it (``unacked``) -> acked. Every held delivery
@@ -17,9 +17,9 @@ import json
 import logging
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -29,14 +29,17 @@ from services.bus import Bus, Delivery
 from services.errors import InvalidArgument, RlfleetError
 
 __all__ = [
+    "AppliedWindow",
     "Ledger",
     "TrajectoryConsumer",
+    "Verdict",
     "next_version",
     "now",
     "publish_version",
     "rng_state",
     "set_rng_state",
     "settle",
+    "triage",
     "write_atomic",
 ]
 
@@ -103,6 +106,60 @@ async def settle(call: Any) -> None:
         await call
     except RlfleetError as exc:
         log.warning("could not settle a delivery: %s", exc)
+
+
+class AppliedWindow:
+    """The ids of the last ``maxlen`` applied messages: a redelivered id found here is skipped.
+
+    Redeliveries only come for messages not yet acked, and messages are acked right after the
+    checkpoint that covers them, so a window a few checkpoints long is enough; it is stored in
+    every checkpoint.
+    """
+
+    def __init__(self, maxlen: int, ids: Iterable[str] = ()) -> None:
+        self.maxlen = maxlen
+        self._order: collections.deque[str] = collections.deque()
+        self._ids: set[str] = set()
+        for message_id in ids:
+            self.add(message_id)
+
+    def __contains__(self, message_id: object) -> bool:
+        return message_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, message_id: str) -> None:
+        if message_id in self._ids:
+            return
+        self._order.append(message_id)
+        self._ids.add(message_id)
+        while len(self._order) > self.maxlen:
+            self._ids.discard(self._order.popleft())
+
+    def to_list(self) -> list[str]:
+        return list(self._order)
+
+
+Verdict = Literal["apply", "duplicate", "stale"]
+
+
+def triage(
+    message_id: str,
+    policy_version: int,
+    version: int,
+    max_policy_lag: int,
+    applied: AppliedWindow,
+    pending: Collection[str] = (),
+) -> Verdict:
+    """What to do with a message when the learner is at ``version``: ``duplicate`` when its id
+    was applied (or is already in the batch being gathered, ``pending``), ``stale`` when its
+    policy lag ``version - policy_version`` exceeds ``max_policy_lag``, else ``apply``."""
+    if message_id in applied or message_id in pending:
+        return "duplicate"
+    if version - policy_version > max_policy_lag:
+        return "stale"
+    return "apply"
 
 
 class Ledger:

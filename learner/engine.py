@@ -1,7 +1,7 @@
 """A DeepSpeed engine around a policy module, set up for a plain ``python`` process as well as
 under ``torchrun`` / the ``deepspeed`` launcher.
 
-What this adds to ``deepspeed.initialize`` (see PLATFORM.md, "DeepSpeed 0.19.8 on CPU"):
+What this adds to ``deepspeed.initialize`` (see docs/platform.md, "DeepSpeed 0.19.8 on CPU"):
 
 - the distributed environment a single process needs (RANK, LOCAL_RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT on a free port); without it DeepSpeed tries MPI discovery;

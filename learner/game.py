@@ -14,17 +14,17 @@ The math is bench/ppo_baseline.py's (CleanRL's ``ppo.py`` with time-limit bootst
    advantages normalised per minibatch, optional ``target_kl`` early stop; returns CleanRL-named
    metrics.
 
-It also holds the consumer's bookkeeping rules (``AppliedWindow``, ``triage``), kept here as
-pure functions so they are tested without a bus.
+The consumer's bookkeeping (``AppliedWindow``, ``triage``) is shared with the LM workload and
+lives in learner.consumer; the service around this (learner.game_workload) only adapts it.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,14 +47,12 @@ if TYPE_CHECKING:
     from learner.settings import LearnerSettings
 
 __all__ = [
-    "AppliedWindow",
     "Fragment",
     "FragmentBatch",
     "Rollout",
     "Segment",
     "decode_fragment",
     "prepare",
-    "triage",
     "update",
 ]
 
@@ -400,60 +398,3 @@ def update(
     metrics["losses/epochs"] = float(epochs)
     metrics["charts/learning_rate"] = engine.lr
     return metrics
-
-
-# ---------------------------------------------------------------------------- bookkeeping
-
-
-class AppliedWindow:
-    """The ids of the last ``maxlen`` applied fragments: a redelivered id found here is skipped.
-
-    Redeliveries only come for fragments not yet acked, and fragments are acked right after the
-    checkpoint that covers them, so a window a few checkpoints long is enough; it is stored in
-    every checkpoint.
-    """
-
-    def __init__(self, maxlen: int, ids: Iterable[str] = ()) -> None:
-        self.maxlen = maxlen
-        self._order: collections.deque[str] = collections.deque()
-        self._ids: set[str] = set()
-        for fid in ids:
-            self.add(fid)
-
-    def __contains__(self, fragment_id: object) -> bool:
-        return fragment_id in self._ids
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def add(self, fragment_id: str) -> None:
-        if fragment_id in self._ids:
-            return
-        self._order.append(fragment_id)
-        self._ids.add(fragment_id)
-        while len(self._order) > self.maxlen:
-            self._ids.discard(self._order.popleft())
-
-    def to_list(self) -> list[str]:
-        return list(self._order)
-
-
-Verdict = Literal["apply", "duplicate", "stale"]
-
-
-def triage(
-    fragment_id: str,
-    policy_version: int,
-    version: int,
-    max_policy_lag: int,
-    applied: AppliedWindow,
-    pending: Collection[str] = (),
-) -> Verdict:
-    """What to do with a fragment when the learner is at ``version``: ``duplicate`` when its id
-    was applied (or is already in the batch being gathered, ``pending``), ``stale`` when its
-    policy lag ``version - policy_version`` exceeds ``max_policy_lag``, else ``apply``."""
-    if fragment_id in applied or fragment_id in pending:
-        return "duplicate"
-    if version - policy_version > max_policy_lag:
-        return "stale"
-    return "apply"

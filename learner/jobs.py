@@ -3,19 +3,19 @@
 A job is the user's view of a training run: the flat knobs CleanRL users know (`num_envs`,
 `rollout_length`, `learning_rate`, ...) plus how many env servers and actors to spread them over.
 It expands into ordinary service entries (env servers, the learner as the run's `main` service,
-actors), which the run file could also spell out by hand. Pure pydantic: validating a run must
-not import torch.
+actors), which the run file could also spell out by hand. Pure pydantic: importing this does not
+import torch; validating ``algo`` looks it up in ``learner.algos``' ``GAME_PRESETS``, lazily.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from learner.settings import check_game_algo
 from services.config import StrictModel
-from services.registry import JobSpec
+from services.registry import JobSpec, get_service
 
 __all__ = ["A2C_JOB", "PPO_JOB", "GameJobSettings"]
 
@@ -24,7 +24,7 @@ class GameJobSettings(StrictModel):
     """PPO/A2C over remote environment pools. Batch per update =
     fragments_per_update x rollout_length x num_envs transitions."""
 
-    algo: Literal["ppo", "a2c"] = "ppo"
+    algo: str = "ppo"  # GAME_PRESETS name (LearnerSettings.algo): ppo, a2c, or a plugin's
     env_id: str = Field(min_length=1)
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     # How many env servers the run starts (env-0, env-1, ...), or the addresses (host:port) of
@@ -60,6 +60,11 @@ class GameJobSettings(StrictModel):
     restarts: int = Field(default=3, ge=0)  # per service
     env_server: dict[str, Any] = Field(default_factory=dict)  # extra env_server settings
 
+    @field_validator("algo")
+    @classmethod
+    def _known_algo(cls, name: str) -> str:
+        return check_game_algo(name)
+
     @field_validator("env_servers")
     @classmethod
     def _servers(cls, value: int | list[str]) -> int | list[str]:
@@ -76,15 +81,14 @@ class GameJobSettings(StrictModel):
     @field_validator("env_id")
     @classmethod
     def _known_env(cls, env_id: str) -> str:
-        # Env servers run this same install, so an id unknown here is unknown to them too.
-        registry = importlib.import_module("env_server.registry")
-        known = {info.env_id for info in registry.list_local_envs()}
-        if env_id not in known:
-            import difflib
-
-            close = difflib.get_close_matches(env_id, sorted(known), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(f"no env server hosts env id '{env_id}'{hint}")
+        # Env servers run this same install, so an id unknown here is unknown to them too. The
+        # env server's own settings model checks it (found by kind, through the rlfleet.services
+        # entry points: the learner does not import the env server).
+        try:
+            get_service("env_server").settings.model_validate({"preload": [env_id]})
+        except ValidationError as exc:
+            reason = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+            raise ValueError(f"no env server hosts env id '{env_id}': {reason}") from None
         return env_id
 
     @model_validator(mode="after")
@@ -189,7 +193,7 @@ PPO_JOB = JobSpec(kind="ppo", settings=GameJobSettings, expand=expand)
 class A2CJobSettings(GameJobSettings):
     """A2C: the same knobs, one epoch over the whole batch by default."""
 
-    algo: Literal["ppo", "a2c"] = "a2c"
+    algo: str = "a2c"
     update_epochs: int = Field(default=1, ge=1)
 
 

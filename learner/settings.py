@@ -1,6 +1,7 @@
 """Settings of the `learner` kind (YAML `settings:` or RLFLEET_LEARNER__<KEY>).
 
-Pure pydantic, no torch: the launcher imports this to validate a run before anything starts.
+Pure pydantic, no torch at import: the launcher imports this to validate a run before anything
+starts. Validating ``algo`` imports ``learner.algos`` (the typed registries, torch) lazily.
 Defaults are CleanRL's PPO defaults for CartPole (batch of 4 fragments of 128 steps x 1 env =
 512 transitions, 4 minibatches of 128, 4 epochs), so the system and bench/ppo_baseline.py match.
 """
@@ -8,17 +9,38 @@ Defaults are CleanRL's PPO defaults for CartPole (batch of 4 fragments of 128 st
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.policy_config import PolicyConfig
 from services.config import ServiceRef, StrictModel
 
-__all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings"]
+if TYPE_CHECKING:
+    from learner.algos.presets import GamePreset
+
+__all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings", "check_game_algo"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda", "auto"]
+
+
+def check_game_algo(name: str) -> str:
+    """``name`` if it is a valid ``GAME_PRESETS`` entry whose ``loss_knobs`` are all
+    ``LearnerSettings`` fields, else ``ValueError`` (listing the known names)."""
+    from learner.algos.presets import resolve_game_preset
+
+    try:
+        preset = resolve_game_preset(name)  # a name of another family says which it is
+    except LookupError as exc:  # UnknownNameError lists the known ones
+        raise ValueError(str(exc)) from None
+    unknown = sorted(set(preset.loss_knobs.values()) - set(LearnerSettings.model_fields))
+    if unknown:
+        raise ValueError(
+            f"game preset {name!r} takes loss_knobs from {', '.join(unknown)}, "
+            "which are not learner settings"
+        )
+    return name
 
 
 class OptimizerSettings(StrictModel):
@@ -47,7 +69,9 @@ class DeepSpeedSettings(StrictModel):
 class LearnerSettings(StrictModel):
     """The game-RL learner (PPO/A2C over rollout fragments); see docs/internals.md, "Game RL"."""
 
-    algo: Literal["ppo", "a2c"] = "ppo"  # POLICY_LOSSES name
+    # GAME_PRESETS name (ppo, a2c, or an rlfleet.algos plugin's): the advantage estimator and the
+    # policy loss, whose hyperparameters come from the knobs below (ppo: clip_low = clip_coef).
+    algo: str = "ppo"
     env_id: str = Field(default="CartPole-v1", min_length=1)
     env_kwargs: dict[str, Any] = Field(default_factory=dict)  # as the actors pass them
     # Where the observation/action spaces come from: the first reachable env server (a
@@ -101,11 +125,28 @@ class LearnerSettings(StrictModel):
     cache_dir: Path | None = None  # see DeepSpeedSettings.cache_dir
     seed: int = 1
 
+    @field_validator("algo")
+    @classmethod
+    def _known_algo(cls, name: str) -> str:
+        return check_game_algo(name)
+
     @model_validator(mode="after")
     def _consistent(self) -> LearnerSettings:
         if self.precision == "fp16" and self.device == "cpu":
             raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
         return self
+
+    @property
+    def game_preset(self) -> GamePreset:
+        """The ``GAME_PRESETS`` entry ``algo`` names (validated with the settings)."""
+        from learner.algos import GAME_PRESETS
+
+        return GAME_PRESETS.get(self.algo)
+
+    def policy_loss_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the preset's policy loss, from these knobs: ``{"clip_low":
+        clip_coef}`` for ppo, ``{}`` for a2c."""
+        return self.game_preset.policy_loss_kwargs(self)
 
     @property
     def max_ack_pending(self) -> int:

@@ -1,4 +1,4 @@
-"""Client side of `RewardService`, for samplers and rollout drivers.
+"""Client side of `RewardService`, for rollout drivers, learners, benchmarks and tests.
 
     async with RewardClient("127.0.0.1:50051") as rewards:
         results = await rewards.score(
@@ -7,9 +7,16 @@
         )
         results[0].total, results[0].scores["accuracy"].score
 
+`score` takes dicts and returns dataclasses; `score_request` sends a ScoreRequest as it is and
+returns the ScoreResponse (the rollout driver copies its FunctionScores into TrajectoryGroups).
+
 Call errors come back as the services.errors class the server raised (InvalidArgument naming
-the field, ResourceExhausted, Unavailable, ...); per-item failures of one function are in
+the field, ResourceExhausted, Unavailable, ...), the message prefixed with the service and the
+method ("reward service 127.0.0.1:50051: Score: ..."); per-item failures of one function are in
 `FunctionResult.error`, rebuilt the same way (its ``code`` is DEADLINE_EXCEEDED or INTERNAL).
+
+The reward service's client module: other services import it only through this one, and it
+imports only the contracts (rlfleet.*), the runtime (services.*) and common.*.
 """
 
 from __future__ import annotations
@@ -19,15 +26,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 
 from common import tensor
 from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.errors import InvalidArgument, RlfleetError, from_rpc_error, from_status
+from services.calls import rpc
+from services.errors import InvalidArgument, RlfleetError, from_status
+from services.grpc_names import service_name
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, channel
 
-__all__ = ["FunctionResult", "ItemResult", "RewardClient", "RewardInfo"]
+__all__ = ["SERVICE_NAME", "FunctionResult", "ItemResult", "RewardClient", "RewardInfo"]
+
+SERVICE_NAME = service_name(reward_pb2, "RewardService")  # for health checks
 
 _ITEM_KEYS = {"prompt", "completion", "prompt_ids", "completion_ids", "extra"}
 _STATUS = {
@@ -130,11 +140,25 @@ def _item_result(proto: reward_pb2.ItemScore) -> ItemResult:
     return ItemResult(total=proto.total if proto.HasField("total") else None, scores=scores)
 
 
-class RewardClient:
-    """An async RewardService client over one channel; close it (or use ``async with``)."""
+def _check_timeout(timeout_s: float) -> float:
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
+    return timeout_s
 
-    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+
+class RewardClient:
+    """An async RewardService client over one channel; close it (or use ``async with``).
+    ``timeout_s`` is the gRPC deadline of a Score call that does not give its own."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 120.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.address = address
+        self.timeout_s = _check_timeout(timeout_s)
         self._channel = channel(address, max_message_bytes=max_message_bytes)
         self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
 
@@ -151,31 +175,31 @@ class RewardClient:
         self,
         items: Sequence[Mapping[str, Any]],
         rewards: Sequence[Sequence[Any]] | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float | None = None,
     ) -> list[ItemResult]:
         """Score ``items`` (dicts: completion, and optionally prompt, prompt_ids,
         completion_ids, extra) with ``rewards`` ((name, weight[, kwargs[, timeout_s]]); None:
         the server's default set). One result per item, in order."""
-        if not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
+        timeout_s = _check_timeout(self.timeout_s if timeout_s is None else timeout_s)
         request = reward_pb2.ScoreRequest(
             items=[_item(i, item) for i, item in enumerate(items)],
             rewards=[_reward(i, spec) for i, spec in enumerate(rewards or ())],
         )
-        try:
-            response = await self._stub.Score(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+        response = await self.score_request(request, timeout_s=timeout_s)
         return [_item_result(r) for r in response.results]
+
+    async def score_request(
+        self, request: reward_pb2.ScoreRequest, *, timeout_s: float | None = None
+    ) -> reward_pb2.ScoreResponse:
+        """Send a ready ScoreRequest; the response as it is (one ItemScore per item)."""
+        timeout_s = _check_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        call = self._stub.Score(request, timeout=timeout_s)
+        return await rpc(f"reward service {self.address}: Score", call)
 
     async def list_rewards(self, timeout_s: float = 30.0) -> list[RewardInfo]:
         """Every reward the server runs, sorted by name."""
-        try:
-            response = await self._stub.ListRewards(
-                reward_pb2.ListRewardsRequest(), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+        call = self._stub.ListRewards(reward_pb2.ListRewardsRequest(), timeout=timeout_s)
+        response = await rpc(f"reward service {self.address}: ListRewards", call)
         return [
             RewardInfo(
                 name=r.name,

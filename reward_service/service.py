@@ -12,8 +12,9 @@ from reward_service.rewards.registry import RewardFunction, RewardRegistry, load
 from reward_service.servicer import RewardService
 from reward_service.settings import RewardModelSettings, RewardSettings
 from reward_service.validation import check_kwargs
-from rlfleet.reward.v1 import reward_pb2_grpc
+from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
 from services.errors import ConfigError, InvalidArgument
+from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 
@@ -21,7 +22,7 @@ __all__ = ["SERVICE_NAME", "SPEC", "RewardSettings", "build_registry", "main", "
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "rlfleet.reward.v1.RewardService"
+SERVICE_NAME = service_name(reward_pb2, "RewardService")
 
 
 def _model(spec: RewardModelSettings) -> ModelReward:

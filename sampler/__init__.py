@@ -1,2 +1,4 @@
-"""The sampler service family: game actors (`actors/`), and later the LLM engines and rollout
-drivers. Nothing here is imported by another service; they meet through `rlfleet` messages."""
+"""The sampler service family: game actors (`actors/`), the language-model sampler (`lm/`, over
+the generation engines in `engines/`) and rollout drivers (`rollout/`). Other services import
+it only through `client.py` (SamplerService's client); otherwise they meet through `rlfleet`
+messages."""

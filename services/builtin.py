@@ -36,13 +36,16 @@ class HeartbeatSettings(StrictModel):
     peers: list[ServiceRef] = []
 
 
-async def _publish_loop(ctx: ServiceContext, settings: HeartbeatSettings, started: float) -> None:
+async def _publish_loop(
+    ctx: ServiceContext[HeartbeatSettings], nats_url: str, started: float
+) -> None:
     """Publish one Struct heartbeat per interval until cancelled."""
     from services.bus import Bus, events_subject
 
+    settings = ctx.settings
     subject = events_subject(ctx.run_name, "metrics")
     peers = ",".join(f"{p}@{ctx.resolve(p)}" for p in settings.peers)
-    bus = await Bus.connect(ctx.nats_url, name=ctx.name)
+    bus = await Bus.connect(nats_url, name=ctx.name)
     try:
         seq = 0
         while True:
@@ -58,11 +61,11 @@ async def _publish_loop(ctx: ServiceContext, settings: HeartbeatSettings, starte
         await bus.close()
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[HeartbeatSettings]) -> None:
     """Serve health, beat until stopped; crash or finish on schedule when asked to."""
     from services.server import GrpcServer
 
-    settings: HeartbeatSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     started = time.monotonic()
     server = GrpcServer(ctx.name, host=ctx.host, port=ctx.port)
     port = await server.start()
@@ -71,7 +74,7 @@ async def main(ctx: ServiceContext) -> None:
             await asyncio.wait_for(ctx.stop_event.wait(), settings.healthy_after_s)
     server.set_serving()
     log.info("heartbeat %s serving on %s:%d", ctx.name, ctx.host, port)
-    beats = asyncio.create_task(_publish_loop(ctx, settings, started)) if ctx.nats_url else None
+    beats = asyncio.create_task(_publish_loop(ctx, ctx.nats_url, started)) if ctx.nats_url else None
     deadline = min(
         (s for s in (settings.fail_after_s, settings.exit_after_s) if s is not None), default=None
     )

@@ -1,16 +1,17 @@
 """The ``rlfleet`` command.
 
-Subcommands live in the ``COMMANDS`` registry (name -> help, argument setup, handler) so later
-work adds ``play``, ``init-model`` or ``export`` with one ``@command`` each. Exit codes: 0 ok,
-1 runtime failure, 2 invalid config or usage (message on stderr naming the key).
+The runtime's own subcommands (``up``, ``validate``, ``serve``) are in ``COMMANDS``; every other
+one comes from the ``rlfleet.commands`` entry-point group (name -> a `Command`), so a service
+package adds ``play``, ``init-model`` or ``export`` without the runtime importing it. A command's
+module must be cheap to import: the parser is built from every command at start, and heavy
+imports (torch, vLLM) belong inside the handler. Exit codes: 0 ok, 1 runtime failure, 2 invalid
+config or usage (message on stderr naming the key).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import inspect
 import logging
 import os
 import sys
@@ -20,7 +21,17 @@ from typing import Any
 
 from services.errors import ConfigError, RlfleetError
 
-__all__ = ["COMMANDS", "command", "main"]
+__all__ = [
+    "COMMANDS",
+    "COMMANDS_GROUP",
+    "Command",
+    "all_commands",
+    "command",
+    "main",
+    "print_table",
+]
+
+COMMANDS_GROUP = "rlfleet.commands"
 
 log = logging.getLogger("rlfleet")
 
@@ -29,6 +40,8 @@ Handler = Callable[[argparse.Namespace], int]
 
 @dataclass(frozen=True)
 class Command:
+    """One subcommand: its one-line help, its argument setup and its handler (exit code)."""
+
     help: str
     arguments: Callable[[argparse.ArgumentParser], None]
     handler: Handler
@@ -129,78 +142,7 @@ async def _stop_when_orphaned(stop_event: asyncio.Event) -> None:
     stop_event.set()
 
 
-def _envs_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", help="ask this env server (host:port) instead of this machine")
-
-
-@command("envs", "list environments (registered locally, or served by --server)", _envs_args)
-def _envs(args: argparse.Namespace) -> int:
-    module, function, call_args = (
-        ("env_server.client", "list_envs", (args.server,))
-        if args.server
-        else ("env_server.registry", "list_local_envs", ())
-    )
-    try:
-        lister = getattr(importlib.import_module(module), function)
-    except (ImportError, AttributeError) as exc:
-        print(f"rlfleet: error: {module}.{function} is not available: {exc}", file=sys.stderr)
-        return 1
-    rows = lister(*call_args)
-    if inspect.isawaitable(rows):
-        rows = asyncio.run(rows)
-    _print_table(rows)
-    return 0
-
-
-def _play_args(parser: argparse.ArgumentParser) -> None:
-    from env_server.play import add_arguments  # stdlib-only at import; torch loads when run
-
-    add_arguments(parser)
-
-
-@command("play", "run a trained policy locally: episode returns, optional video", _play_args)
-def _play(args: argparse.Namespace) -> int:
-    from env_server.play import main as play_main
-
-    return play_main(args)
-
-
-def _init_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out_dir", help="folder to write the model and tokenizer to")
-    parser.add_argument("--size", default="tiny", help="tiny (~1M params), small, base100m")
-    parser.add_argument("--generator", default="arith", help="dataset generator for the tokenizer")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-@command(
-    "init-model",
-    "create a small Qwen2 model and tokenizer on disk (no model hub)",
-    _init_model_args,
-)
-def _init_model(args: argparse.Namespace) -> int:
-    from common.models import MODEL_SIZES, init_model
-
-    if args.size not in MODEL_SIZES:
-        raise ConfigError(f"--size: unknown size {args.size!r}; known: {', '.join(MODEL_SIZES)}")
-    out = init_model(
-        args.out_dir, size=args.size, dataset={"generator": args.generator}, seed=args.seed
-    )
-    print(f"wrote {out}")
-    return 0
-
-
-def _dpo_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="DPO config YAML (top level: learner.lm.dpo.DPOSettings)")
-
-
-@command("dpo", "offline DPO on (prompt, chosen, rejected) JSONL pairs", _dpo_args)
-def _dpo(args: argparse.Namespace) -> int:
-    from learner.lm.dpo import run_config  # torch and transformers load only for this command
-
-    return run_config(args.config)
-
-
-def _print_table(rows: Iterable[Any]) -> None:
+def print_table(rows: Iterable[Any]) -> None:
     """Print strings one per line, or mappings/objects/protobuf messages as aligned columns."""
     records = []
     for row in rows:
@@ -220,20 +162,45 @@ def _print_table(rows: Iterable[Any]) -> None:
         print("  ".join(line.get(c, "").ljust(widths[c]) for c in columns).rstrip())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def all_commands() -> dict[str, Command]:
+    """The runtime's commands, then the installed ``rlfleet.commands`` in name order. A plugin
+    reusing a runtime command's name, or registering something that is not a `Command`, is a
+    ConfigError naming its entry point."""
+    from services.registry import entry_point_registry
+
+    commands = dict(COMMANDS)
+    plugins = entry_point_registry(COMMANDS_GROUP)
+    for name in plugins:
+        if name in commands:
+            raise ConfigError(
+                f"command '{name}' ({plugins.target(name)}) clashes with a built-in command"
+            )
+        cmd = plugins[name]
+        if not isinstance(cmd, Command):
+            raise ConfigError(f"entry point '{name}' ({plugins.target(name)}) is not a Command")
+        commands[name] = cmd
+    return commands
+
+
+def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlfleet", description="Distributed RL training on independently scaled services."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, cmd in COMMANDS.items():
+    for name, cmd in commands.items():
         cmd.arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command].handler(args)
+        commands = all_commands()
+    except ConfigError as exc:
+        print(f"rlfleet: error: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser(commands).parse_args(argv)
+    try:
+        return commands[args.command].handler(args)
     except ConfigError as exc:
         print(f"rlfleet: error: {exc}", file=sys.stderr)
         return 2
@@ -245,4 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module, not this __main__ copy: command plugins build services.cli.Command.
+    from services import cli
+
+    sys.exit(cli.main())

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -46,6 +45,7 @@ __all__ = [
 ENV_PREFIX = "RLFLEET_"
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 Loc = tuple[str | int, ...]
+EnvPath = tuple[str, ...]  # a key path named by an environment variable (no list indices)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -289,7 +289,7 @@ def _unwrap_model(ann: Any) -> type[BaseModel] | None:
 
 
 def _issues_of(
-    exc: ValidationError, model: type[BaseModel], prefix: Loc, env_paths: Mapping[Loc, str]
+    exc: ValidationError, model: type[BaseModel], prefix: Loc, env_paths: Mapping[EnvPath, str]
 ) -> list[_Issue]:
     issues = []
     for err in exc.errors(include_url=False):
@@ -314,10 +314,10 @@ def _issues_of(
 
 def _env_overrides(
     model: type[BaseModel], service_kind: str, environ: Mapping[str, str]
-) -> dict[Loc, tuple[str, Any]]:
+) -> dict[EnvPath, tuple[str, Any]]:
     """``RLFLEET_<KIND>__<KEY>[__<SUB>]`` variables as {key path: (variable, YAML value)}."""
     prefix = f"{ENV_PREFIX}{service_kind.upper().replace('-', '_')}__"
-    found: dict[Loc, tuple[str, Any]] = {}
+    found: dict[EnvPath, tuple[str, Any]] = {}
     for var in sorted(environ):
         if not var.startswith(prefix):
             continue
@@ -340,12 +340,12 @@ def _env_overrides(
 
 
 def _settings(
-    model: type[BaseModel],
+    model: type[M],
     service_kind: str,
     base: Mapping[str, Any] | BaseModel,
     environ: Mapping[str, str],
     prefix: Loc,
-) -> BaseModel:
+) -> M:
     """Validate ``base`` plus env overrides against ``model``; raises _Invalid or ConfigError."""
     data = base.model_dump() if isinstance(base, BaseModel) else copy.deepcopy(dict(base))
     overrides = _env_overrides(model, service_kind, environ)
@@ -375,7 +375,7 @@ def settings_from_env(
     file; an unknown key is an error naming the variable, like an unknown key in the file."""
     environ = os.environ if environ is None else environ
     try:
-        return _settings(model, service_kind, base or {}, environ, ("settings",))  # type: ignore[return-value]
+        return _settings(model, service_kind, base or {}, environ, ("settings",))
     except _Invalid as exc:
         raise _render(exc.issues, None) from None
 
@@ -494,24 +494,23 @@ def _expand_job(source: YamlSource) -> dict[str, Any]:
         spec = get_job(str(job["kind"]))
     except ConfigError as exc:
         raise _render([_Issue(("job", "kind"), exc.message)], source) from None
-    run = data.get("run") if isinstance(data.get("run"), Mapping) else {}
+    run = data.get("run")
+    run_name = str(run.get("name", "run")) if isinstance(run, Mapping) else "run"
     knobs = {k: v for k, v in job.items() if k != "kind"}
     try:
         settings = spec.settings.model_validate(knobs)
     except ValidationError as exc:
         raise _render(_issues_of(exc, spec.settings, ("job",), {}), source) from None
-    generated = spec.expand(settings, str(run.get("name", "run")))
+    generated = spec.expand(settings, run_name)
     written = list(data.get("services") or [])
     shift = len(generated)
-    written_lines = {
-        loc: line
-        for loc, line in source.lines.items()
-        if loc[:1] == ("services",) and len(loc) > 1 and isinstance(loc[1], int)
-    }
-    for loc in written_lines:
-        del source.lines[loc]
-    for (_, index, *rest), line in written_lines.items():
-        source.lines[("services", index + shift, *rest)] = line
+    moved: dict[Loc, int] = {}
+    for loc, line in list(source.lines.items()):
+        index = loc[1] if loc[:1] == ("services",) and len(loc) > 1 else None
+        if isinstance(index, int):
+            del source.lines[loc]
+            moved[("services", index + shift, *loc[2:])] = line
+    source.lines.update(moved)
     for i in range(shift):
         source.lines[("services", i)] = source.lines.get(("job",), 1)
     data["services"] = [*generated, *written]
@@ -523,13 +522,14 @@ def load_service_settings(
     config_path: str | os.PathLike[str] | None,
     instance_name: str | None,
     environ: Mapping[str, str] | None = None,
-) -> pydantic.BaseModel:
+) -> StrictModel:
     """Settings for ``rlfleet serve KIND``: the config file's entry for this instance (by name,
     or the only entry of that kind) when a file is given, else the kind's defaults; env
     overrides apply either way."""
     spec = get_service(kind)
     if config_path is None:
-        return settings_from_env(spec.settings, spec.kind, {}, environ)
+        defaults: StrictModel = settings_from_env(spec.settings, spec.kind, {}, environ)
+        return defaults
     config, source = _load_structure(config_path)
     if instance_name is not None:
         entry = config.service(instance_name)
@@ -545,4 +545,5 @@ def load_service_settings(
             )
         entry = entries[0]
     config = validate_run_config(config, environ=environ, source=source, only={entry.name})
-    return config.service(entry.name).settings
+    settings: StrictModel = config.service(entry.name).settings
+    return settings

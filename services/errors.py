@@ -14,10 +14,11 @@ by a user can be found in the server's logs.
 from __future__ import annotations
 
 import contextvars
-from typing import ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -61,7 +62,8 @@ def current_request_id() -> str | None:
 class RlfleetError(Exception):
     """Root of every error rlfleet raises on purpose; ``code`` is the gRPC status it maps to."""
 
-    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    # A class default that from_status() may override on one instance (a code with no class).
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     _by_name: ClassVar[dict[str, type[RlfleetError]]] = {}
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
@@ -141,7 +143,7 @@ def _message_of(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _pack(message: object) -> any_pb2.Any:
+def _pack(message: Message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
@@ -156,10 +158,9 @@ def to_status(exc: BaseException, *, request_id: str | None = None) -> status_pb
     """
     code = code_of(exc)
     status = status_pb2.Status(code=code.value[0], message=_message_of(exc))
-    field = exc.field if isinstance(exc, RlfleetError) else None
-    if field:
+    if isinstance(exc, RlfleetError) and exc.field:
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=field, description=exc.message
+            field=exc.field, description=exc.message
         )
         status.details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     status.details.append(
@@ -217,16 +218,16 @@ def from_rpc_error(error: grpc.RpcError) -> RlfleetError:
     details (errors grpc makes itself, such as DEADLINE_EXCEEDED, carry none).
     """
     try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+        status = rpc_status.from_call(error)
     except ValueError:
         status = None  # details inconsistent with the code: trust the code
     if status is None:
-        code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
-        status = status_pb2.Status(code=code.value[0], message=error.details() or "")  # type: ignore[attr-defined]
+        code: grpc.StatusCode = error.code()
+        status = status_pb2.Status(code=code.value[0], message=error.details() or "")
     return from_status(status)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
     """End the current RPC with the status for ``exc`` (details in ``grpc-status-details-bin``).
 
     The request id also goes into the trailing metadata, so a client that only looks at the

@@ -105,7 +105,7 @@ def _format_fields(message: Any) -> str:
 
 
 def _repeated(desc: Any) -> bool:
-    return getattr(desc, "is_repeated", None) or desc.label == desc.LABEL_REPEATED
+    return bool(getattr(desc, "is_repeated", None) or desc.label == desc.LABEL_REPEATED)
 
 
 @functools.cache
@@ -154,7 +154,7 @@ def format_event(subject: str, data: bytes, headers: Mapping[str, str] | None) -
 @dataclass
 class _Service:
     entry: ServiceEntry
-    spec: ServiceSpec
+    spec: ServiceSpec[Any]
     port: int
     metrics_port: int
     log_path: Path

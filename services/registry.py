@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from services.errors import ConfigError
 
@@ -36,6 +36,7 @@ __all__ = [
     "JobSpec",
     "ServiceContext",
     "ServiceSpec",
+    "SettingsT",
     "entry_point_registry",
     "get_job",
     "get_service",
@@ -53,14 +54,19 @@ ENV_ENDPOINTS = "RLFLEET_ENDPOINTS"
 ENV_METRICS_PORT = "RLFLEET_METRICS_PORT"
 ENV_LAUNCHER_PID = "RLFLEET_LAUNCHER_PID"  # serve stops when this parent is gone
 
+# The settings model of one service (or job) kind. Specs and contexts are generic over it, so a
+# service entry written ``async def main(ctx: ServiceContext[MySettings])`` gets a typed
+# ``ctx.settings`` and ``ServiceSpec(settings=MySettings, main=main)`` checks that the two match.
+SettingsT = TypeVar("SettingsT", bound="StrictModel")
+
 
 @dataclass(frozen=True)
-class ServiceSpec:
+class ServiceSpec(Generic[SettingsT]):
     """What a service kind registers: its settings model and its async entry."""
 
     kind: str
-    settings: type[StrictModel]
-    main: Callable[[ServiceContext], Awaitable[None]]  # returns when done or stopped
+    settings: type[SettingsT]
+    main: Callable[[ServiceContext[SettingsT]], Awaitable[None]]  # returns when done or stopped
     grpc: bool = True  # the launcher waits for gRPC health when True
 
 
@@ -129,7 +135,10 @@ def service_kinds() -> list[str]:
     return list(entry_point_registry(SERVICES_GROUP))
 
 
-def _spec(group: str, what: str, kind: str, spec_type: type[Any]) -> Any:
+SpecT = TypeVar("SpecT", "ServiceSpec[Any]", "JobSpec[Any]")
+
+
+def _spec(group: str, what: str, kind: str, spec_type: type[SpecT]) -> SpecT:
     """The object registered as ``kind`` in ``group``; it must be a ``spec_type`` of that kind.
     Unknown kinds are a ConfigError listing the known ones and the closest match."""
     registry = entry_point_registry(group)
@@ -147,13 +156,14 @@ def _spec(group: str, what: str, kind: str, spec_type: type[Any]) -> Any:
     return spec
 
 
-def get_service(kind: str) -> ServiceSpec:
-    """The ServiceSpec registered as ``kind`` in ``rlfleet.services``."""
+def get_service(kind: str) -> ServiceSpec[Any]:
+    """The ServiceSpec registered as ``kind`` in ``rlfleet.services`` (its settings type is
+    only known at run time, hence ``Any``)."""
     return _spec(SERVICES_GROUP, "service", kind, ServiceSpec)
 
 
 @dataclass(frozen=True)
-class JobSpec:
+class JobSpec(Generic[SettingsT]):
     """A job kind: flat, user-facing knobs (``job:`` in a run file) and how they expand into
     service entries (dicts shaped like ``services:`` items). Expansion must be deterministic:
     every ``rlfleet serve`` of the run re-reads the same file and expands it again.
@@ -163,23 +173,25 @@ class JobSpec:
     it must be idempotent."""
 
     kind: str
-    settings: type[StrictModel]
-    expand: Callable[[StrictModel, str], list[dict]]  # (settings, run name) -> service entries
-    prepare: Callable[[StrictModel, Path], None] | None = None  # (settings, run dir)
+    settings: type[SettingsT]
+    # (settings, run name) -> service entries
+    expand: Callable[[SettingsT, str], list[dict[str, Any]]]
+    prepare: Callable[[SettingsT, Path], None] | None = None  # (settings, run dir)
 
 
-def get_job(kind: str) -> JobSpec:
+def get_job(kind: str) -> JobSpec[Any]:
     """The JobSpec registered as ``kind`` in ``rlfleet.jobs``."""
     return _spec(JOBS_GROUP, "job", kind, JobSpec)
 
 
 @dataclass
-class ServiceContext:
-    """Everything a running service needs to know about its place in the run."""
+class ServiceContext(Generic[SettingsT]):
+    """Everything a running service needs to know about its place in the run; ``settings`` is
+    an instance of its kind's settings model (``ServiceContext[MySettings]``)."""
 
     name: str
     kind: str
-    settings: StrictModel
+    settings: SettingsT
     run_name: str = "local"
     run_dir: Path = Path("runs/local")
     host: str = "127.0.0.1"
@@ -203,13 +215,13 @@ class ServiceContext:
     def from_environment(
         cls,
         kind: str,
-        settings: StrictModel,
+        settings: SettingsT,
         *,
         name: str | None = None,
         host: str | None = None,
         port: int | None = None,
         environ: Mapping[str, str] | None = None,
-    ) -> ServiceContext:
+    ) -> ServiceContext[SettingsT]:
         """Build the context from CLI flags and the ``RLFLEET_*`` variables the launcher (or a
         container spec) sets; unset values fall back to a standalone local service."""
         env = os.environ if environ is None else environ

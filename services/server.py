@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -70,7 +70,11 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # A scope factory gets the servicer context of one call and returns an async context manager
 # that encloses the whole call (for streams: until the last response has been produced).
-ScopeFactory = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[Any]]
+ScopeFactory = Callable[[grpc.aio.ServicerContext[Any, Any]], AbstractAsyncContextManager[Any]]
+
+# The request and response types of one method: handlers pass through the wrapping unchanged.
+_RequestT = TypeVar("_RequestT")
+_ResponseT = TypeVar("_ResponseT")
 
 _HANDLER_FACTORIES = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
@@ -81,8 +85,8 @@ _HANDLER_FACTORIES = {
 
 
 def wrap_method_handler(
-    handler: grpc.RpcMethodHandler, scope: ScopeFactory
-) -> grpc.RpcMethodHandler:
+    handler: grpc.RpcMethodHandler[_RequestT, _ResponseT], scope: ScopeFactory
+) -> grpc.RpcMethodHandler[_RequestT, _ResponseT]:
     """A new RpcMethodHandler whose behaviour runs inside ``scope(context)``.
 
     grpc.aio picks how to drive a behaviour by its kind (coroutine function; async generator
@@ -97,14 +101,19 @@ def wrap_method_handler(
 
     if inspect.isasyncgenfunction(behaviour):
 
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def wrapped(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             async with scope(context):
                 async for response in behaviour(request, context):
                     yield response
 
     elif inspect.iscoroutinefunction(behaviour):
 
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+        # A redefinition of the same name in the other branch, with another return type.
+        async def wrapped(  # type: ignore[misc]
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Any:
             async with scope(context):
                 return await behaviour(request, context)
 
@@ -122,15 +131,18 @@ class ScopedServerInterceptor(grpc.aio.ServerInterceptor):
     """Base for server interceptors that enclose each call in an async context manager."""
 
     def scope(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AbstractAsyncContextManager[Any]:
         raise NotImplementedError
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails],
+            Awaitable[grpc.RpcMethodHandler[_RequestT, _ResponseT] | None],
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[_RequestT, _ResponseT] | None:
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
             return handler
@@ -153,7 +165,7 @@ class RequestIdInterceptor(ScopedServerInterceptor):
 
     @contextlib.asynccontextmanager
     async def scope(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[None]:
         request_id = None
         for key, value in details.invocation_metadata or ():
@@ -179,7 +191,7 @@ class TelemetryServerInterceptor(ScopedServerInterceptor):
     """Per-method Prometheus metrics and, when tracing is on, a server span per call."""
 
     def scope(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AbstractAsyncContextManager[None]:
         return telemetry.server_rpc_scope(details.method, details.invocation_metadata, context)
 
@@ -189,7 +201,7 @@ class ExceptionMappingInterceptor(ScopedServerInterceptor):
 
     @contextlib.asynccontextmanager
     async def scope(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[None]:
         try:
             yield
@@ -216,7 +228,8 @@ class GrpcServer:
     Add services first, then start (or ``async with``)::
 
         server = GrpcServer("env-a", port=ctx.port)
-        server.add_service(add_EnvServiceServicer_to_server, servicer, "rlfleet.env.v1.EnvService")
+        name = service_name(env_pb2, "EnvService")  # services/grpc_names.py
+        server.add_service(env_pb2_grpc.add_EnvServiceServicer_to_server, servicer, name)
         async with server:
             server.set_serving()
             await server.serve_until(ctx.stop_event)
@@ -259,7 +272,8 @@ class GrpcServer:
     ) -> None:
         """Register a servicer: ``add_fn(servicer, grpc_server)`` runs at start.
 
-        ``full_name`` (e.g. ``"rlfleet.env.v1.EnvService"``) names it for health and reflection.
+        ``full_name`` names it for health and reflection: take it from the descriptor,
+        ``services.grpc_names.service_name(env_pb2, "EnvService")``.
         Must come before start: grpc cannot add handlers to a running server.
         """
         if self._server is not None:
@@ -469,6 +483,11 @@ def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
     options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 500)]
     with grpc.insecure_channel(address, options=options) as sync_channel:
         stub = health_pb2_grpc.HealthStub(sync_channel)
+        # types-grpcio-health-checking declares HealthStub without the method attributes the
+        # generated class sets in __init__; this is the type the generated code gives Check.
+        check: grpc.UnaryUnaryMultiCallable[
+            health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        ] = stub.Check  # type: ignore[attr-defined]
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -477,13 +496,13 @@ def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
                     f"{timeout_s:g}s; last: {last}"
                 )
             try:
-                reply = stub.Check(
+                reply = check(
                     health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 1.0)
                 )
                 if reply.status == _SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.RpcError as exc:
-                last = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+                last = f"{exc.code().name}: {exc.details()}"
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)

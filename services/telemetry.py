@@ -21,15 +21,22 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 import prometheus_client
+from prometheus_client.metrics import MetricWrapperBase
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.errors import ConfigError, code_of
+
+if TYPE_CHECKING:
+    from contextvars import Token
+
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import SpanProcessor
 
 __all__ = [
     "Metrics",
@@ -79,6 +86,7 @@ def setup_tracing(service_name: str, exporter: Any = "none", endpoint: str | Non
         SpanExporter,
     )
 
+    processor: SpanProcessor
     if exporter == "console":
         processor = SimpleSpanProcessor(ConsoleSpanExporter(service_name=service_name))
     elif exporter == "otlp":
@@ -148,6 +156,9 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
 # --------------------------------------------------------------------------- metrics
 
 
+_CollectorT = TypeVar("_CollectorT", bound=MetricWrapperBase)
+
+
 class Metrics:
     """Idempotent factory for Prometheus collectors named ``rlfleet_<name>``.
 
@@ -160,7 +171,7 @@ class Metrics:
 
     def __init__(self, registry: prometheus_client.CollectorRegistry | None = None) -> None:
         self._registry = registry or prometheus_client.REGISTRY
-        self._collectors: dict[str, tuple[type, tuple[str, ...], Any]] = {}
+        self._collectors: dict[str, tuple[type, tuple[str, ...], MetricWrapperBase]] = {}
         self._lock = threading.Lock()
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> prometheus_client.Counter:
@@ -179,7 +190,9 @@ class Metrics:
         extra = {"buckets": tuple(buckets)} if buckets is not None else {}
         return self._get(prometheus_client.Histogram, name, doc, labels, **extra)
 
-    def _get(self, kind: type, name: str, doc: str, labels: Sequence[str], **kwargs: Any) -> Any:
+    def _get(
+        self, kind: type[_CollectorT], name: str, doc: str, labels: Sequence[str], **kwargs: Any
+    ) -> _CollectorT:
         full = name if name.startswith(self.PREFIX) else self.PREFIX + name
         labels = tuple(labels)
         with self._lock:
@@ -191,7 +204,7 @@ class Metrics:
                         f"metric {full} already registered as {known_kind.__name__}"
                         f"{list(known_labels)}, asked for {kind.__name__}{list(labels)}"
                     )
-                return collector
+                return cast(_CollectorT, collector)  # known_kind is kind, checked above
             collector = kind(full, doc, labels, registry=self._registry, **kwargs)
             self._collectors[full] = (kind, labels, collector)
             return collector
@@ -246,7 +259,9 @@ def _metadata_carrier(metadata: Iterable[tuple[str, Any]] | None) -> dict[str, s
     return {key: value for key, value in (metadata or ()) if isinstance(value, str)}
 
 
-def _code_after(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+def _code_after(
+    exc: BaseException | None, context: grpc.aio.ServicerContext[Any, Any]
+) -> grpc.StatusCode:
     """The status an RPC ends with, seen from outside its handler."""
     if exc is None:
         return context.code() or grpc.StatusCode.OK
@@ -265,7 +280,7 @@ def _code_after(exc: BaseException | None, context: grpc.aio.ServicerContext) ->
 async def server_rpc_scope(
     method: str,
     metadata: Iterable[tuple[str, Any]] | None,
-    context: grpc.aio.ServicerContext,
+    context: grpc.aio.ServicerContext[Any, Any],
 ) -> AsyncIterator[None]:
     """Wrap one server RPC: count and time it, and trace it when tracing is on.
 
@@ -274,7 +289,8 @@ async def server_rpc_scope(
     server.py installs this on every server through an interceptor.
     """
     started = time.perf_counter()
-    span = token = None
+    span: trace.Span | None = None
+    token: Token[Context] | None = None
     if _enabled:
         span = _tracer.start_span(
             _span_name(method),
@@ -295,8 +311,9 @@ async def server_rpc_scope(
         _HANDLING_SECONDS.labels(method).observe(time.perf_counter() - started)
         if span is not None:
             _end_span(span, code, failure, context.details() if failure else None)
-            with contextlib.suppress(ValueError):  # generator closed from another context
-                otel_context.detach(token)
+            if token is not None:  # set together with span
+                with contextlib.suppress(ValueError):  # generator closed from another context
+                    otel_context.detach(token)
 
 
 def _end_span(
@@ -316,9 +333,11 @@ def add_call_metadata(
     """A copy of ``details`` with ``pairs`` added to its metadata (keys already set win)."""
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
     for key, value in pairs:
-        if key not in metadata:
+        if key not in metadata.keys():
             metadata.add(key, value)
-    return details._replace(metadata=metadata)  # type: ignore[attr-defined]
+    # ClientCallDetails is a namedtuple at runtime; its stub does not declare _replace.
+    replaced = details._replace(metadata=metadata)  # type: ignore[attr-defined]
+    return cast(grpc.aio.ClientCallDetails, replaced)
 
 
 ClientIntercept = Callable[[Any, grpc.aio.ClientCallDetails, Any], Awaitable[Any]]

@@ -1,6 +1,8 @@
 """The pure algorithm layer: advantage estimators, policy/value/entropy/SFT/preference losses,
 KL estimators, truncated importance sampling, DAPO filters, aggregation, normalisation, schedules
-and named presets, each a small function registered by name (see ``registry``).
+and named presets, each a small pure function. The families a preset chooses from by name
+(advantages, policy losses, aggregations, KL estimators, schedules) are typed registries, one
+``Protocol`` each (see ``registry`` and ``protocols``); the rest are called directly.
 
 Importing this package registers the built-ins; ``rlfleet.algos`` entry-point plugins load on the
 first registry lookup.
@@ -32,21 +34,33 @@ from learner.algos.losses import (
     value_loss,
 )
 from learner.algos.normalize import normalize_advantages
-from learner.algos.presets import Preset, resolve_preset
+from learner.algos.presets import GamePreset, Preset, resolve_game_preset, resolve_preset
+from learner.algos.protocols import (
+    AggregationFn,
+    GameAdvantageFn,
+    GroupAdvantageFn,
+    KLEstimatorFn,
+    PolicyLossFn,
+    ScheduleFn,
+)
 from learner.algos.registry import (
     ADVANTAGES,
     AGGREGATIONS,
+    GAME_ADVANTAGES,
+    GAME_PRESETS,
+    GROUP_ADVANTAGES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
-    PREFERENCE_LOSSES,
     PRESETS,
     SCHEDULES,
-    SFT_LOSSES,
-    VALUE_LOSSES,
     DuplicateNameError,
     PluginLoadError,
     Registry,
+    RegistryView,
+    SignatureError,
     UnknownNameError,
+    WrongFamilyError,
+    check_signature,
     load_plugins,
 )
 from learner.algos.schedules import constant, cosine_decay, linear_anneal, warmup_cosine
@@ -55,20 +69,31 @@ from learner.algos.tis import truncated_is_weights
 __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
+    "GAME_ADVANTAGES",
+    "GAME_PRESETS",
+    "GROUP_ADVANTAGES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
-    "PREFERENCE_LOSSES",
     "PRESETS",
     "SCHEDULES",
-    "SFT_LOSSES",
-    "VALUE_LOSSES",
+    "AggregationFn",
     "DuplicateNameError",
+    "GameAdvantageFn",
+    "GamePreset",
+    "GroupAdvantageFn",
+    "KLEstimatorFn",
     "PluginLoadError",
+    "PolicyLossFn",
     "Preset",
     "Registry",
+    "RegistryView",
+    "ScheduleFn",
+    "SignatureError",
     "UnknownNameError",
+    "WrongFamilyError",
     "a2c",
     "aggregate",
+    "check_signature",
     "chord_mix",
     "cispo",
     "constant",
@@ -90,6 +115,7 @@ __all__ = [
     "ppo_clip",
     "reinforce_pp",
     "reinforce_pp_baseline",
+    "resolve_game_preset",
     "resolve_preset",
     "rloo",
     "sapo",

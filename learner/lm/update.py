@@ -1,14 +1,22 @@
-"""One GRPO-family update: advantages, old/reference log-probs, then minibatch steps of the policy
-loss the preset names (plus KL, entropy, truncated IS and CHORD's SFT term) on the engine.
+"""One GRPO-family update, in two parts like the game side's ``prepare``/``update``
+(learner.game):
 
-Reads top to bottom like CleanRL's update; every algorithmic piece is a registered pure function
-from ``learner.algos`` chosen by the ``Preset``.
+1. ``prepare``: once per update, without gradients: the collated batch, its loss masks, the old
+   (pi_old) and reference log-probs, truncated-IS weights and the advantages;
+2. ``minibatch_loss``: the loss of one minibatch: the policy loss the preset names, plus KL,
+   entropy and CHORD's SFT term;
+
+and ``lm_update`` runs them: epochs x shuffled minibatches of ``minibatch_loss`` on the engine.
+Every algorithmic piece is a registered pure function from ``learner.algos`` chosen by the
+``Preset``. Metrics are CleanRL-named: ``losses/policy_loss`` is the policy-gradient term alone
+(as on the game side), ``losses/loss`` the total that is minimised.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +38,7 @@ from learner.algos.presets import Preset
 from learner.lm.batch import Batch, Sample, collate
 from learner.lm.model import sequence_logprobs
 
-__all__ = ["group_filter", "lm_update"]
+__all__ = ["Prepared", "group_filter", "lm_update", "minibatch_loss", "prepare"]
 
 
 def group_filter(samples: Sequence[Sample], preset: Preset) -> tuple[list[Sample], str | None]:
@@ -62,22 +70,32 @@ def _no_grad_logp(model: Any, batch: Batch, minibatch: int) -> Tensor:
     return torch.cat(parts)  # [B, L-1]
 
 
-def lm_update(
+@dataclass
+class Prepared:
+    """What every minibatch of one update reads: tensors ``[B, L-1]`` unless noted."""
+
+    batch: Batch
+    mask: Tensor  # bool: the RL tokens that count in the policy loss
+    expert_mask: Tensor  # bool: CHORD's SFT tokens (expert completions)
+    old_logp: Tensor  # pi_old: recomputed by the learner, or the sampler's
+    tis: Tensor  # truncated importance-sampling weights (1 without a cap)
+    ref_logp: Tensor | None  # the reference model's, when the preset has a KL term
+    adv: Tensor  # advantages (0 on expert rows)
+    metrics: dict[str, Any]  # rollout/* and adv/* statistics of the batch
+
+
+@torch.no_grad()
+def prepare(
     engine: Any,
     reference: nn.Module | None,
     samples: Sequence[Sample],
     preset: Preset,
     *,
     pad_id: int,
-    lr: float,
-    step: int,
-    epochs: int = 1,
     minibatch_size: int = 32,
     recompute_old_logp: bool = True,
-    generator: torch.Generator | None = None,
-) -> dict[str, float]:
-    """Train on ``samples`` (whole groups); returns scalar metrics (CleanRL-style names)."""
-    engine.set_lr(lr)
+) -> Prepared:
+    """Collate ``samples`` (whole groups) and compute, once, everything the minibatches need."""
     batch = collate(samples, pad_id)
     rl_rows = (~batch.expert).nonzero().squeeze(-1)  # [R]
     mask = batch.mask & ~batch.expert[:, None]  # [B, L-1] RL tokens
@@ -85,13 +103,13 @@ def lm_update(
         mask = overlong_mask(mask, batch.truncated)
     expert_mask = batch.mask & batch.expert[:, None]  # [B, L-1] CHORD's SFT tokens
 
-    # Old and reference log-probs, once per update, without gradients.
     old_logp = batch.rollout_logp  # [B, L-1]
     metrics: dict[str, Any] = {}
     if recompute_old_logp:
         old_logp = _no_grad_logp(engine, batch, minibatch_size)
     tis = torch.ones_like(old_logp)  # [B, L-1]
     if preset.tis_cap is not None or recompute_old_logp:
+        # Also without a cap: the statistics measure sampler-learner mismatch.
         weights, tis_metrics = truncated_is_weights(
             old_logp, batch.rollout_logp, mask, cap=preset.tis_cap or float("inf")
         )
@@ -122,48 +140,90 @@ def lm_update(
     if preset.dynamic_sampling and len(rl_rows):
         keep = dynamic_sampling_keep(batch.rewards[rl_rows], batch.group_ids[rl_rows])
         metrics["rollout/kept_frac"] = keep.float().mean()
+    return Prepared(batch, mask, expert_mask, old_logp, tis, ref_logp, adv, metrics)
 
-    policy_loss = POLICY_LOSSES.get(preset.policy_loss)
-    sums: dict[str, float] = collections.defaultdict(float)
-    chord: dict[str, float] = collections.defaultdict(float)  # over minibatches with expert rows
-    steps = chord_steps = 0
+
+def minibatch_loss(
+    engine: Any, prep: Prepared, rows: Tensor, preset: Preset, step: int
+) -> tuple[Tensor, dict[str, float], dict[str, float]]:
+    """The loss to minimise on ``rows`` of the prepared batch, its metrics, and CHORD's (empty
+    when the minibatch has no expert rows, so they are averaged over the ones that had)."""
     entropy_grad = preset.entropy_coef != 0
+    logp, entropy = _forward_logp(engine, prep.batch, rows, entropy_grad)  # [b, L-1] each
+    m, em = prep.mask[rows], prep.expert_mask[rows]
+    loss_tok, loss_metrics = POLICY_LOSSES.get(preset.policy_loss)(
+        logp, prep.old_logp[rows], prep.adv[rows], m, **preset.loss_kwargs
+    )
+    pg_loss = aggregate(
+        loss_tok * prep.tis[rows], m, preset.aggregation, **preset.aggregation_kwargs
+    )
+    loss = pg_loss
+    metrics = {"losses/policy_loss": float(pg_loss.detach())}
+    if prep.ref_logp is not None and not preset.kl_in_reward:
+        kl = kl_penalty(logp, prep.ref_logp[rows], estimator=preset.kl_estimator)  # [b, L-1]
+        kl_loss = aggregate(kl, m, preset.aggregation, **preset.aggregation_kwargs)
+        loss = loss + preset.kl_beta * kl_loss
+        metrics["losses/kl"] = float(kl_loss.detach())
+    if entropy_grad:
+        loss = loss - preset.entropy_coef * aggregate(entropy, m, "token-mean")
+    chord: dict[str, float] = {}
+    if preset.chord and bool(em.any()):
+        sft = aggregate(sft_loss(logp, em, phi=preset.chord_phi), em, "token-mean")
+        mu = preset.chord_mu(step)
+        loss = chord_mix(loss, sft, mu)
+        chord = {"losses/sft": float(sft.detach()), "charts/chord_mu": mu}
+    metrics["losses/loss"] = float(loss.detach())
+    metrics["charts/entropy"] = float(masked_mean(entropy.detach(), m))
+    metrics.update({f"losses/{key}": float(value) for key, value in loss_metrics.items()})
+    return loss, metrics, chord
+
+
+def lm_update(
+    engine: Any,
+    reference: nn.Module | None,
+    samples: Sequence[Sample],
+    preset: Preset,
+    *,
+    pad_id: int,
+    lr: float,
+    step: int,
+    epochs: int = 1,
+    minibatch_size: int = 32,
+    recompute_old_logp: bool = True,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Train on ``samples`` (whole groups); returns scalar metrics (CleanRL-style names), each
+    the mean over the minibatches that had it."""
+    engine.set_lr(lr)
+    prep = prepare(
+        engine,
+        reference,
+        samples,
+        preset,
+        pad_id=pad_id,
+        minibatch_size=minibatch_size,
+        recompute_old_logp=recompute_old_logp,
+    )
+    sums: dict[str, float] = collections.defaultdict(float)
+    chord_sums: dict[str, float] = collections.defaultdict(float)
+    steps = chord_steps = 0
     for _ in range(epochs):
-        order = torch.randperm(len(batch), generator=generator)
-        for start in range(0, len(batch), minibatch_size):
+        order = torch.randperm(len(prep.batch), generator=generator)
+        for start in range(0, len(prep.batch), minibatch_size):
             rows = order[start : start + minibatch_size]
-            logp, entropy = _forward_logp(engine, batch, rows, entropy_grad)  # [b, L-1] each
-            m, em = mask[rows], expert_mask[rows]
-            loss_tok, loss_metrics = policy_loss(
-                logp, old_logp[rows], adv[rows], m, **preset.loss_kwargs
-            )
-            loss = aggregate(
-                loss_tok * tis[rows], m, preset.aggregation, **preset.aggregation_kwargs
-            )
-            if ref_logp is not None and not preset.kl_in_reward:
-                kl = kl_penalty(logp, ref_logp[rows], estimator=preset.kl_estimator)  # [b, L-1]
-                kl_loss = aggregate(kl, m, preset.aggregation, **preset.aggregation_kwargs)
-                loss = loss + preset.kl_beta * kl_loss
-                sums["losses/kl"] += float(kl_loss.detach())
-            if entropy_grad:
-                loss = loss - preset.entropy_coef * aggregate(entropy, m, "token-mean")
-            if preset.chord and bool(em.any()):
-                sft = aggregate(sft_loss(logp, em, phi=preset.chord_phi), em, "token-mean")
-                mu = preset.chord_mu(step)
-                loss = chord_mix(loss, sft, mu)
-                chord["losses/sft"] += float(sft.detach())
-                chord["charts/chord_mu"] += mu
-                chord_steps += 1
+            loss, metrics, chord = minibatch_loss(engine, prep, rows, preset, step)
             engine.backward(loss)
             engine.step()
             steps += 1
-            sums["losses/policy_loss"] += float(loss.detach())
-            sums["charts/entropy"] += float(masked_mean(entropy.detach(), m))
-            for key, value in loss_metrics.items():
-                sums[f"losses/{key}"] += float(value)
+            for key, value in metrics.items():
+                sums[key] += value
+            if chord:
+                chord_steps += 1
+                for key, value in chord.items():
+                    chord_sums[key] += value
     out = {k: v / max(steps, 1) for k, v in sums.items()}
-    out.update({k: v / chord_steps for k, v in chord.items()})
-    out.update({k: float(v) for k, v in metrics.items()})
+    out.update({k: v / chord_steps for k, v in chord_sums.items()})
+    out.update({k: float(v) for k, v in prep.metrics.items()})
     rl = [s for s in samples if not s.expert]
     out["charts/learning_rate"] = lr
     out["rollout/completion_tokens"] = float(sum(len(s.completion_ids) for s in rl))

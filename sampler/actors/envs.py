@@ -22,8 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from env_server.client import EnvSession, SessionInfo
-from env_server.pool import StepResult
+from env_server.client import EnvSession, SessionInfo, StepResult
 from services.errors import InvalidArgument, RlfleetError, Unavailable, code_of
 
 __all__ = ["EnvGroup", "Link", "StepOut", "TickEvents"]

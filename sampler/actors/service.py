@@ -17,22 +17,20 @@ import time
 import uuid
 from typing import Any
 
-from rlfleet.bus.v1 import events_pb2
 from sampler.actors.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import FragmentMeta, Rollout
 from sampler.actors.settings import GameActorSettings
 from sampler.actors.stats import ActorStats
 from sampler.weights import WeightFollower
-from services.bus import Bus, events_subject, stream_name, traj_subject
-from services.errors import ConfigError, InvalidArgument, Unavailable
+from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
+from services.errors import ConfigError, InvalidArgument
 from services.registry import ServiceContext, ServiceSpec
 
 __all__ = ["SPEC", "GameActor", "main"]
 
 log = logging.getLogger(__name__)
 
-_RUN_OVER = (events_pb2.RUN_STATE_DONE, events_pb2.RUN_STATE_FAILED)
 PUBLISH_ATTEMPTS = 5
 
 
@@ -78,23 +76,11 @@ class GameActor:
             return
         if self.settings.publishes:
             await bus.ensure_stream(stream_name(run), [traj_subject(run)])
-        status = await bus.subscribe(events_subject(run, "status"), events_pb2.RunStatus)
-        self._tasks.append(asyncio.create_task(self._watch_status(status), name="status"))
+        self._tasks.append(await stop_when_run_over(bus, run, self.stop))
         if self.settings.policy == "learner":
             address = self.ctx.resolve(self.settings.learner or "")
             self.follower = WeightFollower(bus, run, address)
             await self.follower.start()
-
-    async def _watch_status(self, sub: Any) -> None:
-        async with sub:
-            async for delivery in sub:
-                if delivery.message.state in _RUN_OVER:
-                    log.info(
-                        "run is over (%s): stopping",
-                        events_pb2.RunState.Name(delivery.message.state),
-                    )
-                    self.stop.set()
-                    return
 
     async def _make_policy(self) -> Behaviour | None:
         settings, envs = self.settings, self.envs
@@ -239,17 +225,12 @@ class GameActor:
 
     async def _send(self, fragment: Any) -> None:
         assert self.bus is not None
-        subject, delay = traj_subject(self.ctx.run_name), 0.5
-        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
-            try:
-                await self.bus.publish(subject, fragment, msg_id=fragment.fragment_id)
-                return
-            except Unavailable as exc:  # same msg_id again: the stream drops a duplicate
-                if attempt == PUBLISH_ATTEMPTS:
-                    raise
-                log.warning("publishing %s: %s; retrying", fragment.fragment_id, exc)
-                await asyncio.sleep(delay)
-                delay *= 2
+        await self.bus.publish_with_retry(
+            traj_subject(self.ctx.run_name),
+            fragment,
+            msg_id=fragment.fragment_id,
+            attempts=PUBLISH_ATTEMPTS,
+        )
 
     async def _shutdown(self) -> None:
         """Finish the fragment in flight, close sessions, the weight follower and the bus."""

@@ -1,7 +1,7 @@
 """Runs inside vLLM's worker processes (named by `worker_extension_cls`): new weights in place.
 
 In vLLM's default multi-process mode, tensors passed through `collective_rpc` do not arrive as
-tensors (PLATFORM.md), so the engine sends each tensor as (name, dtype name, shape, raw bytes)
+tensors (docs/platform.md), so the engine sends each tensor as (name, dtype name, shape, raw bytes)
 and this method rebuilds them. It calls `reload_weights`, not `model.load_weights`: on CPU the
 latter leaves the repacked linear weights empty. Kept free of other rlfleet imports: every
 worker process imports it.

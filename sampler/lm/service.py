@@ -16,13 +16,14 @@ import logging
 import os
 from pathlib import Path
 
-from rlfleet.sampler.v1 import sampler_pb2_grpc
+from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import EngineConfig, GenerationEngine, build_engine
 from sampler.lm.servicer import SamplerService
 from sampler.lm.settings import SamplerSettings
 from sampler.weights import WeightFollower
 from services.bus import Bus
 from services.errors import ConfigError
+from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 
@@ -30,7 +31,7 @@ __all__ = ["SERVICE_NAME", "SPEC", "configure_environment", "engine_config", "ma
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "rlfleet.sampler.v1.SamplerService"
+SERVICE_NAME = service_name(sampler_pb2, "SamplerService")
 # Unix socket paths (vLLM's ZMQ IPC, under TMPDIR) must stay under ~107 bytes.
 _MAX_TMPDIR_CHARS = 60
 

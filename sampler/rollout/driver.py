@@ -24,16 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.bus.v1 import events_pb2, trajectory_pb2
+from reward_service.client import SERVICE_NAME as REWARD_SERVICE
+from reward_service.client import RewardClient
+from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.rollout.clients import (
-    REWARD_SERVICE,
-    SAMPLER_SERVICE,
-    RewardCalls,
-    SamplerCalls,
-    call_with_retry,
-    wait_healthy,
-)
+from sampler.client import SERVICE_NAME as SAMPLER_SERVICE
+from sampler.client import SamplerPool
 from sampler.rollout.groups import (
     Expert,
     build_groups,
@@ -45,8 +41,9 @@ from sampler.rollout.pacing import Pacer, VersionWatch
 from sampler.rollout.prompts import PromptFeeder, PromptQueue, prompt_key
 from sampler.rollout.settings import RolloutSettings
 from sampler.rollout.stats import RolloutStats
-from services.bus import Bus, Delivery, events_subject, stream_name, traj_subject
-from services.errors import ConfigError, InvalidArgument, Unavailable
+from services.bus import Bus, Delivery, stop_when_run_over, stream_name, traj_subject
+from services.calls import call_with_retry, wait_healthy
+from services.errors import ConfigError, InvalidArgument
 from services.registry import ServiceContext
 
 __all__ = ["RolloutDriver"]
@@ -54,7 +51,6 @@ __all__ = ["RolloutDriver"]
 log = logging.getLogger(__name__)
 
 Prompt = Delivery[trajectory_pb2.PromptTask]
-_RUN_OVER = (events_pb2.RUN_STATE_DONE, events_pb2.RUN_STATE_FAILED)
 _PROMPT_FIELD = re.compile(r"^prompts\[(\d+)\]")
 PUBLISH_ATTEMPTS = 5
 STOP_GRACE_S = 5.0  # a stopping driver lets calls this close to done finish; the rest go back
@@ -69,10 +65,12 @@ class RolloutDriver:
         self.stop = ctx.stop_event
         self.run_name = ctx.run_name
         self.bus: Bus | None = None
-        self.samplers = SamplerCalls(
-            [ctx.resolve(name) for name in settings.sampler], settings.generate_timeout_s
+        self.samplers = SamplerPool(
+            [ctx.resolve(name) for name in settings.sampler], timeout_s=settings.generate_timeout_s
         )
-        self.rewards = RewardCalls(ctx.resolve(settings.reward_service), settings.score_timeout_s)
+        self.rewards = RewardClient(
+            ctx.resolve(settings.reward_service), timeout_s=settings.score_timeout_s
+        )
         self.watch = VersionWatch()
         self.pacer = Pacer(
             self.watch,
@@ -118,8 +116,7 @@ class RolloutDriver:
             await self._load_tokenizer(info)
         await bus.ensure_stream(stream_name(run), [traj_subject(run)])
         self._check_group_size(bus.max_payload)
-        status = await bus.subscribe(events_subject(run, "status"), events_pb2.RunStatus)
-        self._tasks.append(asyncio.create_task(self._watch_status(status), name="status"))
+        self._tasks.append(await stop_when_run_over(bus, run, self.stop))
         await self.watch.start(bus, run)
         if settings.feed:
             feeder = PromptFeeder(
@@ -187,15 +184,6 @@ class RolloutDriver:
                 worst,
                 max_payload,
             )
-
-    async def _watch_status(self, sub: Any) -> None:
-        async with sub:
-            async for delivery in sub:
-                if delivery.message.state in _RUN_OVER:
-                    state = events_pb2.RunState.Name(delivery.message.state)
-                    log.info("run is over (%s): stopping", state)
-                    self.stop.set()
-                    return
 
     async def _work(self) -> None:
         """Run the workers and the metrics loop until stopped or something fails."""
@@ -284,7 +272,9 @@ class RolloutDriver:
         request = score_request(tasks, results, experts, self.settings.rewards)
         started = time.monotonic()
         scored = await call_with_retry(
-            lambda: self.rewards.score(request), f"scoring {len(request.items)}", self.stop
+            lambda: self.rewards.score_request(request),
+            f"scoring {len(request.items)}",
+            self.stop,
         )
         if scored is None:
             await self.queue.nak(batch)
@@ -361,19 +351,15 @@ class RolloutDriver:
         """Publish with the same msg_id on every retry (the stream drops repeats); False when
         the group cannot be sent (too large: its prompt is dropped with an error)."""
         assert self.bus is not None and self.queue is not None
-        subject, delay = traj_subject(self.run_name), 0.5
-        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
-            try:
-                await self.bus.publish(subject, group, msg_id=group.group_id)
-                return True
-            except InvalidArgument as exc:
-                log.error("dropping prompt %s: its group %s", prompt_key(prompt.message), exc)
-                await self.queue.term(prompt)
-                return False
-            except Unavailable as exc:
-                if attempt == PUBLISH_ATTEMPTS:
-                    raise
-                log.warning("publishing %s: %s; retrying", group.group_id, exc)
-                await asyncio.sleep(delay)
-                delay *= 2
-        return False
+        try:
+            await self.bus.publish_with_retry(
+                traj_subject(self.run_name),
+                group,
+                msg_id=group.group_id,
+                attempts=PUBLISH_ATTEMPTS,
+            )
+        except InvalidArgument as exc:
+            log.error("dropping prompt %s: its group %s", prompt_key(prompt.message), exc)
+            await self.queue.term(prompt)
+            return False
+        return True

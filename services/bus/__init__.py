@@ -6,6 +6,7 @@ See docs/internals.md ("services/bus/") for the contract and subjects.py for the
 from services.bus.client import Bus, PubAck
 from services.bus.messages import MSG_ID_HEADER, TYPE_HEADER, Delivery, Subscription
 from services.bus.nats_server import EmbeddedNats, find_nats_server
+from services.bus.runs import RUN_OVER, stop_when_run_over
 from services.bus.subjects import (
     events_subject,
     events_wildcard,
@@ -18,6 +19,7 @@ from services.bus.subjects import (
 
 __all__ = [
     "MSG_ID_HEADER",
+    "RUN_OVER",
     "TYPE_HEADER",
     "Bus",
     "Delivery",
@@ -27,6 +29,7 @@ __all__ = [
     "events_subject",
     "events_wildcard",
     "find_nats_server",
+    "stop_when_run_over",
     "stream_name",
     "traj_subject",
     "validate_run_name",

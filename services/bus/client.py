@@ -198,11 +198,13 @@ class Bus:
             log.info("nats client %r: reconnected to %s", name, url.netloc if url else "?")
 
         try:
+            # nats-py annotates both timeouts as int but uses them as seconds in asyncio
+            # (wait_for, sleep), which take floats: the annotations are too narrow.
             await nc.connect(
                 servers=servers,
                 name=name,
-                connect_timeout=connect_timeout_s,
-                reconnect_time_wait=reconnect_wait_s,
+                connect_timeout=connect_timeout_s,  # type: ignore[arg-type]
+                reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
                 # nats-py treats this limit as "retries per server", also for the first connect.
                 max_reconnect_attempts=max(1, connect_attempts - 1),
                 ping_interval=20,
@@ -250,7 +252,8 @@ class Bus:
         self._closing = True
         if self._nc.is_connected:
             try:
-                await self._nc.flush(timeout=timeout_s)
+                # Seconds for asyncio.wait_for: a float, whatever nats-py's int annotation says.
+                await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]
             except (nats.errors.Error, TimeoutError, OSError) as exc:
                 log.warning("nats client %r: flush before close failed: %s", self.name, exc)
         with contextlib.suppress(nats.errors.Error, OSError):
@@ -353,7 +356,9 @@ class Bus:
         out[TYPE_HEADER] = message.DESCRIPTOR.full_name
         return out
 
-    def _check_size(self, subject: str, message: Message, data: bytes, headers: dict) -> None:
+    def _check_size(
+        self, subject: str, message: Message, data: bytes, headers: Mapping[str, str]
+    ) -> None:
         """Refuse what the server would refuse: it answers an oversize message by disconnecting."""
         header_size = header_bytes(headers)
         total = len(data) + header_size
@@ -408,6 +413,40 @@ class Bus:
             ) from exc
         ack.duplicate = bool(ack.duplicate)  # the server omits it when false
         return ack
+
+    async def publish_with_retry(
+        self,
+        subject: str,
+        message: Message,
+        *,
+        msg_id: str,
+        attempts: int = 5,
+        first_delay_s: float = 0.5,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> api.PubAck:
+        """``publish``, tried up to ``attempts`` times while it fails with Unavailable (not
+        acknowledged in time, connection being re-made), waiting ``first_delay_s`` and then
+        twice as long before each next try. Every try sends the same ``msg_id``, so a message
+        that did arrive the first time is stored once. The last Unavailable propagates; other
+        errors (InvalidArgument: over the max payload; NotFound: no stream) at once."""
+        if attempts < 1:
+            raise InvalidArgument(
+                f"publish to {subject!r}: attempts must be >= 1, got {attempts}", field="attempts"
+            )
+        delay = first_delay_s
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.publish(
+                    subject, message, msg_id=msg_id, headers=headers, timeout_s=timeout_s
+                )
+            except Unavailable as exc:
+                if attempt == attempts:
+                    raise
+                log.warning("publishing %s: %s; retrying", msg_id, exc)
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     async def publish_event(
         self, subject: str, message: Message, headers: Mapping[str, str] | None = None

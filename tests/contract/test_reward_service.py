@@ -143,11 +143,38 @@ async def test_total_is_unset_when_no_function_scored(client: RewardClient) -> N
     assert {s.status for s in result.scores.values()} == {"abstained"}
 
 
+async def test_score_request_returns_the_response_as_it_is(client: RewardClient) -> None:
+    """What the rollout driver sends: a ready ScoreRequest, the ScoreResponse back."""
+    request = reward_pb2.ScoreRequest(
+        items=[reward_pb2.ScoreItem(completion=GOOD, extra={"answer": "42"})],
+        rewards=[reward_pb2.RewardWeight(name="accuracy", weight=2.0)],
+    )
+    response = await client.score_request(request)
+    assert isinstance(response, reward_pb2.ScoreResponse)
+    [item] = response.results
+    assert item.total == 2.0 and [s.name for s in item.scores] == ["accuracy"]
+    [as_dicts] = await client.score(
+        [{"completion": GOOD, "extra": {"answer": "42"}}], [("accuracy", 2.0)]
+    )
+    assert as_dicts.total == item.total
+
+
+async def test_timeouts_must_be_positive(client: RewardClient) -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardClient(client.address, timeout_s=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        await client.score([{"completion": "x"}], timeout_s=math.inf)
+    with pytest.raises(ValueError, match="timeout_s"):
+        await client.score_request(reward_pb2.ScoreRequest(), timeout_s=-1.0)
+
+
 async def test_unknown_reward_names_the_field_and_the_known_ones(client: RewardClient) -> None:
     with pytest.raises(InvalidArgument) as caught:
         await client.score([{"completion": GOOD}], [("format", 1.0), ("acuracy", 1.0)])
     assert caught.value.field == "rewards[1].name"
+    # The client names the service and method before the server's own words.
     assert caught.value.message.startswith(
+        f"reward service {client.address}: Score: "
         "unknown reward 'acuracy' (did you mean 'accuracy'?); known: accuracy, cosine, echo,"
     )
     # The wire carries a google.rpc.BadRequest naming the field, for non-Python clients.

@@ -20,10 +20,12 @@ import pytest
 from common import tensor
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
-from sampler.lm.client import SamplerClient, to_prompt
+from sampler.client import SamplerClient, to_prompt
 from services.errors import InvalidArgument, ResourceExhausted, from_rpc_error
 from services.server import channel
 from tests.fixtures.lm import MAX_MODEL_LEN, LmStack
+
+pytestmark = pytest.mark.slow  # a vLLM engine (about 90 s to start on CPU): not in `make test-fast`
 
 PROMPT = "Q: 12+34=?\nA:"
 FINISH = sampler_pb2.FinishReason

@@ -33,7 +33,11 @@ from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import GrpcServer, wait_for_health
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="session")]
+pytestmark = [
+    pytest.mark.slow,  # DeepSpeed learner services: not in `make test-fast`
+    pytest.mark.timeout(120),
+    pytest.mark.asyncio(loop_scope="session"),
+]
 
 HIDDEN = (16, 16)
 

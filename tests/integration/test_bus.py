@@ -14,11 +14,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf.struct_pb2 import Struct
 from google.rpc.status_pb2 import Status
 
+from rlfleet.bus.v1 import events_pb2
 from services.bus import (
     TYPE_HEADER,
     Bus,
@@ -26,6 +28,7 @@ from services.bus import (
     EmbeddedNats,
     events_subject,
     events_wildcard,
+    stop_when_run_over,
     work_queue_stream,
     work_queue_subject,
 )
@@ -326,6 +329,58 @@ async def test_publish_carries_trace_context(bus: Bus, monkeypatch: pytest.Monke
     assert got[0].headers["traceparent"] == traceparent
 
 
+async def test_publish_with_retry_resends_the_same_msg_id_until_acked(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream, subject = _names()
+    await bus.ensure_stream(stream, [subject])
+    real, sent = bus.js.publish, []
+
+    async def ack_lost_twice(subj: str, data: bytes, **kw: Any) -> Any:
+        sent.append(kw["headers"]["Nats-Msg-Id"])
+        ack = await real(subj, data, **kw)  # stored...
+        if len(sent) < 3:
+            raise TimeoutError  # ...but the ack does not come back in time
+        return ack
+
+    monkeypatch.setattr(bus.js, "publish", ack_lost_twice)
+    ack = await bus.publish_with_retry(subject, _struct(i=1), msg_id="g-1", first_delay_s=0.01)
+    assert sent == ["g-1"] * 3
+    assert ack.duplicate and ack.seq == 1  # the retries found the first copy
+    got = await _collect(bus, stream, "d", subject, seconds=0.6)
+    assert [d.seq for d in got] == [1]
+
+
+async def test_publish_with_retry_gives_up_or_fails_at_once(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream, subject = _names()
+    await bus.ensure_stream(stream, [subject])
+    real, tries = bus.js.publish, []
+
+    async def never_acked(subj: str, data: bytes, **kw: Any) -> Any:
+        tries.append(time.monotonic())
+        raise TimeoutError
+
+    monkeypatch.setattr(bus.js, "publish", never_acked)
+    with pytest.raises(Unavailable, match="retry with the same msg_id"):
+        await bus.publish_with_retry(
+            subject, _struct(i=1), msg_id="lost", attempts=3, first_delay_s=0.05
+        )
+    assert len(tries) == 3
+    assert tries[2] - tries[1] >= tries[1] - tries[0] >= 0.05  # backing off, doubling
+    # Not transient: raised by the first try.
+    tries.clear()
+    with pytest.raises(InvalidArgument, match="max payload"):
+        await bus.publish_with_retry(subject, _struct(blob="x" * bus.max_payload), msg_id="big")
+    assert tries == []  # refused before sending
+    monkeypatch.setattr(bus.js, "publish", real)
+    with pytest.raises(NotFound, match="ensure_stream"):
+        await bus.publish_with_retry("test.nostream." + uuid.uuid4().hex, _struct(), msg_id="x")
+    with pytest.raises(InvalidArgument, match="attempts"):
+        await bus.publish_with_retry(subject, _struct(), msg_id="x", attempts=0)
+
+
 # ---------------------------------------------------------------------------- core NATS, KV
 
 
@@ -366,6 +421,43 @@ async def test_kv_bucket_is_created_once_and_shared(bus: Bus, nats_server: Embed
         await other.close()  # closing twice is fine
     with pytest.raises(InvalidArgument, match="bucket"):
         await bus.kv("bad name")
+
+
+def _status(run: str, state: int) -> events_pb2.RunStatus:
+    return events_pb2.RunStatus(run=run, state=state, source="test")
+
+
+@pytest.mark.parametrize("over", [events_pb2.RUN_STATE_DONE, events_pb2.RUN_STATE_FAILED])
+async def test_stop_when_run_over_sets_stop_at_done_or_failed(bus: Bus, over: int) -> None:
+    run, other = f"t{uuid.uuid4().hex[:8]}", f"t{uuid.uuid4().hex[:8]}"
+    stop = asyncio.Event()
+    watch = await stop_when_run_over(bus, run, stop)  # subscribed once it returns
+    await bus.publish_event(events_subject(other, "status"), _status(other, over))
+    for state in (events_pb2.RUN_STATE_STARTING, events_pb2.RUN_STATE_RUNNING):
+        await bus.publish_event(events_subject(run, "status"), _status(run, state))
+    await bus.nc.flush()
+    await asyncio.sleep(0.3)
+    assert not stop.is_set() and not watch.done()  # another run's end, or not over yet
+    await bus.publish_event(events_subject(run, "status"), _status(run, over))
+    await asyncio.wait_for(watch, 5)
+    assert stop.is_set() and watch.exception() is None
+
+
+async def test_stop_when_run_over_cancels_cleanly_and_fails_on_garbage(bus: Bus) -> None:
+    run = f"t{uuid.uuid4().hex[:8]}"
+    stop = asyncio.Event()
+    watch = await stop_when_run_over(bus, run, stop)
+    await asyncio.sleep(0.05)
+    watch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await watch
+    assert not stop.is_set()
+
+    watch = await stop_when_run_over(bus, run, stop)
+    await bus.publish_event(events_subject(run, "status"), _struct(state=3))
+    with pytest.raises(InvalidArgument, match="RunStatus"):
+        await asyncio.wait_for(watch, 5)
+    assert not stop.is_set()
 
 
 async def test_connect_to_nothing_fails_fast() -> None:

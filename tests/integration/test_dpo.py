@@ -24,6 +24,8 @@ from learner.lm.dpo_data import main as data_main
 from learner.lm.model import LoraSettings, hf_weights, load_tokenizer
 from services.cli import main as cli_main
 
+pytestmark = pytest.mark.slow  # DeepSpeed training: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 

@@ -22,6 +22,8 @@ from learner.settings import LearnerSettings
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
 
+pytestmark = pytest.mark.slow  # DeepSpeed training runs: not in `make test-fast`
+
 T, N = 32, 8
 
 

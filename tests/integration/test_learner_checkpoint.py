@@ -19,6 +19,8 @@ from learner.engine import Engine, _shm_buffer_path, build_engine
 from learner.game import Fragment, FragmentBatch, update
 from learner.settings import LearnerSettings
 
+pytestmark = pytest.mark.slow  # DeepSpeed engines: not in `make test-fast`
+
 OBS_DIM = 4
 
 

@@ -30,7 +30,11 @@ from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.ports import free_port
 from services.server import channel
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="session")]
+pytestmark = [
+    pytest.mark.slow,  # DeepSpeed learner services: not in `make test-fast`
+    pytest.mark.timeout(300),
+    pytest.mark.asyncio(loop_scope="session"),
+]
 
 T, N = 16, 2
 FRAGMENTS = 20  # 10 updates of 2 fragments

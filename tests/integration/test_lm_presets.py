@@ -21,6 +21,8 @@ from learner.lm.jobs import PRESET_NAMES
 from services.ports import free_ports
 from services.registry import ServiceContext, get_job, get_service
 
+pytestmark = pytest.mark.slow  # vLLM and whole runs: not in `make test-fast`
+
 RUN_TIMEOUT_S = 240.0
 
 

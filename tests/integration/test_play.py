@@ -1,6 +1,6 @@
 """`rlfleet play` against what the learner writes, and as the installed command.
 
-- the learner's own `_save_final` (the code a finished run executes; called here on a stand-in
+- the learner's own `save_final` (the code a finished run executes; called here on a stand-in
   learner, no engine or bus) writes a folder that `play` loads and runs;
 - `python -m services.cli play` in a subprocess: a plugin env (flappy_bird_gymnasium's
   FlappyBird-v0 with env_kwargs) recorded to a GIF and a frame folder, and exit code 2 with a
@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 
+from common.artifacts import DESCRIPTION_FILE, WEIGHTS_FILE, save_policy
 from common.policies import build_policy
 from common.policy_config import PolicyConfig
-from env_server.play import DESCRIPTION_FILE, WEIGHTS_FILE, play, save_policy
-from learner.service import GameLearner
+from env_server.play import play
+from learner.game_workload import GameWorkload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,14 +35,13 @@ def test_learner_final_policy_plays(tmp_path: Path) -> None:
     config = PolicyConfig(hidden_sizes=(16, 16))
     net = build_policy(*spaces, config)
     run = tmp_path / "runs" / "cartpole"
-    learner = SimpleNamespace(
+    workload = SimpleNamespace(
         engine=SimpleNamespace(named_weights=lambda dtype: net.state_dict()),
         spaces=spaces,
         settings=SimpleNamespace(env_id="CartPole-v1", env_kwargs={}, policy=config, algo="ppo"),
-        progress=SimpleNamespace(version=7, global_step=4096, updates=7),
-        dirs={"final": run / "final"},
     )
-    GameLearner._save_final(learner)  # type: ignore[arg-type]
+    progress = SimpleNamespace(version=7, samples=4096, updates=7)
+    GameWorkload.save_final(workload, run / "final", progress)  # type: ignore[arg-type]
     description = json.loads((run / "final" / DESCRIPTION_FILE).read_text())
     assert description["env_id"] == "CartPole-v1" and description["version"] == 7
     assert description["global_step"] == 4096 and description["algo"] == "ppo"
@@ -60,8 +60,6 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_plays_a_plugin_env_and_records(tmp_path: Path) -> None:
-    pytest.importorskip("flappy_bird_gymnasium")
-    pytest.importorskip("PIL")
     from env_server.registry import make_env
 
     kwargs = {"use_lidar": False}

@@ -16,15 +16,17 @@ import pytest_asyncio
 
 from common import tensor
 from common.datasets import Task
+from reward_service.client import SERVICE_NAME as REWARD_SERVICE
+from reward_service.client import RewardClient
 from reward_service.service import serve
 from reward_service.settings import RewardSettings
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.rollout.clients import REWARD_SERVICE, RewardCalls, call_with_retry, wait_healthy
 from sampler.rollout.groups import build_groups, score_request
 from sampler.rollout.prompts import prompt_task
 from sampler.rollout.settings import RewardSpec
 from services.bus import Bus, EmbeddedNats, stream_name, traj_subject
+from services.calls import call_with_retry, wait_healthy
 from services.errors import InvalidArgument
 from services.ports import free_port
 from services.registry import ServiceContext
@@ -67,11 +69,10 @@ async def test_groups_scored_by_the_reward_service_reach_the_stream(
         completions=[_completion(" <answer>5</answer>", [1, 2, 3]), _completion(" 6", [4])],
     )
     request = score_request([task], [result], [None], [RewardSpec(name="accuracy")])
-    calls = RewardCalls(rewards, timeout_s=30)
-    try:
-        scored = await call_with_retry(lambda: calls.score(request), "score", asyncio.Event())
-    finally:
-        await calls.close()
+    async with RewardClient(rewards, timeout_s=30) as client:
+        scored = await call_with_retry(
+            lambda: client.score_request(request), "score", asyncio.Event()
+        )
     assert scored is not None
     (group,) = build_groups(run, "rollout-0", [task], [result], [None], list(scored.results))
     assert [c.reward for c in group.completions] == [1.0, 0.0]
@@ -98,11 +99,9 @@ async def test_unknown_reward_is_fatal_with_the_servers_message(rewards: str) ->
         completions=[_completion("x", [1])],
     )
     request = score_request([task], [result], [None], [RewardSpec(name="acuracy")])
-    calls = RewardCalls(rewards, timeout_s=30)
-    try:
+    async with RewardClient(rewards, timeout_s=30) as client:
         with pytest.raises(InvalidArgument, match=r"reward service .*: unknown reward 'acuracy'"):
             await asyncio.wait_for(
-                call_with_retry(lambda: calls.score(request), "score", asyncio.Event()), 10
+                call_with_retry(lambda: client.score_request(request), "score", asyncio.Event()),
+                10,
             )
-    finally:
-        await calls.close()

@@ -20,10 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.lm.client import SamplerClient
+from sampler.client import SamplerClient
 from services.errors import Unavailable
 from services.server import channel
 from tests.fixtures.lm import LmStack, disk_weights
+
+pytestmark = pytest.mark.slow  # a vLLM engine: not in `make test-fast`
 
 PARITY_ATOL = 1e-3
 PROMPTS = ["Q: 12+34=?\nA:", "Q: 7+8=?\nA:"]

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from learner.algos import ADVANTAGES, grpo, reinforce_pp, reinforce_pp_baseline, rloo, token_returns
+from learner.algos import (
+    GAME_ADVANTAGES,
+    GROUP_ADVANTAGES,
+    grpo,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    rloo,
+    token_returns,
+)
 
 
 def close(actual, expected, atol=1e-6):
@@ -32,8 +40,9 @@ def per_token(values):
 
 def test_registered_under_their_names():
     for name, fn in [("grpo", grpo), ("rloo", rloo), ("reinforce_pp", reinforce_pp)]:
-        assert ADVANTAGES.get(name) is fn
-    assert ADVANTAGES.get("reinforce_pp_baseline") is reinforce_pp_baseline
+        assert GROUP_ADVANTAGES.get(name) is fn
+        assert name not in GAME_ADVANTAGES
+    assert GROUP_ADVANTAGES.get("reinforce_pp_baseline") is reinforce_pp_baseline
 
 
 def test_grpo_normalises_by_the_unbiased_group_std():

@@ -14,9 +14,11 @@ from learner.algos import (
     SCHEDULES,
     Preset,
     UnknownNameError,
+    WrongFamilyError,
     aggregate,
     resolve_preset,
 )
+from learner.lm.settings import LMLearnerSettings
 
 EXPECTED = {
     "grpo",
@@ -124,3 +126,39 @@ def test_invalid_overrides_are_rejected():
 def test_presets_are_frozen():
     with pytest.raises(pydantic.ValidationError):
         resolve_preset("grpo").kl_beta = 0.0
+
+
+@pytest.mark.parametrize(
+    ("field", "name", "family"),
+    [
+        ("advantage", "gae", "a game advantage estimator"),
+        ("policy_loss", "grpo", "a group advantage estimator and an LM algorithm preset"),
+        ("aggregation", "ppo", "a policy loss and a game algorithm preset"),
+        ("kl_estimator", "warmup_cosine", "a schedule"),
+        ("chord_schedule", "k3", "a KL estimator"),
+    ],
+)
+def test_a_name_of_the_wrong_family_fails_at_validation_naming_the_field(field, name, family):
+    with pytest.raises(WrongFamilyError, match=rf"^{field}: '{name}' is {family}, not a"):
+        resolve_preset("grpo", **{field: name})
+
+
+def test_lm_settings_reject_a_wrong_family_override_at_the_algo_field():
+    with pytest.raises(pydantic.ValidationError) as info:
+        LMLearnerSettings(model_path="m", preset="grpo", algo={"advantage": "gae"})
+    (error,) = info.value.errors()
+    assert error["loc"] == ("algo",)
+    assert "advantage: 'gae' is a game advantage estimator, not a group advantage" in error["msg"]
+    with pytest.raises(pydantic.ValidationError, match="did you mean 'grpo'"):
+        LMLearnerSettings(model_path="m", preset="grpoo")
+    with pytest.raises(pydantic.ValidationError, match="'ppo' is a policy loss and a game"):
+        LMLearnerSettings(model_path="m", preset="ppo")
+    assert LMLearnerSettings(model_path="m", preset="dapo").algo == {}
+
+
+def test_kwargs_errors_name_the_field_and_a_close_hyperparameter():
+    expected = r"loss_kwargs: policy loss 'ppo' has no hyperparameter 'clip_hgh'; valid: clip_low, "
+    with pytest.raises(ValueError, match=expected + r"clip_high, clip_ratio_c; did you mean"):
+        resolve_preset("grpo", loss_kwargs={"clip_hgh": 0.3})
+    with pytest.raises(ValueError, match="advantage_kwargs: group advantage estimator 'rloo'"):
+        resolve_preset("rloo", advantage_kwargs={"norm_std": True})

@@ -10,7 +10,6 @@ from learner.algos import (
     AGGREGATIONS,
     POLICY_LOSSES,
     SCHEDULES,
-    VALUE_LOSSES,
     UnknownNameError,
     a2c,
     aggregate,
@@ -97,7 +96,7 @@ def test_ppo_clip_is_identity_surrogate_on_policy():
 def test_a2c():
     logp = torch.log(torch.tensor([0.5, 0.25])).requires_grad_()
     adv = torch.tensor([2.0, -1.0], requires_grad=True)
-    loss, metrics = a2c(logp, adv, old_logp=torch.log(torch.tensor([0.5, 0.5])))
+    loss, metrics = a2c(logp, torch.log(torch.tensor([0.5, 0.5])), adv)
     # -A log p: -2 ln 0.5 = 2 ln 2; +1 ln 0.25 = -2 ln 2
     close(loss, [2 * math.log(2), -2 * math.log(2)])
     loss.sum().backward()
@@ -107,6 +106,8 @@ def test_a2c():
     # k3 with r = [1, 0.5]: (0.5 - 1) - ln 0.5 = ln 2 - 0.5, mean over 2
     close(metrics["approx_kl"], (math.log(2) - 0.5) / 2)
     assert POLICY_LOSSES.get("a2c") is a2c
+    loss, metrics = a2c(logp, None, adv)  # old_logp is optional: no approx_kl then
+    assert "approx_kl" not in metrics
 
 
 # --- value loss ----------------------------------------------------------------------------------
@@ -133,7 +134,6 @@ def test_value_loss_clipped():
     close(values.grad, [-1.0, 0.0, 3.0])  # V - R where unclipped wins, 0 where clipped wins
     with pytest.raises(ValueError, match="old_values"):
         value_loss(values, None, returns, clip=0.2)
-    assert VALUE_LOSSES.get("mse") is value_loss
 
 
 # --- entropy -------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_aggregate_game_rl_shapes_and_gradient():
 
 
 def test_aggregate_unknown_mode_and_registry():
-    with pytest.raises(UnknownNameError, match=r"known: .*token-mean"):
+    with pytest.raises(UnknownNameError, match=r"known: .*token-mean.*did you mean 'token-mean'"):
         aggregate(LOSS, MASK, "token-median")
     assert AGGREGATIONS.get("token-mean")(LOSS, MASK) == aggregate(LOSS, MASK)
 

@@ -1,4 +1,5 @@
-"""Registry behaviour and lazy loading of ``rlfleet.algos`` entry-point plugins."""
+"""Typed registries (one protocol per family, checked at registration; unknown and wrong-family
+names explained at lookup) and lazy loading of ``rlfleet.algos`` entry-point plugins."""
 
 import sys
 import uuid
@@ -6,19 +7,31 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
+import learner.algos as algos
 import learner.algos.registry as registry
 from learner.algos import (
     ADVANTAGES,
     AGGREGATIONS,
+    GAME_ADVANTAGES,
+    GAME_PRESETS,
+    GROUP_ADVANTAGES,
+    KL_ESTIMATORS,
     POLICY_LOSSES,
+    PRESETS,
     SCHEDULES,
-    VALUE_LOSSES,
     DuplicateNameError,
+    GroupAdvantageFn,
     PluginLoadError,
+    PolicyLossFn,
     Registry,
+    SignatureError,
     UnknownNameError,
+    WrongFamilyError,
+    gae,
+    grpo,
     ppo_clip,
 )
+from learner.algos.registry import FAMILIES
 
 
 def test_register_and_get():
@@ -50,19 +63,99 @@ def test_unknown_name_lists_known_names():
         reg.get("zzz")
 
 
+def test_unknown_name_suggests_a_close_one_and_prefixes_the_field():
+    reg: Registry = Registry("policy loss")
+    reg.add("ppo", 1)
+    with pytest.raises(UnknownNameError, match=r"^loss: unknown policy loss 'ppo2'; known: ppo; "
+                       r"did you mean 'ppo'\?$"):  # fmt: skip
+        reg.get("ppo2", field="loss")
+
+
 def test_builtins_are_registered():
-    assert {"gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
-        ADVANTAGES.names()
+    assert set(GAME_ADVANTAGES.names()) == {"gae"}
+    assert {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
+        GROUP_ADVANTAGES.names()
     )
-    assert {"ppo", "a2c"} <= set(POLICY_LOSSES.names())
-    assert "mse" in VALUE_LOSSES
+    assert {"ppo", "a2c", "gspo", "cispo", "sapo"} <= set(POLICY_LOSSES.names())
     assert {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"} <= set(
         AGGREGATIONS.names()
     )
-    assert {"constant", "linear"} <= set(SCHEDULES.names())
+    assert {"k1", "k2", "k3"} <= set(KL_ESTIMATORS.names())
+    assert {"constant", "linear", "cosine", "warmup_cosine"} <= set(SCHEDULES.names())
+    assert {"ppo", "a2c"} <= set(GAME_PRESETS.names())
     assert POLICY_LOSSES.get("ppo") is ppo_clip
     with pytest.raises(DuplicateNameError):
         POLICY_LOSSES.register("ppo")(lambda: None)
+
+
+def test_registries_nobody_reads_are_gone():
+    # value, SFT and preference losses have one implementation each, called directly
+    for name in ("VALUE_LOSSES", "SFT_LOSSES", "PREFERENCE_LOSSES"):
+        assert not hasattr(algos, name)
+
+
+def test_every_builtin_matches_its_family_protocol():
+    for family in FAMILIES:
+        if family.protocol is None:
+            continue
+        for name in family.names():
+            algos.check_signature(family.get(name), family.protocol, f"{family.kind} {name!r}")
+
+
+def _policy_losses() -> Registry:
+    return Registry("policy loss", PolicyLossFn)
+
+
+def test_a_function_of_another_family_cannot_be_registered():
+    reg = _policy_losses()
+    with pytest.raises(SignatureError, match=r"policy loss 'g'.*does not match PolicyLossFn"
+                       r"\(logp, old_logp, adv, mask=None, \*\*hyperparameters\)"):  # fmt: skip
+        reg.add("g", grpo)
+    with pytest.raises(SignatureError, match="parameter 2 is 'adv', expected 'old_logp'"):
+        reg.add("old_a2c", lambda logp, adv, mask=None, *, old_logp=None: (logp, {}))
+    with pytest.raises(SignatureError, match="'mask' needs a default"):
+        reg.add("m", lambda logp, old_logp, adv, mask: (logp, {}))
+    with pytest.raises(SignatureError, match="hyperparameter 'clip' needs a default"):
+        reg.add("h", lambda logp, old_logp, adv, mask=None, *, clip: (logp, {}))
+    with pytest.raises(SignatureError, match="'adv' is positional-only"):
+        reg.add("p", lambda logp, old_logp, adv, /, mask=None: (logp, {}))
+    with pytest.raises(SignatureError, match="must be a function"):
+        reg.add("n", 3)
+    assert reg.names() == []
+    reg.add("ok", ppo_clip)
+    assert reg.hyperparameters("ok") == ["clip_low", "clip_high", "clip_ratio_c"]
+
+
+def test_keyword_only_protocol_parameters_must_be_accepted_by_name():
+    reg = Registry("game advantage estimator", algos.GameAdvantageFn)
+    reg.add("gae", gae)
+    with pytest.raises(SignatureError, match="does not take the keyword 'last_value'"):
+        reg.add("x", lambda rewards, values, *, terminated, truncated: (rewards, values))
+    reg.add("any", lambda rewards, values, **kw: (rewards, values))  # **kwargs takes them all
+    assert reg.hyperparameters("any") is None
+    groups = Registry("group advantage estimator", GroupAdvantageFn)
+    with pytest.raises(SignatureError, match="parameter 2 is 'values', expected 'group_ids'; no "
+                       "parameter 'mask' at position 3"):  # fmt: skip
+        groups.add("gae", gae)
+
+
+def test_a_name_of_another_family_says_which_family_it_is():
+    with pytest.raises(WrongFamilyError, match=r"^advantage: 'gae' is a game advantage estimator, "
+                       r"not a group advantage estimator; known .*: grpo, "):  # fmt: skip
+        GROUP_ADVANTAGES.get("gae", field="advantage")
+    with pytest.raises(WrongFamilyError, match="'grpo' is a group advantage estimator and an LM "
+                       "algorithm preset, not a game advantage estimator"):  # fmt: skip
+        GAME_ADVANTAGES.get("grpo")
+    assert issubclass(WrongFamilyError, UnknownNameError)  # callers catching that still work
+    assert "grpo" in PRESETS and "ppo" in GAME_PRESETS
+
+
+def test_deprecated_advantages_view_reads_both_families_and_registers_nothing():
+    assert ADVANTAGES.get("gae") is gae and ADVANTAGES.get("grpo") is grpo
+    assert set(ADVANTAGES.names()) == set(GAME_ADVANTAGES.names()) | set(GROUP_ADVANTAGES.names())
+    assert not hasattr(ADVANTAGES, "register") and not hasattr(ADVANTAGES, "add")
+    with pytest.raises(UnknownNameError, match="did you mean 'gae'"):
+        ADVANTAGES.get("gea")
 
 
 @pytest.fixture
@@ -91,13 +184,13 @@ def test_plugin_loads_lazily_on_first_lookup(plugin):
         "from learner.algos.registry import POLICY_LOSSES\n"
         "LOADS = [1]\n"
         "@POLICY_LOSSES.register('plugin_loss')\n"
-        "def plugin_loss(logp, adv):\n"
+        "def plugin_loss(logp, old_logp, adv, mask=None):\n"
         "    return -adv * logp, {}\n"
     )
     assert module not in sys.modules
     fn = POLICY_LOSSES.get("plugin_loss")
     assert module in sys.modules
-    assert fn(2.0, 3.0) == (-6.0, {})
+    assert fn(2.0, 0.0, 3.0) == (-6.0, {})
     POLICY_LOSSES.get("ppo")  # a second lookup does not import again
     assert sys.modules[module].LOADS == [1]
 
@@ -108,6 +201,15 @@ def test_plugin_clashing_with_builtin_is_an_error(plugin):
         "POLICY_LOSSES.register('ppo')(lambda: None)\n"
     )
     with pytest.raises(DuplicateNameError, match=r"plugin 'demo'.*'ppo' is already registered"):
+        POLICY_LOSSES.get("ppo")
+
+
+def test_plugin_of_the_wrong_shape_names_the_entry_point(plugin):
+    plugin(
+        "from learner.algos.registry import POLICY_LOSSES\n"
+        "POLICY_LOSSES.register('two_args')(lambda logp, adv: (-adv * logp, {}))\n"
+    )
+    with pytest.raises(SignatureError, match=r"plugin 'demo'.*'two_args'.*expected 'old_logp'"):
         POLICY_LOSSES.get("ppo")
 
 

@@ -70,3 +70,47 @@ def test_bad_knobs_fail_at_load_naming_key_and_line(
         load_run_config(path, environ={})
     assert message in str(err.value)
     assert f"run.yaml:{line}:" in str(err.value) or "minibatch" in knob
+
+
+def test_game_job_algo_is_checked_against_the_game_presets(tmp_path: Path) -> None:
+    body = "run: {name: r}\njob:\n  kind: ppo\n  env_id: CartPole-v1\n  algo: grpo\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert "run.yaml:5: job.algo: 'grpo' is a group advantage estimator" in str(err.value)
+    assert "not a game algorithm preset; known game algorithm preset names: a2c, ppo" in str(
+        err.value
+    )
+
+
+def test_lm_job_override_of_the_wrong_family_fails_at_its_line(tmp_path: Path) -> None:
+    body = (
+        "run: {name: r}\njob:\n  kind: grpo\n  model_path: m\n  algo:\n    kl_beta: 0.0\n"
+        "    advantage: gae\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    message = str(err.value)
+    assert "job.algo: advantage: 'gae' is a game advantage estimator, not a group advantage" in (
+        message
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "algo", "expert"),
+    [("chord", {}, True), ("grpo", {}, False), ("grpo", {"chord": True}, True)],
+)
+def test_rollout_drivers_send_expert_completions_when_the_preset_mixes_sft(
+    kind: str, algo: dict[str, object], expert: bool
+) -> None:
+    from learner.lm.jobs import LM_JOBS, expand
+
+    settings = LM_JOBS[kind].settings.model_validate({"model_path": "m", "algo": algo})
+    (driver,) = [e for e in expand(settings, "r") if e["service"] == "rollout"]
+    assert driver["settings"]["expert_completions"] is expert
+
+
+def test_every_lm_job_kind_is_a_preset() -> None:
+    from learner.algos import PRESETS
+    from learner.lm.jobs import PRESET_NAMES
+
+    assert set(PRESET_NAMES) <= set(PRESETS.names())

@@ -12,7 +12,7 @@ from learner.algos import PRESETS
 from learner.algos.presets import resolve_preset
 from learner.lm.batch import collate, decode_group
 from learner.lm.model import load_causal_lm, load_tokenizer, sequence_logprobs
-from learner.lm.update import group_filter, lm_update
+from learner.lm.update import group_filter, lm_update, minibatch_loss, prepare
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
@@ -132,6 +132,7 @@ def test_dynamic_sampling_drops_uniform_groups(tok_model):
     assert group_filter(mixed, dapo)[1] is None
 
 
+@pytest.mark.slow  # every preset trains the tiny LM (about a minute): not in `make test-fast`
 @pytest.mark.parametrize("preset", sorted(PRESETS.names()))
 def test_every_preset_updates(tok_model, preset):
     tok, base = tok_model
@@ -154,7 +155,7 @@ def test_every_preset_updates(tok_model, preset):
         PlainEngine(model), reference, samples, p, pad_id=tok.pad_token_id, lr=1e-3, step=0,
         minibatch_size=4,
     )  # fmt: skip
-    assert np.isfinite(metrics["losses/policy_loss"])
+    assert np.isfinite(metrics["losses/policy_loss"]) and np.isfinite(metrics["losses/loss"])
     assert "losses/approx_kl" in metrics and "charts/entropy" in metrics
     assert metrics["rollout/mismatch_kl"] == pytest.approx(0.0, abs=1e-5)  # same weights
     if p.kl_beta > 0 and not p.kl_in_reward:
@@ -185,3 +186,33 @@ def test_grpo_moves_probability_to_rewarded_completion(tok_model):
         msg = _group(tok, model, "Q: 1+2=?\nA:", [good, bad, good, bad], [1, 0, 1, 0], f"s{step}")
         lm_update(engine, None, decode_group(msg, len(tok)), preset, pad_id=0, lr=3e-3, step=step)
     assert logp_of(good) - logp_of(bad) > before + 1.0
+
+
+def test_policy_loss_is_the_policy_gradient_term_and_loss_the_total(tok_model):
+    """As on the game side (and CleanRL): ``losses/policy_loss`` is the policy-gradient term,
+    ``losses/loss`` what is minimised (here with the KL term added)."""
+    tok, base = tok_model
+    model = load_causal_lm_copy(base)
+    preset = resolve_preset("grpo", kl_beta=0.5, entropy_coef=0.0)
+    msg = _group(tok, model, "Q: 1+2=?\nA:", [" 3", " 4", " 5"], [1.0, 0.0, 0.5], "g")
+    samples = decode_group(msg, len(tok))
+    reference = load_causal_lm_copy(base).eval()
+    with torch.no_grad():  # a reference that differs, so the KL term is not 0
+        for param in reference.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    engine = PlainEngine(model)
+    prep = prepare(engine, reference, samples, preset, pad_id=tok.pad_token_id, minibatch_size=2)
+    assert not prep.adv.requires_grad and prep.ref_logp is not None
+    assert prep.metrics["rollout/mismatch_kl"] == pytest.approx(0.0, abs=1e-5)
+    loss, metrics, chord = minibatch_loss(engine, prep, torch.arange(len(samples)), preset, 0)
+    assert loss.requires_grad and chord == {}
+    assert metrics["losses/kl"] > 0
+    want = metrics["losses/policy_loss"] + preset.kl_beta * metrics["losses/kl"]
+    assert metrics["losses/loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+    out = lm_update(
+        engine, reference, samples, preset, pad_id=tok.pad_token_id, lr=1e-3, step=0,
+        minibatch_size=len(samples),
+    )  # fmt: skip
+    want = out["losses/policy_loss"] + preset.kl_beta * out["losses/kl"]
+    assert out["losses/loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)

@@ -13,18 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from common.policies import build_policy
-from common.policy_config import PolicyConfig
-from env_server.play import (
+from common.artifacts import (
     DESCRIPTION_FILE,
     WEIGHTS_FILE,
     LoadedPolicy,
     load_policy,
-    play,
     resolve_policy_dir,
     save_policy,
-    write_png,
 )
+from common.policies import build_policy
+from common.policy_config import PolicyConfig
+from env_server.play import _FrameDir, play
 from services import cli
 from services.errors import ConfigError
 
@@ -196,11 +195,15 @@ def test_multidiscrete_and_box_actions() -> None:
 
 
 @pytest.mark.parametrize("shape", [(5, 7, 3), (5, 7, 4), (5, 7)])
-def test_write_png_round_trip(tmp_path: Path, shape: tuple[int, ...]) -> None:
-    image = pytest.importorskip("PIL.Image")
+def test_png_frames_round_trip(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    from PIL import Image
+
     frame = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
-    write_png(tmp_path / "f.png", frame)
-    np.testing.assert_array_equal(np.asarray(image.open(tmp_path / "f.png")), frame)
+    recorder = _FrameDir(tmp_path / "frames")
+    recorder.add(frame, episode=0, step=0)
+    assert recorder.close() == f"1 frames in {tmp_path / 'frames'}/"
+    written = np.asarray(Image.open(tmp_path / "frames" / "ep000_000000.png"))
+    np.testing.assert_array_equal(written, frame)
 
 
 def test_frames_and_gif(run_dir: Path, tmp_path: Path) -> None:
@@ -209,7 +212,8 @@ def test_frames_and_gif(run_dir: Path, tmp_path: Path) -> None:
     first = result.episodes[0]
     names = sorted(p.name for p in frames.iterdir())
     assert len(names) == first.length + 1 and names[0] == "ep000_000000.png"  # first episode
-    image = pytest.importorskip("PIL.Image")
+    from PIL import Image as image
+
     assert image.open(frames / names[0]).size == (600, 400)  # CartPole's rgb_array
     result = play(run_dir, episodes=1, video=tmp_path / "run.gif", max_steps=15)
     gif = image.open(tmp_path / "run.gif")
@@ -301,15 +305,10 @@ def test_clear_errors_exit_2(
     assert "Traceback" not in err and "episode" not in out
 
 
-def test_mp4_without_imageio_is_a_clear_error(
-    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    try:
-        import imageio  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("imageio is installed")
-    code, _, err = run_cli(["play", str(run_dir), "--video", str(tmp_path / "x.mp4")], capsys)
-    assert code == 2 and "needs imageio with ffmpeg" in err and "--frames DIR" in err
-    assert not (tmp_path / "x.mp4").exists()
+def test_mp4_recording(run_dir: Path, tmp_path: Path) -> None:
+    import imageio.v3 as iio
+
+    result = play(run_dir, episodes=1, video=tmp_path / "run.mp4", max_steps=15)
+    frames = iio.imread(tmp_path / "run.mp4", plugin="FFMPEG", index=None)
+    assert frames.shape == (result.episodes[0].length + 1, 400, 600, 3)  # CartPole's rgb_array
+    assert result.recording and "run.mp4" in result.recording

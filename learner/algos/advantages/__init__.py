@@ -1,6 +1,8 @@
-"""Advantage estimators, registered in ``ADVANTAGES``: game RL (``gae``) and the group-relative
-LM estimators (``grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``), which share
-``f(rewards [B], group_ids [B], mask [B, T], **hp) -> (advantages [B, T], metrics)``."""
+"""Advantage estimators, two families: game RL over rollout fragments (``gae``, registered in
+``GAME_ADVANTAGES``, protocol ``GameAdvantageFn``) and the group-relative LM estimators (``grpo``,
+``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``, in ``GROUP_ADVANTAGES``, protocol
+``GroupAdvantageFn``: ``f(rewards [B], group_ids [B], mask [B, T], **hp) -> (advantages [B, T],
+metrics)``)."""
 
 from learner.algos.advantages.gae import discounted_returns, gae
 from learner.algos.advantages.grpo import grpo

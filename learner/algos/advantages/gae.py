@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.registry import ADVANTAGES
+from learner.algos.registry import GAME_ADVANTAGES
 
 
-@ADVANTAGES.register("gae")
+@GAME_ADVANTAGES.register("gae")
 @torch.no_grad()
 def gae(
     rewards: Tensor,  # [T, N]

@@ -19,10 +19,10 @@ from learner.algos.advantages.groups import (
     group_stats,
     reward_metrics,
 )
-from learner.algos.registry import ADVANTAGES
+from learner.algos.registry import GROUP_ADVANTAGES
 
 
-@ADVANTAGES.register("grpo")
+@GROUP_ADVANTAGES.register("grpo")
 @torch.no_grad()
 def grpo(
     rewards: Tensor,  # [B] float: one scalar reward per completion

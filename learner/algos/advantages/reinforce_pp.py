@@ -15,7 +15,7 @@ from torch import Tensor
 from learner.algos.advantages.groups import check_inputs, float_dtype, group_stats, reward_metrics
 from learner.algos.aggregate import masked_mean
 from learner.algos.normalize import normalize_advantages
-from learner.algos.registry import ADVANTAGES
+from learner.algos.registry import GROUP_ADVANTAGES
 
 
 def token_returns(
@@ -70,7 +70,7 @@ def _whitened(
     return adv, metrics
 
 
-@ADVANTAGES.register("reinforce_pp")
+@GROUP_ADVANTAGES.register("reinforce_pp")
 @torch.no_grad()
 def reinforce_pp(
     rewards: Tensor,  # [B] float
@@ -96,7 +96,7 @@ def reinforce_pp(
     return adv, {**reward_metrics(rewards.to(adv.dtype)), **metrics}
 
 
-@ADVANTAGES.register("reinforce_pp_baseline")
+@GROUP_ADVANTAGES.register("reinforce_pp_baseline")
 @torch.no_grad()
 def reinforce_pp_baseline(
     rewards: Tensor,  # [B] float

@@ -18,10 +18,10 @@ from learner.algos.advantages.groups import (
     group_stats,
     reward_metrics,
 )
-from learner.algos.registry import ADVANTAGES
+from learner.algos.registry import GROUP_ADVANTAGES
 
 
-@ADVANTAGES.register("rloo")
+@GROUP_ADVANTAGES.register("rloo")
 @torch.no_grad()
 def rloo(
     rewards: Tensor,  # [B] float

@@ -1,5 +1,6 @@
-"""Policy, value, entropy, SFT and preference losses. Policy losses return ``(per-sample loss,
-detached metrics)``."""
+"""Policy, value, entropy, SFT and preference losses. Policy losses (``POLICY_LOSSES``, protocol
+``PolicyLossFn``: ``f(logp, old_logp, adv, mask=None, **hp)``) return ``(per-sample loss, detached
+metrics)``; the others have one implementation each and are called directly."""
 
 from learner.algos.losses.a2c import a2c
 from learner.algos.losses.chord import chord_mix, sft_loss

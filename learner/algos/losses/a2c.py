@@ -15,15 +15,15 @@ from learner.algos.registry import POLICY_LOSSES
 @POLICY_LOSSES.register("a2c")
 def a2c(
     logp: Tensor,  # [B] or [B, T] log pi_theta(a|s)
+    old_logp: Tensor | None,  # same shape: log pi_old, for the approx_kl metric only (or None)
     adv: Tensor,  # same shape (or broadcastable): advantages, treated as constants
     mask: Tensor | None = None,  # same shape, bool (metrics only)
-    *,
-    old_logp: Tensor | None = None,  # same shape; optional, for the approx_kl metric only
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-sample policy-gradient loss ``-adv * logp`` (``adv`` detached) and detached metrics.
 
-    Accepts ``old_logp`` so a trainer can call every policy loss with the same keywords; when it is
-    given, ``approx_kl`` (k3, as in ``ppo_clip``) is reported. Always reports ``logp_mean``.
+    Takes ``old_logp`` in the place every ``PolicyLossFn`` does, so a trainer calls every policy
+    loss alike; unless it is None, ``approx_kl`` (k3, as in ``ppo_clip``) is reported. Always
+    reports ``logp_mean``.
     """
     loss = -adv.detach() * logp  # [B, T]
     with torch.no_grad():

@@ -13,10 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.registry import SFT_LOSSES
 
-
-@SFT_LOSSES.register("nll")
 def sft_loss(
     logp: Tensor,  # [B, T] log pi_theta(y*_t | x, y*_<t) of the expert tokens
     mask: Tensor | None,  # [B, T] bool: expert completion tokens

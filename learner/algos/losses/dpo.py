@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from learner.algos.registry import PREFERENCE_LOSSES
-
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
-@PREFERENCE_LOSSES.register("dpo")
 def dpo_loss(
     chosen_logp: Tensor,  # [B] log pi_theta(y_w | x): sum over the completion's tokens
     rejected_logp: Tensor,  # [B] log pi_theta(y_l | x)

@@ -21,7 +21,7 @@ def gspo(
     logp: Tensor,  # [B, T] log pi_theta(y_t | x, y_<t)
     old_logp: Tensor,  # [B, T] log pi_old of the same tokens
     adv: Tensor,  # [B, T] advantages (GRPO: constant along a sequence)
-    mask: Tensor | None,  # [B, T] bool: completion tokens; required
+    mask: Tensor | None = None,  # [B, T] bool: completion tokens; required (None raises)
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,

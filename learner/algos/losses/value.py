@@ -6,10 +6,8 @@ import torch
 from torch import Tensor
 
 from learner.algos.aggregate import masked_mean
-from learner.algos.registry import VALUE_LOSSES
 
 
-@VALUE_LOSSES.register("mse")
 def value_loss(
     values: Tensor,  # [B] or [B, T] V_theta(s) under the current critic
     old_values: Tensor | None,  # same shape: V(s) at rollout time (needed only when clipping)

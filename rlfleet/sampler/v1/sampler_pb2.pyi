@@ -141,6 +141,54 @@ class Completion(_message.Message):
     top_logprobs: _tensor_pb2.Tensor
     def __init__(self, token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., end_policy_version: _Optional[int] = ..., top_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("prompt", "sampling", "timeout")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    sampling: SamplingParams
+    timeout: _duration_pb2.Duration
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("start", "delta")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    start: StreamStart
+    delta: CompletionDelta
+    def __init__(self, start: _Optional[_Union[StreamStart, _Mapping]] = ..., delta: _Optional[_Union[CompletionDelta, _Mapping]] = ...) -> None: ...
+
+class StreamStart(_message.Message):
+    __slots__ = ("prompt_token_ids", "policy_version")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _tensor_pb2.Tensor
+    policy_version: int
+    def __init__(self, prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class CompletionDelta(_message.Message):
+    __slots__ = ("index", "token_ids", "text", "finish_reason", "logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _tensor_pb2.Tensor
+    text: str
+    finish_reason: FinishReason
+    logprobs: _tensor_pb2.Tensor
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    top_token_ids: _tensor_pb2.Tensor
+    top_logprobs: _tensor_pb2.Tensor
+    top_token_texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., top_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_token_texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -43,6 +43,11 @@ class SamplerServiceStub:
                 request_serializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/rlfleet.sampler.v1.SamplerService/GenerateStream',
+                request_serializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/rlfleet.sampler.v1.SamplerService/GetInfo',
                 request_serializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GetInfoRequest.SerializeToString,
@@ -76,6 +81,19 @@ class SamplerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request, context):
+        """Streams the completions of one prompt while they are generated (serving). The prompt and
+        sampling parameters follow Generate's rules; errors found before generation starts end the
+        call with Generate's codes (the BadRequest field is e.g. "prompt.token_ids"). The
+        first message is `start`; then `delta`s, each for one completion index, in generation
+        order; every completion's last delta has its finish_reason set, and the call ends after the
+        last completion's. Cancelling the call (the caller went away) aborts the generation and
+        frees the engine's slots. `timeout` ends unfinished completions with FINISH_REASON_ABORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Describes the engine and the weights it serves. Cheap; never blocks on generation.
         """
@@ -90,6 +108,11 @@ def add_SamplerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateRequest.FromString,
                     response_serializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -127,6 +150,33 @@ class SamplerService:
             '/rlfleet.sampler.v1.SamplerService/Generate',
             rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateRequest.SerializeToString,
             rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rlfleet.sampler.v1.SamplerService/GenerateStream',
+            rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateStreamRequest.SerializeToString,
+            rlfleet_dot_sampler_dot_v1_dot_sampler__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

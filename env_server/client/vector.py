@@ -1,0 +1,216 @@
+"""gymnasium views of a remote pool: `RemoteVectorEnv` (a VectorEnv over one session) and
+`RemoteEnv` (an Env over a session of one env)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space
+
+from env_server.client.session import SyncEnvSession
+from env_server.client.types import EpisodeStats
+
+
+class RemoteVectorEnv(gymnasium.vector.VectorEnv):
+    """N environments on an env server, as a gymnasium VectorEnv.
+
+    The default autoreset mode is SAME_STEP (the server's default, what trainers bootstrap
+    from); pass NEXT_STEP to get SyncVectorEnv's default behaviour. With copy=True (the default,
+    as SyncVectorEnv) returned arrays are writable copies; copy=False returns read-only views.
+    Ended episodes' returns and lengths, counted by the server, are in `last_episodes`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        env_id: str,
+        num_envs: int = 1,
+        *,
+        seed: int | None = None,
+        kwargs: dict[str, Any] | None = None,
+        autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+        render_mode: str | None = None,
+        copy: bool = True,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self._session = SyncEnvSession(address, request_timeout_s=request_timeout_s)
+        try:
+            info = self._session.create(
+                env_id,
+                num_envs,
+                seed=seed,
+                kwargs=kwargs,
+                autoreset_mode=autoreset_mode,
+                render_mode=render_mode,
+            )
+        except BaseException:
+            self._session.close()
+            raise
+        self.info = info
+        self.num_envs = info.num_envs
+        self.single_observation_space = info.observation_space
+        self.single_action_space = info.action_space
+        self.observation_space = batch_space(info.observation_space, self.num_envs)
+        self.action_space = batch_space(info.action_space, self.num_envs)
+        self.render_mode = render_mode
+        self.metadata = {"autoreset_mode": info.autoreset_mode}
+        self.copy = copy
+        self.last_episodes: list[EpisodeStats] = []
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset; seed s seeds env i with s + i. options["reset_mask"] resets only those envs."""
+        if seed is not None and not isinstance(seed, int | np.integer):
+            raise TypeError("RemoteVectorEnv.reset takes one int seed (env i gets seed + i)")
+        options = dict(options or {})
+        mask = options.pop("reset_mask", None)
+        indices = np.flatnonzero(mask).tolist() if mask is not None else []
+        obs, infos = self._session.reset(seed=seed, env_indices=indices, options=options or None)
+        return self._out(obs), self._out(infos)
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        result = self._session.step(actions)
+        self.last_episodes = result.episodes
+        infos = self._out(result.infos)
+        if result.final_observations is not None:
+            ended = result.terminated | result.truncated
+            infos["final_obs"] = _rows(result.final_observations, ended)
+            infos["_final_obs"] = ended.copy()
+        return (
+            self._out(result.observations),
+            result.rewards.astype(np.float64),  # float32 on the wire; SyncVectorEnv's dtype
+            np.array(result.terminated),
+            np.array(result.truncated),
+            infos,
+        )
+
+    def _out(self, value: Any) -> Any:
+        if not self.copy:
+            return value
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        if isinstance(value, dict):
+            return {k: self._out(v) for k, v in value.items()}
+        if isinstance(value, tuple):
+            return tuple(self._out(v) for v in value)
+        return value
+
+    def render(self) -> tuple[np.ndarray, ...] | None:
+        if self.render_mode != "rgb_array":
+            return None
+        return tuple(self._session.render(range(self.num_envs)))
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self._session.close()
+
+
+def _rows(batch: Any, ended: np.ndarray) -> np.ndarray:
+    """An object array of N per-env final observations (None where no episode ended)."""
+    out = np.full(len(ended), None, dtype=object)
+    for i in np.flatnonzero(ended).tolist():
+        out[i] = _row(batch, i)
+    return out
+
+
+def _row(value: Any, i: int) -> Any:
+    """Env i's entry of a batch, unbatched like the space (arrays copied, scalars as scalars)."""
+    if isinstance(value, dict):
+        return {k: _row(v, i) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_row(v, i) for v in value)
+    if isinstance(value, list) or value.ndim == 1:
+        return value[i]  # a string, or a numpy scalar (immutable: nothing to copy)
+    return np.array(value[i])
+
+
+class RemoteEnv(gymnasium.Env):
+    """One environment on an env server, as a gymnasium Env (no autoreset, like a local Env).
+
+    `np_random` is a local generator seeded like the remote env (reset(seed=...)), so code that
+    samples from it is reproducible; the remote env's own generator cannot be read over the wire.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        env_id: str,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        render_mode: str | None = None,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self._session = SyncEnvSession(address, request_timeout_s=request_timeout_s)
+        try:
+            info = self._session.create(
+                env_id,
+                1,
+                kwargs=kwargs,
+                autoreset_mode=AutoresetMode.DISABLED,
+                render_mode=render_mode,
+            )
+        except BaseException:
+            self._session.close()
+            raise
+        self.info = info
+        self.observation_space = info.observation_space
+        self.action_space = info.action_space
+        self.render_mode = render_mode
+        self.metadata = {"render_modes": [render_mode] if render_mode else []}
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        super().reset(seed=seed)
+        obs, infos = self._session.reset(seed=seed, options=options)
+        return _row(obs, 0), _first_info(infos)
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        result = self._session.step(_batch_one(self.action_space, action))
+        return (
+            _row(result.observations, 0),
+            float(result.rewards[0]),
+            bool(result.terminated[0]),
+            bool(result.truncated[0]),
+            _first_info(result.infos),
+        )
+
+    def render(self) -> np.ndarray | None:
+        if self.render_mode != "rgb_array":
+            return None
+        return np.array(self._session.render([0])[0])
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def _batch_one(space: Any, action: Any) -> Any:
+    """A batch of one action, in the space's dtype where the caller gave a Python value."""
+    from gymnasium import spaces as gs
+
+    if isinstance(space, gs.Dict):
+        return {k: _batch_one(s, action[k]) for k, s in space.spaces.items()}
+    if isinstance(space, gs.Tuple):
+        return tuple(_batch_one(s, a) for s, a in zip(space.spaces, action, strict=True))
+    if isinstance(space, gs.Text):
+        return [action]
+    array = np.asarray(action)
+    if not isinstance(action, np.ndarray | np.generic):
+        array = array.astype(space.dtype)  # a Python int/float/list carries no dtype of its own
+    return array[None]
+
+
+def _first_info(infos: dict[str, Any]) -> dict[str, Any]:
+    """Env 0's entries of vector-style infos (keys whose "_key" mask is set for env 0)."""
+    out = {}
+    for key, value in infos.items():
+        if key.startswith("_") or not infos.get(f"_{key}", np.ones(1, bool))[0]:
+            continue
+        if isinstance(value, dict):
+            out[key] = _first_info(value)
+        else:
+            out[key] = value[0].item() if value.ndim == 1 else np.array(value[0])
+    return out

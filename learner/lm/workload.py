@@ -1,0 +1,307 @@
+"""The language-model workload of the learner loop (learner.loop): trajectory groups in,
+GRPO-family updates (learner.lm.update) of a transformers causal LM on a DeepSpeed engine,
+Hugging Face-named weight versions and a Hugging Face ``final/`` folder out.
+
+What is particular to it: the optional SFT warm start before version 0, the KL reference model,
+DAPO's dynamic sampling (groups without signal are filtered), and held-out greedy evaluations
+(at version 0, every ``eval.every`` updates and at the end; ``learner/eval.jsonl``).
+
+Order of a fresh run: load the model -> optional SFT warm start -> publish version 0 (samplers
+wait for it) -> evaluate it (the warm-started baseline) -> updates, each publishing a version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.datasets import Task, iter_tasks, take
+from learner.algos.presets import Preset, resolve_preset
+from learner.engine import Engine, build_engine
+from learner.lm.batch import Sample, decode_group
+from learner.lm.evaluate import generate_greedy, score_accuracy
+from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer
+from learner.lm.settings import LMLearnerSettings
+from learner.lm.sft import sft_phase
+from learner.lm.update import group_filter, lm_update
+from learner.loop import LearnerLoop
+from learner.settings import DeepSpeedSettings, OptimizerSettings
+from learner.workload import Envelope, Progress
+from rlfleet.bus.v1 import trajectory_pb2
+from services.registry import ServiceContext
+
+__all__ = ["LMWorkload", "reward_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+class LMWorkload:
+    """GRPO-family RL over TrajectoryGroups (see learner.loop.Workload for the protocol)."""
+
+    durable = "lm-learner"
+    message_type = trajectory_pb2.TrajectoryGroup
+    noun = "groups"
+    # Samplers start their engines during the warm start and wait for version 0 meanwhile.
+    serve_before_first_version = True
+
+    def __init__(self, ctx: ServiceContext, settings: LMLearnerSettings) -> None:
+        self.ctx, self.settings = ctx, settings
+        self.messages_per_update = settings.groups_per_update
+        self.preset: Preset = resolve_preset(settings.preset, **settings.algo)
+        self.engine: Engine | None = None
+        self.reference: torch.nn.Module | None = None  # frozen, for the KL term
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        self.sft_done = False
+        self.evals: list[dict[str, float]] = []
+        self._eval_tasks: list[Task] | None = None  # the same held-out prompts every time
+        self._filtered_streak = 0  # groups filtered out in a row
+        self._tokens_this_run = 0  # completion tokens since consuming began: tokens/s
+
+    # ------------------------------------------------------------------ set-up and state
+
+    async def setup(self) -> None:
+        """Nothing to await: the model is a local folder."""
+
+    def build(self) -> Engine:
+        s = self.settings
+        self.tokenizer = load_tokenizer(s.model_path)
+        model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
+        ds = DeepSpeedSettings(
+            zero_stage=s.zero_stage,
+            precision=s.precision,
+            gradient_clipping=s.max_grad_norm,
+            train_micro_batch_size=s.minibatch_size,
+            device=s.device,
+            cache_dir=s.cache_dir,
+        )
+        self.engine = build_engine(model, OptimizerSettings(lr=s.learning_rate, eps=1e-8), ds)
+        module: Any = self.engine.module  # a transformers model
+        self.vocab_size = module.get_input_embeddings().num_embeddings
+        if self.preset.kl_beta > 0:
+            # The reference is the model RL starts from: refreshed after SFT when there is one.
+            self.reference = load_causal_lm(s.model_path, precision=s.precision, frozen=True)
+        log.info("lm workload: preset %s", s.preset)
+        return self.engine
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.sft_done = bool(state.get("sft_done"))
+        self.evals = list(state.get("evals", []))
+
+    def state(self) -> dict[str, Any]:
+        return {"sft_done": self.sft_done, "evals": self.evals}
+
+    def warm_start(self, run: LearnerLoop) -> None:
+        """SFT on the dataset's solutions (fresh runs only); refreshes the KL reference."""
+        s = self.settings
+        assert self.engine is not None
+        if s.sft is None or s.sft.steps == 0 or self.sft_done:
+            return
+        history = sft_phase(
+            self.engine,
+            self.tokenizer,
+            iter_tasks(s.sft.dataset, split="train"),
+            steps=s.sft.steps,
+            batch_size=s.sft.batch_size,
+            learning_rate=s.sft.learning_rate,
+        )
+        for metrics in history:
+            run.write_scalars(metrics, int(metrics["sft/step"]))
+        self.sft_done = True
+        if self.reference is not None:
+            self.reference.load_state_dict(self.engine.module.state_dict(), strict=False)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        assert self.engine is not None
+        return hf_weights(self.engine.module)
+
+    async def begin(self, run: LearnerLoop) -> None:
+        """Evaluate version 0 (the warm-started baseline) unless a restored run already did."""
+        if not self.evals:
+            await self.evaluate(run)
+
+    # ------------------------------------------------------------------ messages
+
+    def envelope(self, message: Any) -> Envelope:
+        # Expert completions (CHORD) carry no sampling policy: the oldest sampled one counts.
+        sampled = [c.policy_version for c in message.completions if not c.expert]
+        return Envelope(message.group_id, int(min(sampled or [message.policy_version])))
+
+    def decode(self, message: Any) -> list[Sample]:
+        return decode_group(message, self.vocab_size)
+
+    def accept(self, decoded: list[Sample]) -> tuple[list[Sample], str | None]:
+        kept, reason = group_filter(decoded, self.preset)
+        if reason is None:
+            self._filtered_streak = 0
+            return kept, None
+        self._filtered_streak += 1
+        if self._filtered_streak % 100 == 0:
+            log.warning(
+                "%d groups in a row filtered out (last: %s): with dynamic sampling a group needs "
+                "rewards that differ; is the task too hard or too easy?",
+                self._filtered_streak,
+                reason,
+            )
+        return [], reason
+
+    def samples(self, items: list[Sample]) -> int:
+        return len(items)
+
+    # ------------------------------------------------------------------ training
+
+    def train(
+        self, items: list[Sample], progress: Progress, generator: torch.Generator
+    ) -> dict[str, float]:
+        s = self.settings
+        assert self.engine is not None
+        lags = [progress.version - x.policy_version for x in items if not x.expert]
+        metrics = lm_update(
+            self.engine,
+            self.reference,
+            items,
+            self.preset,
+            pad_id=self.tokenizer.pad_token_id,
+            lr=s.learning_rate,
+            step=progress.updates,
+            epochs=s.epochs,
+            minibatch_size=s.minibatch_size,
+            recompute_old_logp=s.recompute_old_logp,
+            generator=generator,
+        )
+        metrics["charts/policy_lag"] = float(np.mean(lags)) if lags else 0.0
+        return metrics
+
+    def report(
+        self, items: list[Sample], metrics: dict[str, float], progress: Progress, elapsed_s: float
+    ) -> dict[str, float]:
+        p = progress
+        self._tokens_this_run += int(metrics.get("rollout/completion_tokens", 0))
+        dropped = p.stale_dropped + p.filtered_dropped + p.invalid_dropped
+        return {
+            **reward_metrics([x for x in items if not x.expert]),
+            "charts/train_tokens_per_s": self._tokens_this_run / elapsed_s,
+            "charts/dropped_groups": float(dropped),
+            "charts/filtered_groups": float(p.filtered_dropped),
+        }
+
+    def step(self, progress: Progress) -> int:
+        return progress.updates
+
+    async def after_update(self, run: LearnerLoop) -> None:
+        cfg = self.settings.eval
+        if cfg is not None and run.progress.updates % cfg.every == 0:
+            await self.evaluate(run)
+
+    async def evaluate(self, run: LearnerLoop) -> None:
+        """Held-out greedy accuracy of the current weights (logged as eval/accuracy)."""
+        s, cfg = self.settings, self.settings.eval
+        if cfg is None or s.reward_service is None:
+            return
+        from reward_service.client import RewardClient
+
+        assert self.engine is not None
+        if self._eval_tasks is None:
+            self._eval_tasks = take(iter_tasks(cfg.dataset, split=cfg.split), cfg.count)
+        tasks = self._eval_tasks
+        started = time.perf_counter()
+        texts = await asyncio.to_thread(
+            generate_greedy,
+            self.engine.module,
+            self.tokenizer,
+            tasks,
+            max_tokens=cfg.max_tokens,
+            batch_size=cfg.batch_size,
+        )
+
+        async with RewardClient(self.ctx.resolve(s.reward_service)) as client:
+
+            async def score(items: list[dict[str, Any]]) -> list[float | None]:
+                results = await client.score(items, [(cfg.reward, 1.0)])
+                return [r.scores[cfg.reward].score for r in results]
+
+            accuracy = await score_accuracy(score, tasks, texts)
+        record = {
+            "eval/accuracy": accuracy,
+            "eval/version": float(run.progress.version),
+            "eval/update": float(run.progress.updates),
+            "eval/s": time.perf_counter() - started,
+        }
+        self.evals.append(record)
+        await run.report(record)
+        with (run.dirs["learner"] / "eval.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ the end
+
+    def done(self, progress: Progress) -> bool:
+        return progress.updates >= self.settings.total_updates
+
+    async def finish(self, run: LearnerLoop) -> None:
+        """The final evaluation, unless the last one was of this very version."""
+        version = run.progress.version
+        if self.settings.eval is not None and (
+            not self.evals or self.evals[-1]["eval/version"] != version
+        ):
+            await self.evaluate(run)
+
+    def save_final(self, final_dir: Path, progress: Progress) -> None:
+        """``final/``: a Hugging Face folder (LoRA merged) that from_pretrained and vLLM load,
+        and ``rlfleet_run.json`` (counters, eval curve)."""
+        from transformers import AutoModelForCausalLM
+
+        assert self.engine is not None
+        p = progress
+        model = AutoModelForCausalLM.from_pretrained(str(self.settings.model_path))
+        model.load_state_dict(hf_weights(self.engine.module, torch.float32), strict=False)
+        model.save_pretrained(final_dir)
+        self.tokenizer.save_pretrained(final_dir)
+        summary = {  # the names this file has always used
+            "updates": p.updates,
+            "version": p.version,
+            "samples": p.samples,
+            "groups": p.messages,
+            "stale": p.stale_dropped,
+            "duplicates": p.duplicates_dropped,
+            "invalid": p.invalid_dropped,
+            "filtered": p.filtered_dropped,
+            "evals": self.evals,
+        }
+        (final_dir / "rlfleet_run.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def summary(self, progress: Progress) -> str:
+        text = f"{progress.updates} updates, {progress.messages} groups"
+        if self.evals:
+            first, last = self.evals[0], self.evals[-1]
+            text += (
+                f"; eval accuracy {first['eval/accuracy']:.3f} (v{int(first['eval/version'])}) -> "
+                f"{last['eval/accuracy']:.3f} (v{int(last['eval/version'])})"
+            )
+        return text
+
+    async def close(self) -> None:
+        """Nothing runs beside the loop."""
+
+
+def reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """reward/<function> means over the batch (raw scores), reward/total, reward/std."""
+    out: dict[str, float] = {}
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for x in samples:
+        for name, value in x.scores.items():
+            by_name[name].append(value)
+    for name, values in by_name.items():
+        out[f"reward/{name}"] = float(np.mean(values))
+    totals = [x.reward for x in samples if x.reward is not None]
+    if totals:
+        out["reward/total"] = float(np.mean(totals))
+        out["reward/std"] = float(np.std(totals))
+    return out

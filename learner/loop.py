@@ -1,0 +1,410 @@
+"""The learner's run, written once: bus in, updates, versions out, for any ``Workload``
+(learner.workload: the protocol, and the ``Progress`` counters the loop keeps).
+
+A workload (``learner.game_workload``: PPO/A2C over rollout fragments; ``learner.lm.workload``:
+GRPO-family updates over trajectory groups) holds what is particular to its data and model, in
+the spirit of torchtune's recipe interface (setup / train / checkpoint / cleanup). The loop owns
+the rest: the gRPC server (WeightService, LearnerService.GetStatus), the bus, the durable
+consumer and the ledger, checkpoint-then-ack, the RunStatus and the version numbering.
+
+Delivery guarantees (DESIGN.md, "at-least-once delivery plus idempotent consumers"):
+
+- a message is acked only after a checkpoint that includes its update is on disk; the checkpoint
+  stores the ids of applied messages, so after a crash the unacked messages come back and those
+  already in the restored weights are skipped, the others applied once;
+- stale messages (lag > max_policy_lag), malformed ones and ones the workload filters out (no
+  training signal) are counted, written to the ledger and acked (terminated) at once: they will
+  never be applied;
+- ``<run_dir>/learner/applied.jsonl`` is the ledger of every message applied (and dropped); on a
+  restart its "applied" lines past the restored checkpoint are removed, so at any time it says
+  exactly which messages the weights contain;
+- versions never repeat: ``<run_dir>/learner/state.json`` remembers the last one published, and a
+  restarted learner continues after it (clients holding a newer version than the checkpoint's
+  would otherwise ignore the repeated numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from google.protobuf import timestamp_pb2
+
+from learner.consumer import (
+    AppliedWindow,
+    Ledger,
+    TrajectoryConsumer,
+    next_version,
+    now,
+    publish_version,
+    rng_state,
+    set_rng_state,
+    settle,
+    triage,
+)
+from learner.engine import Engine
+from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
+from learner.weights import WeightServicer, WeightStore, add_weight_service
+from learner.workload import Envelope, Progress, Workload
+from rlfleet.bus.v1 import events_pb2
+from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
+from services.bus import Bus, events_subject, stream_name, traj_subject
+from services.errors import InvalidArgument, RlfleetError
+from services.registry import ServiceContext
+from services.server import GrpcServer
+
+__all__ = ["LearnerLoop", "seed_everything"]
+
+log = logging.getLogger(__name__)
+
+LEARNER_SERVICE = "rlfleet.learner.v1.LearnerService"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
+    """GetStatus over a running LearnerLoop."""
+
+    def __init__(self, loop: LearnerLoop) -> None:
+        self.loop = loop
+
+    async def GetStatus(
+        self, request: learner_pb2.GetStatusRequest, context: Any
+    ) -> learner_pb2.GetStatusResponse:
+        return self.loop.status()
+
+
+class LearnerLoop:
+    """One learner incarnation; ``run()`` returns when the run is done or the service stopped."""
+
+    def __init__(self, ctx: ServiceContext, workload: Workload) -> None:
+        self.ctx, self.workload, self.settings = ctx, workload, workload.settings
+        self.run_name = ctx.run_name
+        self.dirs = {
+            name: ctx.run_dir / name for name in ("checkpoints", "learner", "final", "tensorboard")
+        }
+        self.progress = Progress(applied=AppliedWindow(self.settings.applied_window))
+        self.checkpointed_updates = 0  # the updates the latest checkpoint on disk includes
+        self.generator = torch.Generator().manual_seed(self.settings.seed)  # minibatch order
+        self.ledger = Ledger(self.dirs["learner"] / "applied.jsonl")
+        self.engine: Engine | None = None
+        self.store: WeightStore | None = None
+        self.bus: Bus | None = None
+        self.server: GrpcServer | None = None
+        self.consumer: TrajectoryConsumer | None = None
+        self.writer: Any = None
+        self.metrics: dict[str, float] = {}  # the last update's, for GetStatus
+        self.last_update_time: timestamp_pb2.Timestamp | None = None
+        self._started = time.monotonic()  # when consuming began: throughput
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build(self) -> None:
+        """Seed, build, restore the latest checkpoint and cut the ledger to it (blocking)."""
+        s, w = self.settings, self.workload
+        seed_everything(s.seed)
+        self.engine = w.build()
+        state = self.engine.load(self.dirs["checkpoints"])
+        if state is not None:
+            self.progress = Progress.from_state(state, s.applied_window)
+            w.restore(state)
+            set_rng_state(self.generator, state["rng"])
+            self.checkpointed_updates = self.progress.updates
+        # Drops are acked at once, never redelivered: the ledger is their only count.
+        counts = self.ledger.restore(self.progress.updates)
+        self.progress.stale_dropped = counts.get("stale", 0)
+        self.progress.invalid_dropped = counts.get("invalid", 0)
+        self.progress.filtered_dropped = counts.get("filtered", 0)
+        p = self.progress
+        log.info(
+            "learner %s at update %d, version %d, %d samples (%s)",
+            self.ctx.name,
+            p.updates,
+            p.version,
+            p.samples,
+            "restored" if state is not None else "fresh",
+        )
+
+    async def _publish_weights(self) -> None:
+        assert self.store is not None and self.bus is not None and self.server is not None
+        named = await asyncio.to_thread(self.workload.weights)
+        self.progress.version = await publish_version(
+            self.store, self.bus, self.run_name, named, self.dirs["learner"], self.server.address
+        )
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> None:
+        ctx, s, w = self.ctx, self.settings, self.workload
+        self.dirs["learner"].mkdir(parents=True, exist_ok=True)
+        self.server = GrpcServer(ctx.name, host=ctx.host, port=ctx.port)
+        try:
+            if ctx.nats_url is None:
+                raise InvalidArgument("the learner needs the bus: no NATS url given")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.dirs["tensorboard"]))
+            await w.setup()
+            await asyncio.to_thread(self._build)
+            p = self.progress
+            self.store = WeightStore(
+                self.run_name,
+                keep=s.keep_versions,
+                start_version=next_version(self.dirs["learner"], p.updates, p.version),
+            )
+            self.server.add_service(add_weight_service, WeightServicer(self.store), WEIGHTS_SERVICE)
+            self.server.add_service(
+                learner_pb2_grpc.add_LearnerServiceServicer_to_server,
+                LearnerServicer(self),
+                LEARNER_SERVICE,
+            )
+            await self.server.start()
+            if w.serve_before_first_version:
+                self.server.set_serving()
+            self.bus = await Bus.connect(ctx.nats_url, name=ctx.name)
+            await self.bus.ensure_stream(stream_name(self.run_name), [traj_subject(self.run_name)])
+            await asyncio.to_thread(w.warm_start, self)
+            await self._publish_weights()
+            self.server.set_serving()
+            log.info("learner serving on %s, version %d", self.server.address, p.version)
+            await w.begin(self)
+            self.consumer = TrajectoryConsumer(
+                self.bus,
+                stream=stream_name(self.run_name),
+                durable=w.durable,
+                subject=traj_subject(self.run_name),
+                message_type=w.message_type,
+                batch=w.messages_per_update,
+                ack_wait_s=s.ack_wait_s,
+                max_ack_pending=s.max_ack_pending,
+                stop_event=ctx.stop_event,
+                on_invalid=self._on_undecodable,
+            )
+            self.consumer.start()
+            self._started = time.monotonic()
+            await self._loop()
+        finally:
+            await self._shutdown()
+
+    async def _loop(self) -> None:
+        s, w, p = self.settings, self.workload, self.progress
+        while not w.done(p):  # done at once: restarted after the end
+            if self.ctx.stop_event.is_set():
+                return
+            items = await self._gather()
+            if items is None:
+                return
+            await self._train(items)
+            await w.after_update(self)
+            # The end checkpoints anyway (_finish): no need for a periodic one first.
+            if not w.done(p) and p.updates - self.checkpointed_updates >= s.checkpoint_every:
+                await self._checkpoint()
+        await self._finish()
+
+    # ------------------------------------------------------------------ consuming
+
+    async def _gather(self) -> tuple[list[Any], list[Envelope]] | None:
+        """The items of ``messages_per_update`` accepted messages (their deliveries held) and
+        the messages' envelopes; drops stale, duplicate, malformed and filtered ones on the way.
+        None when stopped."""
+        s, w, p = self.settings, self.workload, self.progress
+        assert self.consumer is not None
+        items: list[Any] = []
+        accepted: list[Envelope] = []
+        ids: set[str] = set()
+        while len(accepted) < w.messages_per_update:
+            delivery = await self.consumer.next()
+            if delivery is None:
+                return None
+            envelope = w.envelope(delivery.message)
+            verdict = triage(
+                envelope.id, envelope.policy_version, p.version, s.max_policy_lag, p.applied, ids
+            )
+            if verdict == "duplicate":
+                p.duplicates_dropped += 1
+                self.consumer.hold(delivery)  # acked with the next checkpoint
+                continue
+            if verdict == "stale":
+                await self._drop(envelope, "stale", delivery.ack())
+                continue
+            try:
+                kept, reason = w.accept(w.decode(delivery.message))
+            except InvalidArgument as exc:
+                log.warning("dropped %s %s: %s", w.noun, envelope.id, exc)
+                await self._drop(envelope, "invalid", delivery.term(), error=str(exc))
+                continue
+            if reason is not None:
+                await self._drop(envelope, "filtered", delivery.ack(), reason=reason)
+                continue
+            items.extend(kept)
+            accepted.append(envelope)
+            ids.add(envelope.id)
+            self.consumer.hold(delivery)
+        return items, accepted
+
+    async def _drop(self, envelope: Envelope, status: str, settle_call: Any, **extra: Any) -> None:
+        """Count and ledger a message that will never be applied, then settle it at once."""
+        self.progress.count_drop(status)
+        fields = {"policy_version": envelope.policy_version, **envelope.fields, **extra}
+        self._ledger_drop(envelope.id, status, **fields)
+        await settle(settle_call)
+
+    def _ledger_drop(self, message_id: str | None, status: str, **fields: Any) -> None:
+        p = self.progress
+        self.ledger.write(
+            id=message_id, status=status, update=p.updates, version=p.version, **fields
+        )
+
+    def _on_undecodable(self, exc: InvalidArgument) -> None:
+        """The bus client could not even parse the message (it terminated it)."""
+        self.progress.invalid_dropped += 1
+        self._ledger_drop(None, "invalid", error=str(exc))
+        log.warning("dropped a malformed message: %s", exc)
+
+    # ------------------------------------------------------------------ training
+
+    async def _train(self, gathered: tuple[list[Any], list[Envelope]]) -> None:
+        w, p = self.workload, self.progress
+        assert self.consumer is not None
+        items, envelopes = gathered
+        trained_at = p.version  # what lags are measured against
+        started = time.perf_counter()
+        metrics = await asyncio.to_thread(w.train, items, p, self.generator)
+        train_s = time.perf_counter() - started
+        p.updates += 1
+        p.samples += w.samples(items)
+        p.messages += len(envelopes)
+        for envelope in envelopes:
+            p.applied.add(envelope.id)
+            self.ledger.write(
+                id=envelope.id,
+                status="applied",
+                update=p.updates,
+                version=trained_at,
+                policy_version=envelope.policy_version,
+                lag=trained_at - envelope.policy_version,
+                **envelope.fields,
+            )
+        self.consumer.applied()
+        await self._publish_weights()
+        self.last_update_time = now()
+        elapsed_s = max(time.monotonic() - self._started, 1e-9)
+        metrics.update(w.report(items, metrics, p, elapsed_s))
+        metrics["charts/update_s"] = train_s
+        self.metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        await self.report(self.metrics)
+
+    def write_scalars(self, metrics: dict[str, float], step: int) -> None:
+        """To TensorBoard, the finite ones."""
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if math.isfinite(value):
+                    self.writer.add_scalar(key, value, step)
+
+    async def report(self, metrics: dict[str, float]) -> None:
+        """Log ``metrics`` at the current point: TensorBoard, the bus (Metrics) and the log."""
+        p = self.progress
+        clean = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        self.write_scalars(clean, self.workload.step(p))
+        message = events_pb2.Metrics(
+            run=self.run_name,
+            source=self.ctx.name,
+            step=p.updates,
+            time=now(),
+            scalars=clean,
+            policy_version=p.version,
+        )
+        assert self.bus is not None
+        with contextlib.suppress(RlfleetError):  # metrics are best effort
+            await self.bus.publish_event(events_subject(self.run_name, "metrics"), message)
+        log.info(
+            "update %d v%d (%d samples): %s",
+            p.updates,
+            p.version,
+            p.samples,
+            " ".join(f"{k}={v:.4g}" for k, v in sorted(clean.items())),
+        )
+
+    # ------------------------------------------------------------------ checkpoints and the end
+
+    async def _checkpoint(self) -> None:
+        """Save, then ack every message the checkpoint covers."""
+        assert self.engine is not None
+        p = self.progress
+        state = {**p.to_state(), **self.workload.state(), "rng": rng_state(self.generator)}
+        await asyncio.to_thread(
+            self.engine.save,
+            self.dirs["checkpoints"],
+            f"update-{p.updates:08d}",
+            state,
+            keep=self.settings.keep_checkpoints,
+        )
+        self.checkpointed_updates = p.updates
+        acked = await self.consumer.ack_checkpointed() if self.consumer is not None else 0
+        log.info("checkpoint at update %d (%d %s acked)", p.updates, acked, self.workload.noun)
+
+    async def _finish(self) -> None:
+        """The workload's last words, ``final/``, a last checkpoint, RunStatus DONE."""
+        w = self.workload
+        await w.finish(self)
+        await asyncio.to_thread(w.save_final, self.dirs["final"], self.progress)
+        await self._checkpoint()
+        status = events_pb2.RunStatus(
+            run=self.run_name,
+            state=events_pb2.RUN_STATE_DONE,
+            message=w.summary(self.progress),
+            source=self.ctx.name,
+            time=now(),
+        )
+        assert self.bus is not None
+        await self.bus.publish_event(events_subject(self.run_name, "status"), status)
+        log.info("done: %s", status.message)
+
+    async def _shutdown(self) -> None:
+        await self.workload.close()
+        # Stopped between checkpoints: save what was applied so its messages can be acked.
+        if self.engine is not None and self.progress.updates > self.checkpointed_updates:
+            with contextlib.suppress(Exception):
+                await self._checkpoint()
+        if self.consumer is not None:  # what was not applied goes back to the stream at once
+            await self.consumer.close()
+        self.ledger.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.bus is not None:
+            await self.bus.close()
+        if self.server is not None:
+            await self.server.stop()
+        if self.engine is not None:
+            self.engine.close()
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> learner_pb2.GetStatusResponse:
+        p = self.progress
+        response = learner_pb2.GetStatusResponse(
+            run=self.run_name,
+            policy_version=p.version,
+            updates=p.updates,
+            samples_consumed=p.samples,
+            messages_consumed=p.messages,
+            stale_dropped=p.stale_dropped,
+            duplicates_dropped=p.duplicates_dropped,
+            invalid_dropped=p.invalid_dropped,
+            max_policy_lag=self.settings.max_policy_lag,
+            metrics=self.metrics,
+        )
+        if self.last_update_time is not None:
+            response.last_update_time.CopyFrom(self.last_update_time)
+        return response

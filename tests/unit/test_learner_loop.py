@@ -1,0 +1,185 @@
+"""learner.loop and learner.consumer without a bus: the triage rules (lag dropping, the
+idempotence window), the checkpointed counters, and one gather -> train pass of the shared loop
+over a stand-in workload (what is dropped, held, ledgered and counted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from learner.consumer import AppliedWindow, triage
+from learner.loop import LearnerLoop
+from learner.workload import Envelope, Progress
+from services.errors import InvalidArgument
+
+# ---------------------------------------------------------------------------- bookkeeping
+
+
+def test_triage_drops_stale_fragments_beyond_the_lag_limit() -> None:
+    window = AppliedWindow(10)
+    assert triage("a", policy_version=5, version=5, max_policy_lag=0, applied=window) == "apply"
+    assert triage("a", policy_version=4, version=5, max_policy_lag=0, applied=window) == "stale"
+    assert triage("a", policy_version=3, version=5, max_policy_lag=2, applied=window) == "apply"
+    assert triage("a", policy_version=2, version=5, max_policy_lag=2, applied=window) == "stale"
+    # A fragment from a newer version than ours (possible right after a restart) is fresh.
+    assert triage("a", policy_version=9, version=5, max_policy_lag=0, applied=window) == "apply"
+
+
+def test_triage_skips_applied_and_pending_ids_before_judging_lag() -> None:
+    window = AppliedWindow(10, ["done"])
+    assert triage("done", 0, 100, 0, window) == "duplicate"
+    assert triage("pending", 5, 5, 0, window, pending={"pending"}) == "duplicate"
+    assert triage("new", 5, 5, 0, window, pending={"pending"}) == "apply"
+
+
+def test_applied_window_forgets_the_oldest_ids_and_round_trips() -> None:
+    window = AppliedWindow(3)
+    for fid in ["a", "b", "c", "b", "d"]:  # "b" twice is one entry
+        window.add(fid)
+    assert "a" not in window and all(f in window for f in "bcd")
+    assert window.to_list() == ["b", "c", "d"] and len(window) == 3
+    again = AppliedWindow(3, window.to_list())
+    again.add("e")
+    assert again.to_list() == ["c", "d", "e"]
+
+
+def test_progress_round_trips_and_reads_earlier_counter_names() -> None:
+    progress = Progress(updates=3, version=4, samples=96, messages=6, duplicates_dropped=1)
+    progress.applied = AppliedWindow(10, ["a", "b"])
+    again = Progress.from_state(json.loads(json.dumps(progress.to_state())), window=10)
+    assert again.to_state() == progress.to_state()
+    # Checkpoints of the game and LM learners before they shared the loop.
+    game = Progress.from_state({"updates": 2, "global_step": 64, "stale_dropped": 1}, window=10)
+    assert (game.updates, game.samples, game.stale_dropped) == (2, 64, 1)
+    lm = Progress.from_state({"updates": 2, "groups": 4, "samples": 16, "duplicates": 1}, 10)
+    assert (lm.messages, lm.samples, lm.duplicates_dropped) == (4, 16, 1)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+class Message(SimpleNamespace):
+    id: str
+    version: int
+    payload: str  # "ok", "bad" (decode fails), "empty" (filtered out)
+
+
+class Settled:
+    def __init__(self, message: Message) -> None:
+        self.message, self.how = message, None
+
+    async def _set(self, how: str) -> None:
+        self.how = how
+
+    def ack(self) -> Any:
+        return self._set("ack")
+
+    def term(self) -> Any:
+        return self._set("term")
+
+
+class Inbox:
+    """The TrajectoryConsumer surface the loop's gather and train use."""
+
+    def __init__(self, deliveries: list[Settled]) -> None:
+        self.queue, self.gathering, self.unacked = list(deliveries), [], []
+
+    async def next(self) -> Settled | None:
+        return self.queue.pop(0) if self.queue else None
+
+    def hold(self, delivery: Settled) -> None:
+        self.gathering.append(delivery)
+
+    def applied(self) -> None:
+        self.unacked += self.gathering
+        self.gathering = []
+
+
+class TwoPerUpdate:
+    """A workload of two messages per update, each one sample per character of its payload."""
+
+    durable, message_type, noun, messages_per_update = "test", object, "messages", 2
+    settings = SimpleNamespace(
+        max_policy_lag=1, checkpoint_every=10, keep_checkpoints=1, keep_versions=1,
+        ack_wait_s=1.0, applied_window=100, seed=1, max_ack_pending=10,
+    )  # fmt: skip
+
+    def envelope(self, message: Message) -> Envelope:
+        return Envelope(message.id, message.version, {"size": len(message.payload)})
+
+    def decode(self, message: Message) -> str:
+        if message.payload == "bad":
+            raise InvalidArgument("bad payload")
+        return message.payload
+
+    def accept(self, decoded: str) -> tuple[list[str], str | None]:
+        return ([decoded], None) if decoded != "empty" else ([], "no signal")
+
+    def samples(self, items: list[str]) -> int:
+        return sum(len(x) for x in items)
+
+    def train(self, items: list[str], progress: Progress, generator: Any) -> dict[str, float]:
+        return {"losses/loss": 1.0, "charts/version_trained": float(progress.version)}
+
+    def report(self, items, metrics, progress, elapsed_s) -> dict[str, float]:
+        return {"charts/samples": float(progress.samples)}
+
+
+async def test_gather_drops_stale_invalid_filtered_and_duplicates_then_train_ledgers(
+    tmp_path: Path,
+) -> None:
+    ctx = SimpleNamespace(
+        run_name="t", run_dir=tmp_path, name="learner", stop_event=asyncio.Event()
+    )
+    loop = LearnerLoop(ctx, TwoPerUpdate())  # type: ignore[arg-type]
+    loop.progress.version = 5
+    loop.progress.applied.add("old")
+    messages = [
+        Message(id="old", version=5, payload="ok"),  # applied before: duplicate, held
+        Message(id="stale", version=3, payload="ok"),  # lag 2 > 1: acked at once
+        Message(id="bad", version=5, payload="bad"),  # terminated
+        Message(id="empty", version=5, payload="empty"),  # filtered: acked at once
+        Message(id="a", version=4, payload="ok"),
+        Message(id="a", version=4, payload="ok"),  # already in this batch: duplicate
+        Message(id="b", version=5, payload="okay"),
+    ]
+    deliveries = [Settled(m) for m in messages]
+    loop.consumer = Inbox(deliveries)  # type: ignore[assignment]
+    gathered = await loop._gather()
+    assert gathered is not None and gathered[0] == ["ok", "okay"]
+    assert [d.how for d in deliveries] == [None, "ack", "term", "ack", None, None, None]
+    p = loop.progress
+    assert (p.duplicates_dropped, p.stale_dropped, p.invalid_dropped, p.filtered_dropped) == (
+        2, 1, 1, 1,
+    )  # fmt: skip
+
+    published: list[dict[str, float]] = []
+
+    async def publish() -> None:
+        p.version += 1
+
+    async def report(metrics: dict[str, float]) -> None:
+        published.append(metrics)
+
+    loop._publish_weights = publish  # type: ignore[method-assign]
+    loop.report = report  # type: ignore[method-assign]
+    await loop._train(gathered)
+    loop.ledger.close()
+    assert (p.updates, p.version, p.samples, p.messages) == (1, 6, 6, 2)
+    assert "a" in p.applied and "b" in p.applied
+    assert published[0]["charts/version_trained"] == 5 and published[0]["charts/samples"] == 6
+    assert "charts/update_s" in published[0] and loop.metrics == published[0]
+    assert len(loop.consumer.unacked) == 4  # type: ignore[union-attr]  # 2 applied, 2 duplicates
+    ledger = [
+        json.loads(line) for line in (tmp_path / "learner/applied.jsonl").read_text().splitlines()
+    ]
+    assert [(e["id"], e["status"]) for e in ledger] == [
+        ("stale", "stale"), ("bad", "invalid"), ("empty", "filtered"),
+        ("a", "applied"), ("b", "applied"),
+    ]  # fmt: skip
+    assert ledger[1]["error"] == "bad payload" and ledger[2]["reason"] == "no signal"
+    applied = ledger[3]
+    assert (applied["update"], applied["version"], applied["lag"], applied["size"]) == (1, 5, 1, 2)
