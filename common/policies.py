@@ -67,6 +67,7 @@ class NatureCNN(nn.Module):
 def _layer_conv(inp: int, out: int, kernel: int, stride: int) -> nn.Conv2d:
     conv = nn.Conv2d(inp, out, kernel, stride)
     nn.init.orthogonal_(conv.weight, math.sqrt(2))
+    assert conv.bias is not None  # Conv2d has a bias unless built with bias=False
     nn.init.constant_(conv.bias, 0.0)
     return conv
 
@@ -101,9 +102,10 @@ class ActorCritic(nn.Module):
         out = sum(self.action_dims) or int(np.prod(action_space.shape))
         hidden, act = tuple(config.hidden_sizes), config.activation
         if _is_image(observation_space):
-            self.trunk: nn.Module = NatureCNN(tuple(observation_space.shape))
-            self.actor = _layer(512, out, 0.01)
-            self.critic = _layer(512, 1, 1.0)
+            h, w, c = observation_space.shape  # _is_image: three dimensions
+            self.trunk: nn.Module = NatureCNN((h, w, c))
+            self.actor: nn.Module = _layer(512, out, 0.01)
+            self.critic: nn.Module = _layer(512, 1, 1.0)
         else:
             inp = int(np.prod(observation_space.shape))
             self.trunk = nn.Flatten()

@@ -143,7 +143,8 @@ def batch_specs(space: gymnasium.Space, n: int, *, name: str = "actions") -> Spe
     if isinstance(space, spaces.Text):
         return tensor_pb2.TensorSpec(name=name, shape=[n])
     if isinstance(space, spaces.Box | spaces.Discrete | spaces.MultiDiscrete | spaces.MultiBinary):
-        return tensor.spec(name, space.dtype, [n, *space.shape])
+        # Discrete's shape is typed Space's `tuple | None`; it is () at run time.
+        return tensor.spec(name, space.dtype, [n, *(space.shape or ())])
     raise InvalidArgument(f"space {type(space).__name__} has no rlfleet.common.v1.Space form")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from services.errors import InvalidArgument
 DType = tensor_pb2.DType
 
 # numpy has no bfloat16: it travels as raw uint16 words and torch reinterprets them.
-_TO_NUMPY: dict[int, np.dtype] = {
+_TO_NUMPY: dict[DType, np.dtype] = {
     DType.D_TYPE_FLOAT32: np.dtype("<f4"),
     DType.D_TYPE_FLOAT64: np.dtype("<f8"),
     DType.D_TYPE_FLOAT16: np.dtype("<f2"),
@@ -33,9 +33,15 @@ _TO_NUMPY: dict[int, np.dtype] = {
     DType.D_TYPE_UINT64: np.dtype("<u8"),
     DType.D_TYPE_BOOL: np.dtype("?"),
 }
-_FROM_NUMPY: dict[np.dtype, int] = {
+_FROM_NUMPY: dict[np.dtype, DType] = {
     dt.newbyteorder("="): code for code, dt in _TO_NUMPY.items() if code != DType.D_TYPE_BFLOAT16
 }
+
+
+def as_dtype(code: int) -> DType:
+    """``code`` typed as a DType. The generated stubs make DType a subclass of int, but its values
+    are plain ints at run time and protobuf takes any int for an enum field: nothing converts."""
+    return cast(DType, code)
 
 
 def dtype_name(code: int) -> str:
@@ -45,7 +51,7 @@ def dtype_name(code: int) -> str:
     return str(code)
 
 
-def to_dtype_code(dtype: Any) -> int:
+def to_dtype_code(dtype: Any) -> DType:
     """DType code of a numpy dtype (or anything np.dtype accepts)."""
     dt = np.dtype(dtype).newbyteorder("=")
     try:
@@ -57,7 +63,7 @@ def to_dtype_code(dtype: Any) -> int:
 def numpy_dtype(code: int) -> np.dtype:
     """numpy dtype for a DType code (bfloat16 maps to its uint16 storage)."""
     try:
-        return _TO_NUMPY[code]
+        return _TO_NUMPY[as_dtype(code)]
     except KeyError:
         raise InvalidArgument(f"unsupported or unspecified dtype {dtype_name(code)}") from None
 
@@ -123,7 +129,7 @@ def decode_torch(msg: tensor_pb2.Tensor, *, name: str = "tensor") -> Any:
 
 def spec(name: str, dtype: Any, shape: Sequence[int]) -> tensor_pb2.TensorSpec:
     """Build a TensorSpec; dtype is a numpy dtype or a DType code, -1 in shape = any extent."""
-    code = dtype if isinstance(dtype, int) else to_dtype_code(dtype)
+    code = as_dtype(dtype) if isinstance(dtype, int) else to_dtype_code(dtype)
     return tensor_pb2.TensorSpec(name=name, dtype=code, shape=list(shape))
 
 

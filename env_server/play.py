@@ -76,7 +76,8 @@ class _Gif:
     def __init__(self, path: Path, fps: float) -> None:
         self.iio = _imageio(f"--video {path}")
         _writable(path)
-        self.path, self.fps, self.frames, self.dropped = path, fps, [], 0
+        self.path, self.fps, self.dropped = path, fps, 0
+        self.frames: list[Any] = []
 
     def add(self, frame: Any, episode: int, step: int) -> None:
         if len(self.frames) >= GIF_MAX_FRAMES:

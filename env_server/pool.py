@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import numpy as np
 
@@ -112,7 +112,8 @@ class EnvPool:
         n = self.num_envs
         # Python lists in the loop, one conversion after it: per-element numpy stores cost
         # about as much as the rest of the loop's bookkeeping together.
-        rewards, terminated, truncated, stepped = [0.0] * n, [False] * n, [False] * n, [True] * n
+        rewards: list[SupportsFloat] = [0.0] * n  # as the envs return them (gymnasium's type)
+        terminated, truncated, stepped = [False] * n, [False] * n, [True] * n
         infos: dict[str, Any] = {}
         finals: dict[int, Any] = {}
         obs = self._obs
@@ -138,7 +139,7 @@ class EnvPool:
     def _account(
         self,
         obs: list[Any],
-        reward_list: list[float],
+        reward_list: list[SupportsFloat],
         term_list: list[bool],
         trunc_list: list[bool],
         stepped_list: list[bool],
@@ -205,8 +206,8 @@ def _unbatch(actions: Any, n: int) -> list[Any]:
     if isinstance(actions, dict):
         columns = {k: _unbatch(v, n) for k, v in actions.items()}
         return [{k: col[i] for k, col in columns.items()} for i in range(n)]
-    columns = [_unbatch(v, n) for v in actions]
-    return [tuple(col[i] for col in columns) for i in range(n)]
+    parts = [_unbatch(v, n) for v in actions]
+    return [tuple(col[i] for col in parts) for i in range(n)]
 
 
 def _stack(space: Any, rows: list[Any], *, fill_missing: bool = False) -> Any:

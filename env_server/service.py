@@ -44,9 +44,9 @@ class EnvServerSettings(StrictModel):
         return env_ids
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
     """Serve EnvService until ctx.stop_event is set."""
-    settings: EnvServerSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     registry.preload(settings.preload)
     service = EnvService(
         name=ctx.name,

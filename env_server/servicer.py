@@ -58,6 +58,12 @@ _MODES = {
     env_pb2.AUTORESET_MODE_NEXT_STEP: "NEXT_STEP",
     env_pb2.AUTORESET_MODE_DISABLED: "DISABLED",
 }
+# And back, for the CreateResponse: the mode the session runs in (never UNSPECIFIED).
+_PROTO_MODES = {
+    "SAME_STEP": env_pb2.AUTORESET_MODE_SAME_STEP,
+    "NEXT_STEP": env_pb2.AUTORESET_MODE_NEXT_STEP,
+    "DISABLED": env_pb2.AUTORESET_MODE_DISABLED,
+}
 
 
 class EnvService(env_pb2_grpc.EnvServiceServicer):
@@ -192,7 +198,7 @@ class _Session:
         out.observation_space.CopyFrom(spaces.to_proto(self.pool.observation_space))
         out.action_space.CopyFrom(spaces.to_proto(self.pool.action_space))
         out.num_envs = req.num_envs
-        out.autoreset_mode = env_pb2.AutoresetMode.Value(f"AUTORESET_MODE_{mode.name}")
+        out.autoreset_mode = _PROTO_MODES[mode.name]
         out.env.CopyFrom(entry.to_proto())
         log.info("session %s: %d x %s (%s)", out.session_id, req.num_envs, req.env_id, mode.name)
 

@@ -294,6 +294,7 @@ async def _stream_once(chan: grpc.aio.Channel, receiver: _Receiver, deadline: fl
         expected_digest=manifest.digest,
     )
     # No response deserializer: grpc hands over the raw bytes and parse_chunk views into them.
+    stream: grpc.aio.UnaryStreamMultiCallable[weights_pb2.FetchWeightsRequest, bytes]
     stream = chan.unary_stream(
         FETCH_METHOD, request_serializer=weights_pb2.FetchWeightsRequest.SerializeToString
     )

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,15 +212,9 @@ class TrajectoryConsumer:
         on_invalid: Callable[[InvalidArgument], None],
     ) -> None:
         self.bus, self.stop_event = bus, stop_event
-        self._pull_args = dict(
-            stream=stream,
-            durable=durable,
-            subject=subject,
-            message_type=message_type,
-            batch=batch,
-            ack_wait_s=ack_wait_s,
-            max_ack_pending=max_ack_pending,
-        )
+        self.stream, self.durable, self.subject = stream, durable, subject
+        self.message_type, self.batch = message_type, batch
+        self.max_ack_pending = max_ack_pending
         self.ack_wait_s = ack_wait_s
         self.on_invalid = on_invalid
         self.unacked: list[Delivery[Any]] = []  # applied, waiting for the next checkpoint
@@ -237,16 +231,15 @@ class TrajectoryConsumer:
 
     async def _pull(self) -> None:
         """Move deliveries from the durable consumer into the inbox until stopped."""
-        a = self._pull_args
         while not self.stop_event.is_set():
-            deliveries = self.bus.pull(
-                a["stream"],
-                a["durable"],
-                a["subject"],
-                a["message_type"],
-                batch=a["batch"],
-                ack_wait_s=a["ack_wait_s"],
-                max_ack_pending=a["max_ack_pending"],
+            deliveries: AsyncIterator[Delivery[Any]] = self.bus.pull(
+                self.stream,
+                self.durable,
+                self.subject,
+                self.message_type,
+                batch=self.batch,
+                ack_wait_s=self.ack_wait_s,
+                max_ack_pending=self.max_ack_pending,
                 stop_event=self.stop_event,
             )
             try:

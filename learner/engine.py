@@ -27,14 +27,14 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 
-__all__ = ["Engine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
+__all__ = ["Engine", "TrainEngine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,17 @@ def deepspeed_config(settings: DeepSpeedSettings) -> dict[str, Any]:
     elif settings.precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return config
+
+
+class TrainEngine(Protocol):
+    """What an LM update step (learner.lm.update, learner.lm.sft) needs of its engine: an
+    ``Engine``, or a plain module + optimizer (tests). Called like the model, keywords only
+    (``engine(input_ids=..., attention_mask=...)``)."""
+
+    def __call__(self, **kwargs: Any) -> Any: ...
+    def set_lr(self, lr: float) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> None: ...
 
 
 class Engine:
@@ -276,7 +287,7 @@ def _skip_shm_op_when_alone() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         return
     try:  # (`from deepspeed.comm import torch` would find the torch package re-exported there)
-        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+        ds_comm_torch: Any = importlib.import_module("deepspeed.comm.torch")  # patched below
     except ImportError:  # layout changed: just build it
         return
     if hasattr(ds_comm_torch, "build_shm_op"):

@@ -6,11 +6,14 @@ The math is bench/ppo_baseline.py's (CleanRL's ``ppo.py`` with time-limit bootst
 1. ``decode_fragment``: one message -> tensors ``[T, N, ...]``, every shape checked;
 2. ``FragmentBatch``: several fragments; those of equal length T are concatenated along the
    env axis into one segment ``[T, sum N]``, since GAE treats envs independently;
-3. ``prepare``: values (the learner's current critic, or the actor's), GAE per segment with
-   truncated steps bootstrapped from V(final observation) and the fragment end from V(s_T);
-   everything flattened to ``[B]`` rows;
-4. ``update``: ``update_epochs`` x shuffled minibatches of the registered policy loss
-   (``ppo``/``a2c``) + ``vf_coef`` x value loss (optionally clipped) - ``ent_coef`` x entropy,
+3. ``prepare``: values (the learner's current critic, or the actor's), the advantage estimator
+   the game preset names (``GAME_ADVANTAGES``: GAE) per segment with truncated steps
+   bootstrapped from V(final observation) and the fragment end from V(s_T); everything
+   flattened to ``[B]`` rows;
+4. ``update``: ``update_epochs`` x shuffled minibatches of the policy loss the game preset names
+   (``POLICY_LOSSES``: ``ppo``/``a2c``, its hyperparameters from
+   ``LearnerSettings.policy_loss_kwargs``) + ``vf_coef`` x value loss (optionally clipped) -
+   ``ent_coef`` x entropy,
    advantages normalised per minibatch, optional ``target_kl`` early stop; returns CleanRL-named
    metrics.
 
@@ -32,7 +35,7 @@ from torch import Tensor
 
 from common.tensor import decode, decode_tree
 from learner.algos import (
-    ADVANTAGES,
+    GAME_ADVANTAGES,
     POLICY_LOSSES,
     aggregate,
     entropy_loss,
@@ -301,7 +304,7 @@ def prepare(
     Values come from ``value_fn`` (the learner's critic) when ``cfg.recompute_values`` or when a
     fragment has none; otherwise from the fragments (the behaviour critic).
     """
-    estimator = ADVANTAGES.get("gae")
+    estimator = GAME_ADVANTAGES.get(cfg.game_preset.advantage)
     rows: dict[str, list[Tensor]] = collections.defaultdict(list)
     for seg in batch.segments():
         T, N = seg.rewards.shape
@@ -332,10 +335,6 @@ def prepare(
 # ---------------------------------------------------------------------------- update
 
 
-def _policy_kwargs(cfg: LearnerSettings) -> dict[str, Any]:
-    return {"clip_low": cfg.clip_coef} if cfg.algo == "ppo" else {}
-
-
 def explained_variance(values: Tensor, returns: Tensor) -> float:
     """1 - Var[R - V] / Var[R] (CleanRL); NaN when the returns do not vary."""
     var_y = returns.var()
@@ -361,8 +360,8 @@ def update(
             return module.value(obs.to(engine.device))
 
     rollout = prepare(batch, cfg, value_fn, engine.device)
-    policy_loss = POLICY_LOSSES.get(cfg.algo)
-    kwargs = _policy_kwargs(cfg)
+    policy_loss = POLICY_LOSSES.get(cfg.game_preset.policy_loss)
+    kwargs = cfg.policy_loss_kwargs()
     clip = cfg.clip_coef if cfg.clip_vloss else None
     B = rollout.size
     stats: dict[str, list[float]] = collections.defaultdict(list)

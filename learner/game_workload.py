@@ -34,14 +34,14 @@ __all__ = ["GameWorkload"]
 
 
 class GameWorkload:
-    """PPO / A2C over RolloutFragments (see learner.loop.Workload for the protocol)."""
+    """PPO / A2C over RolloutFragments (see learner.workload.Workload for the protocol)."""
 
     durable = "learner"
     message_type = trajectory_pb2.RolloutFragment
     noun = "fragments"
     serve_before_first_version = False  # building a policy is quick: serve with version 0
 
-    def __init__(self, ctx: ServiceContext, settings: LearnerSettings) -> None:
+    def __init__(self, ctx: ServiceContext[LearnerSettings], settings: LearnerSettings) -> None:
         self.ctx, self.settings = ctx, settings
         self.messages_per_update = settings.fragments_per_update
         self.engine: Engine | None = None

@@ -130,7 +130,8 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
             entry = {"name": name, "service": "env_server", "restarts": s.restarts}
             entries.append({**entry, "settings": env})
     policy = {"hidden_sizes": list(s.hidden_sizes), "activation": s.activation}
-    learner = {
+    fragments_per_update = s.fragments_per_update or s.num_actors
+    learner: dict[str, Any] = {
         "algo": s.algo,
         "env_id": s.env_id,
         "env_kwargs": s.env_kwargs,
@@ -138,7 +139,7 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
         "policy": policy,
         "total_timesteps": s.total_timesteps,
         "target_return": s.target_return,
-        "fragments_per_update": s.fragments_per_update or s.num_actors,
+        "fragments_per_update": fragments_per_update,
         "update_epochs": s.update_epochs,
         "minibatch_size": s.minibatch_size,
         "learning_rate": s.learning_rate,
@@ -176,7 +177,7 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
             "policy": "learner",
             "learner": "learner",
             # Each actor's share of an update: paces the actor to one update ahead.
-            "fragments_per_version": -(-learner["fragments_per_update"] // s.num_actors),
+            "fragments_per_version": -(-fragments_per_update // s.num_actors),
             "policy_config": policy,
             "device": "cpu",
         }

@@ -7,7 +7,7 @@ the spirit of torchtune's recipe interface (setup / train / checkpoint / cleanup
 the rest: the gRPC server (WeightService, LearnerService.GetStatus), the bus, the durable
 consumer and the ledger, checkpoint-then-ack, the RunStatus and the version numbering.
 
-Delivery guarantees (DESIGN.md, "at-least-once delivery plus idempotent consumers"):
+Delivery guarantees (docs/design.md, "at-least-once delivery plus idempotent consumers"):
 
 - a message is acked only after a checkpoint that includes its update is on disk; the checkpoint
   stores the ids of applied messages, so after a crash the unacked messages come back and those
@@ -57,6 +57,7 @@ from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument, RlfleetError
+from services.grpc_names import service_name
 from services.registry import ServiceContext
 from services.server import GrpcServer
 
@@ -64,7 +65,7 @@ __all__ = ["LearnerLoop", "seed_everything"]
 
 log = logging.getLogger(__name__)
 
-LEARNER_SERVICE = "rlfleet.learner.v1.LearnerService"
+LEARNER_SERVICE = service_name(learner_pb2, "LearnerService")
 
 
 def seed_everything(seed: int) -> None:
@@ -88,7 +89,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 class LearnerLoop:
     """One learner incarnation; ``run()`` returns when the run is done or the service stopped."""
 
-    def __init__(self, ctx: ServiceContext, workload: Workload) -> None:
+    def __init__(self, ctx: ServiceContext[Any], workload: Workload) -> None:
         self.ctx, self.workload, self.settings = ctx, workload, workload.settings
         self.run_name = ctx.run_name
         self.dirs = {

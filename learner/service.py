@@ -15,9 +15,9 @@ from services.registry import ServiceContext, ServiceSpec
 __all__ = ["SPEC", "main"]
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[LearnerSettings]) -> None:
     """Train until total_timesteps env steps are consumed (exit 0) or the service is stopped."""
-    settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     await LearnerLoop(ctx, GameWorkload(ctx, settings)).run()
 
 

@@ -26,6 +26,7 @@ from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import weights_pb2, weights_pb2_grpc
 from services.bus import MSG_ID_HEADER, Bus, events_subject, validate_run_name
 from services.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.grpc_names import service_name
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,7 @@ __all__ = [
     "announce",
 ]
 
-SERVICE_NAME = "rlfleet.learner.v1.WeightService"
+SERVICE_NAME = service_name(weights_pb2, "WeightService")
 
 
 @dataclass(eq=False)
@@ -261,7 +262,7 @@ def _serialize_chunk(message: bytes | weights_pb2.FetchWeightsResponse) -> bytes
 def add_weight_service(servicer: Any, server: grpc.aio.Server) -> None:
     """Like the generated ``add_WeightServiceServicer_to_server``, but FetchWeights may yield
     pre-encoded bytes (or messages). Pass to ``GrpcServer.add_service(..., SERVICE_NAME)``."""
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "GetManifest": grpc.unary_unary_rpc_method_handler(
             servicer.GetManifest,
             request_deserializer=weights_pb2.GetManifestRequest.FromString,

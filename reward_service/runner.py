@@ -59,7 +59,7 @@ _STATUS_NAMES = {
 class Outcome:
     """One function's result on one item."""
 
-    status: int  # reward_pb2.ScoreStatus
+    status: reward_pb2.ScoreStatus
     score: float = 0.0
     error: status_pb2.Status | None = None
 

@@ -79,14 +79,14 @@ def build_registry(
 
 
 async def serve(
-    ctx: ServiceContext,
+    ctx: ServiceContext[RewardSettings],
     *,
     entry_points: Iterable[metadata.EntryPoint] | None = None,
     extra_entry_points: Iterable[metadata.EntryPoint] = (),
 ) -> None:
     """Serve RewardService until ctx.stop_event is set; tests add plugins without installing a
     package through ``extra_entry_points``."""
-    settings: RewardSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     registry, models = build_registry(
         settings, entry_points=entry_points, extra_entry_points=extra_entry_points
     )
@@ -109,7 +109,7 @@ async def serve(
         await server.stop()
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[RewardSettings]) -> None:
     """Serve RewardService with the installed plugins until ctx.stop_event is set."""
     await serve(ctx)
 

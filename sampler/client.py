@@ -3,6 +3,8 @@
     async with SamplerClient("127.0.0.1:50051") as sampler:
         reply = await sampler.generate(["Q: 1+2=?\nA:"], n=8, max_tokens=16, logprobs=True)
         info = await sampler.info()
+        async for message in sampler.stream(sampler_pb2.GenerateStreamRequest(...)):
+            ...  # `start`, then `delta`s; closing the iterator cancels the generation
 
 A prompt is a str (text), a sequence or numpy array of token ids, a list of chat messages
 ({"role", "content"} dicts), or a ready `sampler_pb2.Prompt`; `generate_request` sends a
@@ -20,16 +22,19 @@ imports only the contracts (rlfleet.*), the runtime (services.*) and common.*.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, cast
 
+import grpc
 import numpy as np
 from google.protobuf import duration_pb2
 
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from services.calls import rpc
+from services.errors import RlfleetError, from_rpc_error
 from services.grpc_names import service_name
 from services.server import channel
 
@@ -49,7 +54,8 @@ def to_prompt(prompt: PromptLike) -> sampler_pb2.Prompt:
     if isinstance(prompt, np.ndarray) or (prompt and isinstance(prompt[0], int | np.integer)):
         ids = np.asarray(prompt, dtype=np.int32)
         return sampler_pb2.Prompt(token_ids=tensor.encode(ids))
-    messages = [sampler_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+    chat = cast("Sequence[Mapping[str, str]]", prompt)  # the one form left: chat messages
+    messages = [sampler_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]
     return sampler_pb2.Prompt(chat=sampler_pb2.ChatPrompt(messages=messages))
 
 
@@ -88,6 +94,22 @@ class SamplerClient:
         """Send a ready GenerateRequest; `deadline_s` overrides the client's gRPC deadline."""
         call = self._stub.Generate(request, timeout=deadline_s or self.timeout_s)
         return await rpc(f"sampler {self.address}: Generate", call)
+
+    def stream(
+        self, request: sampler_pb2.GenerateStreamRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[sampler_pb2.GenerateStreamResponse]:
+        """The messages of a GenerateStream call (``start``, then ``delta``s), as they come.
+
+        `timeout_s` overrides the client's gRPC deadline. A failure (before or during the
+        stream) raises the services.errors class the server sent. Closing the iterator
+        (``aclose``, leaving an ``async with contextlib.aclosing(...)`` block) or dropping it
+        before the end cancels the call, and the server aborts the generation.
+
+            async for message in sampler.stream(request):
+                if message.HasField("delta"): ...
+        """
+        call = self._stub.GenerateStream(request, timeout=timeout_s or self.timeout_s)
+        return _ResponseStream(f"sampler {self.address}: GenerateStream", call)
 
     async def info(self) -> sampler_pb2.GetInfoResponse:
         """What the sampler serves (model, context length, weight version, engine)."""
@@ -136,6 +158,61 @@ class SamplerPool:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+class _ResponseStream(AsyncIterator[sampler_pb2.GenerateStreamResponse]):
+    """A server-streaming call as an async iterator that cancels the call when closed or
+    garbage-collected before its end (an async generator would only do that once iterated and
+    finalized by the event loop)."""
+
+    def __init__(self, what: str, call: Any) -> None:
+        self._what = what
+        self._call = call
+        self._done = False
+
+    def __aiter__(self) -> _ResponseStream:
+        return self
+
+    async def __anext__(self) -> sampler_pb2.GenerateStreamResponse:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as exc:
+            self._done = True
+            raise _client_error(self._what, exc) from None
+        except asyncio.CancelledError:
+            # The reading task was cancelled (or the call was, by aclose from another task).
+            closed = self._done
+            self._finish()
+            if closed:
+                raise StopAsyncIteration from None
+            raise
+        if message is grpc.aio.EOF:
+            self._done = True
+            raise StopAsyncIteration
+        return message  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """Cancel the call if it has not ended (idempotent)."""
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._call.cancel()
+
+    def __del__(self) -> None:
+        if not self._done:
+            with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
+                self._call.cancel()
+
+
+def _client_error(what: str, exc: grpc.RpcError) -> RlfleetError:
+    error = from_rpc_error(exc)
+    error.message = f"{what}: {error.message}"
+    error.args = (error.message,)
+    return error
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

@@ -6,6 +6,10 @@ not minutes later inside a subprocess log. So the YAML is parsed with its node t
 every key path to its line), the run structure is validated by pydantic, and every service's
 ``settings`` are validated against the settings model its kind registers, with environment
 overrides applied, all at load time.
+
+One file (about 550 lines) on purpose: line tracking, error rendering, env overrides and job
+expansion all serve the one promise above (a bad key reported with its file line), and splitting
+them would scatter the ``YamlSource``/``_Issue`` plumbing they share across modules.
 """
 
 from __future__ import annotations

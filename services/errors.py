@@ -223,6 +223,11 @@ def from_rpc_error(error: grpc.RpcError) -> RlfleetError:
         status = None  # details inconsistent with the code: trust the code
     if status is None:
         code: grpc.StatusCode = error.code()
+        if code == grpc.StatusCode.INTERNAL:
+            # rlfleet servers attach details to every error they send, so a bare INTERNAL is the
+            # transport's own ("Internal error from Core", RST_STREAM when a peer's connection
+            # breaks): the peer went away, which callers retry like any UNAVAILABLE.
+            code = grpc.StatusCode.UNAVAILABLE
         status = status_pb2.Status(code=code.value[0], message=error.details() or "")
     return from_status(status)
 

@@ -7,6 +7,10 @@ supervises them (bounded restarts with backoff on a crash), ends the run when th
 service exits, prints the run's metric and episode events, and on exit or Ctrl-C stops
 everything in reverse order (SIGTERM to the group, SIGKILL after a grace) so no process is
 left behind. Services run exactly as a container would run them; only the env differs.
+
+About 500 lines: the supervisor (start order, health waits, restarts, ordered stop) is one state
+machine over the same process table, and reads best in one place; event formatting is the only
+part that could live elsewhere, and it is short.
 """
 
 from __future__ import annotations

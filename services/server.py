@@ -15,6 +15,9 @@ raised message limits on both ends, graceful stop, and three always-on intercept
 
 ``channel()`` builds the matching client side: same limits, keepalive, retries of UNAVAILABLE,
 and interceptors that forward the request id and the trace context.
+
+About 500 lines because server and channel are two halves of one contract (limits, retries,
+request ids, error mapping) that must change together.
 """
 
 from __future__ import annotations
@@ -109,7 +112,6 @@ def wrap_method_handler(
                     yield response
 
     elif inspect.iscoroutinefunction(behaviour):
-
         # A redefinition of the same name in the other branch, with another return type.
         async def wrapped(  # type: ignore[misc]
             request: Any, context: grpc.aio.ServicerContext[Any, Any]

@@ -54,7 +54,7 @@ class WeightsCorrupted(RlfleetError):
 # --------------------------------------------------------------------------- dtypes
 
 
-def _torch_dtypes() -> dict[Any, int]:
+def _torch_dtypes() -> dict[torch.dtype, DType]:
     import torch
 
     return {
@@ -206,7 +206,7 @@ def build_manifest(
     flat = (allocate or new_buffer)(offset)
     if flat.dtype != torch.uint8 or flat.numel() != offset or not flat.is_contiguous():
         raise InvalidArgument(f"allocate({offset}) must return a contiguous uint8 tensor")
-    view = memoryview(flat.numpy())  # the numpy array keeps `flat` alive
+    view = flat.numpy().data  # a memoryview; the numpy array in it keeps `flat` alive
     digests: list[str | Future[str]] = []
     with ThreadPoolExecutor(max(1, hash_workers), thread_name_prefix="weights-sha") as pool:
         for spec, t in zip(tensors, sources, strict=True):

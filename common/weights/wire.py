@@ -192,6 +192,7 @@ def parse_chunk(raw: bytes) -> Chunk:
     view = memoryview(raw)
     fields: dict[int, Any] = {}
     pos, size = 0, len(raw)
+    value: int | memoryview
     while pos < size:
         key, pos = _read_varint(raw, pos)
         number, wire = key >> 3, key & 7

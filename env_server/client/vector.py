@@ -205,7 +205,7 @@ def _batch_one(space: Any, action: Any) -> Any:
 
 def _first_info(infos: dict[str, Any]) -> dict[str, Any]:
     """Env 0's entries of vector-style infos (keys whose "_key" mask is set for env 0)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in infos.items():
         if key.startswith("_") or not infos.get(f"_{key}", np.ones(1, bool))[0]:
             continue

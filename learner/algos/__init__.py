@@ -44,7 +44,6 @@ from learner.algos.protocols import (
     ScheduleFn,
 )
 from learner.algos.registry import (
-    ADVANTAGES,
     AGGREGATIONS,
     GAME_ADVANTAGES,
     GAME_PRESETS,
@@ -56,7 +55,6 @@ from learner.algos.registry import (
     DuplicateNameError,
     PluginLoadError,
     Registry,
-    RegistryView,
     SignatureError,
     UnknownNameError,
     WrongFamilyError,
@@ -67,7 +65,6 @@ from learner.algos.schedules import constant, cosine_decay, linear_anneal, warmu
 from learner.algos.tis import truncated_is_weights
 
 __all__ = [
-    "ADVANTAGES",
     "AGGREGATIONS",
     "GAME_ADVANTAGES",
     "GAME_PRESETS",
@@ -86,7 +83,6 @@ __all__ = [
     "PolicyLossFn",
     "Preset",
     "Registry",
-    "RegistryView",
     "ScheduleFn",
     "SignatureError",
     "UnknownNameError",

@@ -261,39 +261,6 @@ class Registry(Generic[T]):
         return f"Registry({self.kind!r}{protocol}, {sorted(self._items)})"
 
 
-class RegistryView(Generic[T]):
-    """Read-only lookups over several registries (first match wins); nothing registers here."""
-
-    def __init__(self, kind: str, *registries: Registry[Any]) -> None:
-        self.kind = kind
-        self.registries = registries
-
-    def get(self, name: str) -> T:
-        for registry in self.registries:
-            if name in registry:
-                return cast(T, registry.get(name))
-        names = self.names()
-        raise UnknownNameError(
-            f"unknown {self.kind} {name!r}; known: {', '.join(names) or 'none'}"
-            f"{_did_you_mean(str(name), names)}"
-        )
-
-    def names(self) -> list[str]:
-        return sorted({n for registry in self.registries for n in registry.names()})
-
-    def __contains__(self, name: object) -> bool:
-        return any(name in registry for registry in self.registries)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-    def __len__(self) -> int:
-        return len(self.names())
-
-    def __repr__(self) -> str:
-        return f"RegistryView({self.kind!r}, {self.names()})"
-
-
 def _origin(obj: object) -> str:
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
@@ -321,12 +288,6 @@ FAMILIES: tuple[Registry[Any], ...] = (
     SCHEDULES,
     GAME_PRESETS,
     PRESETS,
-)
-
-# Deprecated: both advantage families in one read-only view, for callers not yet split into
-# GAME_ADVANTAGES.get("gae") / GROUP_ADVANTAGES.get(preset.advantage). Delete once none is left.
-ADVANTAGES: RegistryView[Any] = RegistryView(
-    "advantage estimator", GAME_ADVANTAGES, GROUP_ADVANTAGES
 )
 
 _plugins_loaded = False

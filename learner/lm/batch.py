@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 
 from common.tensor import decode as decode_tensor
+from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.common.v1 import tensor_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import InvalidArgument
@@ -43,7 +45,7 @@ class Sample:
     scores: dict[str, float]  # raw per-function scores that were OK
 
 
-def _ids(tensor: object, field: str, *, allow_empty: bool = False) -> np.ndarray:
+def _ids(tensor: tensor_pb2.Tensor, field: str, *, allow_empty: bool = False) -> np.ndarray:
     array = decode_tensor(tensor, name=field)
     if array.dtype not in (np.int32, np.int64) or array.ndim != 1:
         raise InvalidArgument(
@@ -56,7 +58,7 @@ def _ids(tensor: object, field: str, *, allow_empty: bool = False) -> np.ndarray
     return array.astype(np.int64)
 
 
-def decode_group(msg: object, vocab_size: int) -> list[Sample]:
+def decode_group(msg: trajectory_pb2.TrajectoryGroup, vocab_size: int) -> list[Sample]:
     """The samples of one TrajectoryGroup; InvalidArgument names the first bad field."""
     prompt = _ids(msg.prompt_token_ids, "prompt_token_ids")
     samples = []

@@ -14,6 +14,8 @@
    ``from_pretrained`` and vLLM load.
 
 Under ``torchrun`` each rank trains on its slice of every global batch (rank 0 logs and saves).
+One file (about 400 lines) for one trainer read top to bottom, CleanRL-style; data preparation
+is in learner/lm/dpo_data.py and the loss in learner.algos.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -36,6 +38,10 @@ from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
 from learner.lm.model import LoraSettings, load_causal_lm, load_tokenizer, token_logprobs
 from learner.settings import DeepSpeedSettings, Device, OptimizerSettings, Precision
 from services.config import StrictModel
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["DPOResult", "DPOSettings", "DPOTrainer", "load_settings", "run_config", "train"]
 
@@ -177,7 +183,8 @@ class DPOTrainer:
         """(chosen, rejected) reference log-probs per pair, stacked [N, 2], for train and eval."""
         module = self.engine.module
         if self.settings.lora is not None:
-            scope: Any = module.disable_adapter()  # the base model is the reference
+            # the base model is the reference
+            scope: Any = cast("PeftModel", module).disable_adapter()
             forward: Callable[..., Any] = self.engine
         else:  # a frozen copy of the starting weights, freed when this returns
             s = self.settings
@@ -336,9 +343,10 @@ class DPOTrainer:
             weights = hf_weights(module)
         if self.rank == 0:
             base = module.get_base_model() if isinstance(module, PeftModel) else module
+            model = cast("PreTrainedModel", base)  # a transformers model, LoRA or not
             # An explicit state_dict: the base model's own would be the unmerged weights, and
             # under ZeRO-3 only this rank's partition.
-            base.save_pretrained(out, state_dict=weights)
+            model.save_pretrained(out, state_dict=weights)
             self.tokenizer.save_pretrained(out)
             print(f"dpo: saved {out}", flush=True)
         return out

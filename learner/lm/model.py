@@ -7,6 +7,7 @@ in, so samplers load them with ``reload_weights`` whatever the learner trains.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,22 @@ def load_causal_lm(
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[precision])
     model.config.use_cache = False
-    if lora is not None and not frozen:
+    if frozen:
+        model.eval()
+        model.requires_grad_(False)
+        return model
+    if lora is not None:
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(
             r=lora.r,
-            lora_alpha=lora.alpha,
+            # peft annotates lora_alpha as int, but only ever divides it (by r or sqrt(r)).
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]
             lora_dropout=lora.dropout,
             target_modules=lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, config)
-    if frozen:
-        model.eval()
-        model.requires_grad_(False)
+        return get_peft_model(model, config)
     return model
 
 
@@ -94,7 +97,10 @@ def _merged_lora_state(model: Any) -> dict[str, Tensor]:
 
     base = model.get_base_model()
     state = {}
-    lora_layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    # LoraLayer is a mixin; get_delta_weight is defined by the layers built on it (Linear, ...).
+    lora_layers: dict[str, Any] = {
+        name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)
+    }
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue
@@ -117,9 +123,14 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def sequence_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, entropy_grad: bool = False
+    model: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Per-position log-probability of each next token and the logits' entropy.
+    """Per-position log-probability of each next token and the logits' entropy, under ``model``:
+    a causal LM, or an engine around one (``model(input_ids=, attention_mask=).logits``).
 
     input_ids, attention_mask [B, L] -> (logp [B, L-1], entropy [B, L-1]); position t scores
     token t+1 given tokens 0..t. ``entropy_grad`` keeps the entropy in the graph (for an entropy

@@ -16,9 +16,9 @@ from services.registry import ServiceContext, ServiceSpec
 __all__ = ["SPEC", "main"]
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[LMLearnerSettings]) -> None:
     """Train for total_updates updates (exit 0) or until the service is stopped."""
-    settings: LMLearnerSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     await LearnerLoop(ctx, LMWorkload(ctx, settings)).run()
 
 

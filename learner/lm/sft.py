@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from common.datasets import Task
 from learner.algos import aggregate, sft_loss
 from learner.lm.batch import Sample, collate
 from learner.lm.model import sequence_logprobs
+
+if TYPE_CHECKING:
+    from learner.engine import TrainEngine
 
 __all__ = ["expert_sample", "sft_phase"]
 
@@ -49,7 +52,7 @@ def expert_sample(task: Task, tokenizer: Any, group_id: str = "sft") -> Sample:
 
 
 def sft_phase(
-    engine: Any,
+    engine: TrainEngine,
     tokenizer: Any,
     tasks: Iterator[Task],
     *,

@@ -17,13 +17,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from learner.algos import (
-    ADVANTAGES,
+    GROUP_ADVANTAGES,
     POLICY_LOSSES,
     aggregate,
     dynamic_sampling_keep,
@@ -37,6 +37,9 @@ from learner.algos.losses import chord_mix
 from learner.algos.presets import Preset
 from learner.lm.batch import Batch, Sample, collate
 from learner.lm.model import sequence_logprobs
+
+if TYPE_CHECKING:
+    from learner.engine import TrainEngine
 
 __all__ = ["Prepared", "group_filter", "lm_update", "minibatch_loss", "prepare"]
 
@@ -56,13 +59,15 @@ def group_filter(samples: Sequence[Sample], preset: Preset) -> tuple[list[Sample
     return scored, None
 
 
-def _forward_logp(model: Any, batch: Batch, rows: Tensor | None, entropy_grad: bool):
+def _forward_logp(
+    model: TrainEngine | nn.Module, batch: Batch, rows: Tensor | None, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
     b = batch if rows is None else batch.select(rows)
     return sequence_logprobs(model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad)
 
 
 @torch.no_grad()
-def _no_grad_logp(model: Any, batch: Batch, minibatch: int) -> Tensor:
+def _no_grad_logp(model: TrainEngine | nn.Module, batch: Batch, minibatch: int) -> Tensor:
     parts = []
     for start in range(0, len(batch), minibatch):
         rows = torch.arange(start, min(start + minibatch, len(batch)))
@@ -86,7 +91,7 @@ class Prepared:
 
 @torch.no_grad()
 def prepare(
-    engine: Any,
+    engine: TrainEngine,
     reference: nn.Module | None,
     samples: Sequence[Sample],
     preset: Preset,
@@ -132,7 +137,7 @@ def prepare(
         kwargs = dict(preset.advantage_kwargs)
         if token_rewards is not None:
             kwargs["token_rewards"] = token_rewards[rl_rows]
-        rl_adv, adv_metrics = ADVANTAGES.get(preset.advantage)(
+        rl_adv, adv_metrics = GROUP_ADVANTAGES.get(preset.advantage)(
             batch.rewards[rl_rows], batch.group_ids[rl_rows], mask[rl_rows], **kwargs
         )
         adv[rl_rows] = rl_adv.to(adv.dtype)
@@ -144,7 +149,7 @@ def prepare(
 
 
 def minibatch_loss(
-    engine: Any, prep: Prepared, rows: Tensor, preset: Preset, step: int
+    engine: TrainEngine, prep: Prepared, rows: Tensor, preset: Preset, step: int
 ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
     """The loss to minimise on ``rows`` of the prepared batch, its metrics, and CHORD's (empty
     when the minibatch has no expert rows, so they are averaged over the ones that had)."""
@@ -179,7 +184,7 @@ def minibatch_loss(
 
 
 def lm_update(
-    engine: Any,
+    engine: TrainEngine,
     reference: nn.Module | None,
     samples: Sequence[Sample],
     preset: Preset,

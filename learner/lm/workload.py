@@ -6,6 +6,12 @@ What is particular to it: the optional SFT warm start before version 0, the KL r
 DAPO's dynamic sampling (groups without signal are filtered), and held-out greedy evaluations
 (at version 0, every ``eval.every`` updates and at the end; ``learner/eval.jsonl``).
 
+Groups filtered out or invalid are announced (``bus.v1.GroupsDropped`` on
+``rlfleet.v1.events.<run>.dropped``, per producing driver, coalesced): rollout drivers pace on
+the groups they published (sampler/rollout/pacing.py) and take each such group as credit for
+another, or they would wait for a version that cannot come. Stale and duplicate groups are not
+announced (see pacing.py for why).
+
 Order of a fresh run: load the model -> optional SFT warm start -> publish version 0 (samplers
 wait for it) -> evaluate it (the warm-started baseline) -> updates, each publishing a version.
 """
@@ -25,6 +31,7 @@ import torch
 
 from common.datasets import Task, iter_tasks, take
 from learner.algos.presets import Preset, resolve_preset
+from learner.consumer import now
 from learner.engine import Engine, build_engine
 from learner.lm.batch import Sample, decode_group
 from learner.lm.evaluate import generate_greedy, score_accuracy
@@ -35,16 +42,20 @@ from learner.lm.update import group_filter, lm_update
 from learner.loop import LearnerLoop
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.workload import Envelope, Progress
-from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.bus.v1 import events_pb2, trajectory_pb2
+from services.bus import Bus, events_subject
+from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 
 __all__ = ["LMWorkload", "reward_metrics"]
 
 log = logging.getLogger(__name__)
 
+DROPPED_EVENTS = "dropped"  # GroupsDropped's event kind (the drivers' sampler/rollout/pacing.py)
+
 
 class LMWorkload:
-    """GRPO-family RL over TrajectoryGroups (see learner.loop.Workload for the protocol)."""
+    """GRPO-family RL over TrajectoryGroups (see learner.workload.Workload for the protocol)."""
 
     durable = "lm-learner"
     message_type = trajectory_pb2.TrajectoryGroup
@@ -52,7 +63,7 @@ class LMWorkload:
     # Samplers start their engines during the warm start and wait for version 0 meanwhile.
     serve_before_first_version = True
 
-    def __init__(self, ctx: ServiceContext, settings: LMLearnerSettings) -> None:
+    def __init__(self, ctx: ServiceContext[LMLearnerSettings], settings: LMLearnerSettings) -> None:
         self.ctx, self.settings = ctx, settings
         self.messages_per_update = settings.groups_per_update
         self.preset: Preset = resolve_preset(settings.preset, **settings.algo)
@@ -64,6 +75,12 @@ class LMWorkload:
         self.evals: list[dict[str, float]] = []
         self._eval_tasks: list[Task] | None = None  # the same held-out prompts every time
         self._filtered_streak = 0  # groups filtered out in a row
+        self._decoding: Any = None  # the message being decoded and accepted (its drop's source)
+        self._bus: Bus | None = None  # for GroupsDropped; set by `begin`
+        self._progress: Progress | None = None  # the loop's counters; set by `begin`
+        # Drops not announced yet: (producer, reason) -> group ids; one task sends them.
+        self._dropped: dict[tuple[str, str], list[str]] = {}
+        self._announcing: asyncio.Task[None] | None = None
         self._tokens_this_run = 0  # completion tokens since consuming began: tokens/s
 
     # ------------------------------------------------------------------ set-up and state
@@ -125,6 +142,7 @@ class LMWorkload:
 
     async def begin(self, run: LearnerLoop) -> None:
         """Evaluate version 0 (the warm-started baseline) unless a restored run already did."""
+        self._bus, self._progress = run.bus, run.progress
         if not self.evals:
             await self.evaluate(run)
 
@@ -136,13 +154,21 @@ class LMWorkload:
         return Envelope(message.group_id, int(min(sampled or [message.policy_version])))
 
     def decode(self, message: Any) -> list[Sample]:
-        return decode_group(message, self.vocab_size)
+        # The loop accepts (or drops as invalid) what it decodes at once: remember whose it is.
+        self._decoding = message
+        try:
+            return decode_group(message, self.vocab_size)
+        except InvalidArgument:
+            self._announce_drop("invalid")
+            raise
 
     def accept(self, decoded: list[Sample]) -> tuple[list[Sample], str | None]:
         kept, reason = group_filter(decoded, self.preset)
         if reason is None:
             self._filtered_streak = 0
+            self._decoding = None
             return kept, None
+        self._announce_drop(reason)
         self._filtered_streak += 1
         if self._filtered_streak % 100 == 0:
             log.warning(
@@ -155,6 +181,41 @@ class LMWorkload:
 
     def samples(self, items: list[Sample]) -> int:
         return len(items)
+
+    # ------------------------------------------------------------------ credit for drops
+
+    def _announce_drop(self, reason: str) -> None:
+        """Queue a GroupsDropped for the group being decoded (sent by a task, coalesced with
+        the other drops of the same moment: the loop drops many in a row at times)."""
+        message, self._decoding = self._decoding, None
+        if message is None or self._bus is None or not message.source or not message.group_id:
+            return
+        self._dropped.setdefault((message.source, reason), []).append(message.group_id)
+        if self._announcing is None or self._announcing.done():
+            self._announcing = asyncio.get_running_loop().create_task(
+                self._announce(), name="groups-dropped"
+            )
+
+    async def _announce(self) -> None:
+        bus, subject = self._bus, events_subject(self.ctx.run_name, DROPPED_EVENTS)
+        assert bus is not None and self._progress is not None
+        while self._dropped:  # drops queued while publishing go out in the next round
+            await asyncio.sleep(0)  # let the loop drop what else is at hand first
+            (producer, reason), ids = self._dropped.popitem()
+            event = events_pb2.GroupsDropped(
+                run=self.ctx.run_name,
+                source=self.ctx.name,
+                producer=producer,
+                count=len(ids),
+                reason=reason,
+                group_ids=ids,
+                version=self._progress.version,
+                time=now(),
+            )
+            try:
+                await bus.publish_event(subject, event)
+            except RlfleetError as exc:  # best effort: the driver's version_wait_s backs it up
+                log.warning("could not announce %d dropped groups: %s", len(ids), exc)
 
     # ------------------------------------------------------------------ training
 
@@ -288,7 +349,9 @@ class LMWorkload:
         return text
 
     async def close(self) -> None:
-        """Nothing runs beside the loop."""
+        """Send the drops not announced yet (the bus closes after this)."""
+        if self._announcing is not None:
+            await asyncio.gather(self._announcing, return_exceptions=True)
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -139,5 +139,8 @@ def cosine(
         completions, answers, _lengths(completion_ids, len(completions)), strict=True
     ):
         correct = None if n is None else is_correct(completion, ref)
-        scores.append(None if correct is None else cosine_scale(n, int(max_len), correct, values))
+        if n is None or correct is None:
+            scores.append(None)
+        else:
+            scores.append(cosine_scale(n, int(max_len), correct, values))
     return scores

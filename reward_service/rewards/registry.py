@@ -125,7 +125,11 @@ def from_callable(
         accepted = None
     else:
         accepted = params - set(BATCH_KEYS) - set(extras)
-    timeout = default_timeout_s or getattr(fn, "default_timeout_s", DEFAULT_TIMEOUT_S)
+    timeout = (
+        default_timeout_s
+        if default_timeout_s
+        else getattr(fn, "default_timeout_s", DEFAULT_TIMEOUT_S)
+    )
     return RewardFunction(
         name=name,
         fn=fn,

@@ -82,6 +82,8 @@ class RandomBehaviour:
         shape, _ = action_layout(action_space)
         self._shape = (num_envs, *shape)
         self._logp_row: np.ndarray | None = None
+        low: int | np.ndarray
+        count: int | np.ndarray
         if isinstance(action_space, spaces.Discrete | spaces.MultiDiscrete | spaces.MultiBinary):
             # All three are integers uniform in [low, high) per component.
             if isinstance(action_space, spaces.Discrete):

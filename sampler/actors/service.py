@@ -37,7 +37,7 @@ PUBLISH_ATTEMPTS = 5
 class GameActor:
     """One actor incarnation; `run()` returns when done or stopped."""
 
-    def __init__(self, ctx: ServiceContext, settings: GameActorSettings) -> None:
+    def __init__(self, ctx: ServiceContext[GameActorSettings], settings: GameActorSettings) -> None:
         self.ctx = ctx
         self.settings = settings
         self.stop = ctx.stop_event
@@ -249,9 +249,9 @@ class GameActor:
                     await self.bus.close()
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[GameActorSettings]) -> None:
     """Run the actor until done or stopped (the launcher's `main` service when it is the demo)."""
-    settings: GameActorSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     await GameActor(ctx, settings).run()
 
 

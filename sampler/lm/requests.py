@@ -21,7 +21,7 @@ from rlfleet.sampler.v1 import sampler_pb2
 from sampler.engines.base import SamplingOptions
 from services.errors import InvalidArgument
 
-__all__ = ["Limits", "PromptRenderer", "parse_request"]
+__all__ = ["Limits", "PromptRenderer", "parse_request", "parse_stream_request"]
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -206,3 +206,28 @@ def parse_request(
         for p in prompts
     ]
     return prompts, SamplingOptions(max_tokens=max_tokens, deadline=deadline, **sampling)
+
+
+def parse_stream_request(
+    request: sampler_pb2.GenerateStreamRequest,
+    limits: Limits,
+    renderer: PromptRenderer,
+    received: float | None = None,
+) -> tuple[list[int], SamplingOptions]:
+    """GenerateStream's request by Generate's rules, the fields named "prompt.*"; returns the
+    prompt's token ids and the options (max_tokens with one entry)."""
+    received = time.monotonic() if received is None else received
+    if not request.HasField("prompt"):
+        raise InvalidArgument("prompt is missing", field="prompt")
+    deadline = None
+    if request.HasField("timeout"):
+        seconds = request.timeout.seconds + request.timeout.nanos / 1e9
+        if seconds < 0:
+            raise InvalidArgument(f"timeout must be >= 0, got {seconds}s", field="timeout")
+        deadline = received + seconds
+    sampling = _sampling(request.sampling, limits)
+    prompt = renderer.token_ids(request.prompt, "prompt", limits)
+    room = limits.max_context - len(prompt)
+    wanted = request.sampling.max_tokens
+    max_tokens = [min(wanted, room) if wanted else room]
+    return prompt, SamplingOptions(max_tokens=max_tokens, deadline=deadline, **sampling)

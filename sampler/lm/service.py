@@ -3,9 +3,11 @@ weight versions when it has a learner.
 
 Start-up order: the gRPC server first (health NOT_SERVING, GetInfo answers, Generate is
 UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then, when following the run, the
-learner's current version; only then SERVING. Later versions are loaded into the running
-engine as they are announced (sampler/weights.py fetches them in the background), each through
-the servicer's VersionGate.
+learner's current version, then a warm-up generation (a fresh engine's first requests take
+17-48 s on CPU); only then SERVING. Without `weights_from` the sampler serves the model
+folder's weights (serve mode: version 0, named `served_model_name`). Later versions are loaded
+into the running engine as they are announced (sampler/weights.py fetches them in the
+background), each through the servicer's VersionGate.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def engine_config(settings: SamplerSettings) -> EngineConfig:
 class LmSampler:
     """One sampler incarnation: engine, servicer, and the weight-following task."""
 
-    def __init__(self, ctx: ServiceContext, settings: SamplerSettings) -> None:
+    def __init__(self, ctx: ServiceContext[SamplerSettings], settings: SamplerSettings) -> None:
         self.ctx = ctx
         self.settings = settings
         self.servicer = SamplerService(settings)
@@ -78,6 +80,7 @@ class LmSampler:
         self.bus: Bus | None = None
         self.follower: WeightFollower | None = None
         self._following: asyncio.Task[None] | None = None
+        self.warmup_s: float | None = None  # how long the warm-up took, once done
 
     async def start(self) -> bool:
         """Engine up and first weights in; False when told to stop meanwhile."""
@@ -91,6 +94,9 @@ class LmSampler:
         self.servicer.attach(self.engine, tokenizer)
         if settings.follows and not await self._first_weights():
             return False
+        if settings.warmup:
+            self.servicer.waiting_for = "the warm-up generation"
+            self.warmup_s = await self.servicer.warm_up()
         self.servicer.set_ready()
         return True
 
@@ -138,9 +144,9 @@ class LmSampler:
             await self.engine.close()
 
 
-async def main(ctx: ServiceContext) -> None:
+async def main(ctx: ServiceContext[SamplerSettings]) -> None:
     """Serve SamplerService until ctx.stop_event is set."""
-    settings: SamplerSettings = ctx.settings  # type: ignore[assignment]
+    settings = ctx.settings
     configure_environment(ctx.run_dir, settings)
     sampler = LmSampler(ctx, settings)
     server = GrpcServer(

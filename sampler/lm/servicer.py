@@ -4,25 +4,33 @@ The servicer exists before the engine does (vLLM takes 15-60 s to start): until 
 hands it the engine and the first weight version is in, Generate answers UNAVAILABLE and
 GetInfo answers with what the settings already say. Weight versions go through the VersionGate
 (gate.py), which is also where Completion.policy_version comes from.
+
+GenerateStream runs one engine request (`GenerationEngine.stream`) and turns its token Deltas
+into CompletionDeltas: the text of a delta is what decoding the completion's tokens so far adds,
+minus whatever may still become a stop string (or is an incomplete UTF-8 character), so the
+concatenated texts equal Generate's `text`. The call's cancellation closes the engine stream,
+which aborts the engine request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
-from sampler.engines.base import Completion, GenerationEngine, SamplingOptions
+from sampler.engines.base import Completion, Delta, GenerationEngine, SamplingOptions
 from sampler.lm.gate import VersionGate
-from sampler.lm.requests import Limits, PromptRenderer, parse_request
+from sampler.lm.requests import Limits, PromptRenderer, parse_request, parse_stream_request
 from services.errors import ResourceExhausted, Unavailable
 
 if TYPE_CHECKING:
@@ -80,21 +88,49 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         took_ms = 1e3 * (time.monotonic() - started)
         log.info("serving weights v%d (loaded in %.0f ms)", version, took_ms)
 
-    async def Generate(
-        self, request: sampler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> sampler_pb2.GenerateResponse:
-        received = time.monotonic()
+    async def warm_up(self) -> float:
+        """Generate once before reporting SERVING (the first requests of a fresh engine are
+        slow: 17-48 s on CPU): a greedy request and a seeded sampled one with logprobs, run
+        together so that batched decoding is warmed too. Returns the seconds it took."""
+        assert self.engine is not None and self.renderer is not None and self.limits is not None
+        started = time.monotonic()
+        prompt = list(self.renderer.tokenizer("Warm-up: 1, 2, 3,")["input_ids"]) or [0]
+        prompt = prompt[: max(1, self.limits.max_context - 8)]
+        room = self.limits.max_context - len(prompt)
+        greedy = SamplingOptions(max_tokens=[min(4, room)], temperature=0.0)
+        sampled = dataclasses.replace(
+            greedy, n=min(2, self.settings.max_n), temperature=1.0, seed=0, logprobs=True,
+            top_logprobs=2,
+        )  # fmt: skip
+        await asyncio.gather(
+            self.engine.generate([prompt], greedy), self.engine.generate([prompt], sampled)
+        )
+        seconds = time.monotonic() - started
+        log.info("engine warmed up in %.1fs", seconds)
+        return seconds
+
+    def _check_ready(self) -> None:
         if not self.ready or self.engine is None:
             raise Unavailable(f"sampler not ready: waiting for {self.waiting_for}; retry later")
-        assert self.renderer is not None and self.limits is not None
-        prompts, options = parse_request(request, self.limits, self.renderer, received)
+
+    def _admit(self, count: int) -> None:
         limit = self.settings.max_queued_requests
-        if self.queued + len(prompts) > limit:
+        if self.queued + count > limit:
             raise ResourceExhausted(
                 f"the engine's queue is full ({self.queued} requests waiting or running, "
                 f"max_queued_requests={limit}); retry later"
             )
-        self.queued += len(prompts)
+        self.queued += count
+
+    async def Generate(
+        self, request: sampler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> sampler_pb2.GenerateResponse:
+        received = time.monotonic()
+        self._check_ready()
+        assert self.engine is not None
+        assert self.renderer is not None and self.limits is not None
+        prompts, options = parse_request(request, self.limits, self.renderer, received)
+        self._admit(len(prompts))
         try:
             async with self.gate.reading() as version:
                 results = await _generate(self.engine, prompts, options)
@@ -107,6 +143,39 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
             for completion in completions:
                 _fill(result.completions.add(), completion, version, options)
         return response
+
+    async def GenerateStream(
+        self, request: sampler_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[sampler_pb2.GenerateStreamResponse]:
+        received = time.monotonic()
+        self._check_ready()
+        assert self.engine is not None
+        assert self.renderer is not None and self.limits is not None
+        prompt, options = parse_stream_request(request, self.limits, self.renderer, received)
+        # Greedy n > 1: one engine completion, sent under every index (as Generate does).
+        copies = options.n if options.temperature == 0 and options.n > 1 else 1
+        engine_options = dataclasses.replace(options, n=1) if copies > 1 else options
+        tokenizer = self.renderer.tokenizer
+        texts = [_StreamText(tokenizer, options.stop) for _ in range(engine_options.n)]
+        self._admit(1)
+        try:
+            async with self.gate.reading() as version:
+                start = sampler_pb2.StreamStart(
+                    prompt_token_ids=tensor.encode(np.asarray(prompt, np.int32)),
+                    policy_version=version,
+                )
+                yield sampler_pb2.GenerateStreamResponse(start=start)
+                stream = self.engine.stream(prompt, engine_options)
+                async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                    async for batch in stream:
+                        for delta in batch:
+                            out = _delta_message(delta, texts[delta.index], tokenizer, options)
+                            for index in range(copies) if copies > 1 else (delta.index,):
+                                message = sampler_pb2.GenerateStreamResponse(delta=out)
+                                message.delta.index = index
+                                yield message
+        finally:
+            self.queued -= 1
 
     async def GetInfo(
         self, request: sampler_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -139,6 +208,110 @@ async def _generate(
         return await engine.generate(prompts, options)
     once = await engine.generate(prompts, dataclasses.replace(options, n=1))
     return [[copy.deepcopy(c[0]) for _ in range(options.n)] for c in once]
+
+
+class _StreamText:
+    """One streamed completion's text: decode all its tokens so far and send what is new and
+    decided. Held back until the completion ends: a trailing incomplete UTF-8 character (decoded
+    as U+FFFD) and any tail that is the beginning of a stop string. At the end the text is cut
+    before the first stop string, as Generate's is."""
+
+    _CONTEXT = 8  # tokens decoded again before the checkpoint (leading-space rules)
+    _CHECKPOINT_EVERY = 16  # tokens
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.tokens: list[int] = []
+        self.sent = ""
+        # The text of tokens[:base_len], so that a step decodes only the tokens after it
+        # (and a little context) instead of the whole completion.
+        self.base_len = 0
+        self.base_text = ""
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def _text(self, finished: bool) -> str:
+        if finished:  # exactly Generate's text
+            return self._decode(self.tokens)
+        start = max(0, self.base_len - self._CONTEXT)
+        head = self._decode(self.tokens[start : self.base_len])
+        window = self._decode(self.tokens[start:])
+        if window.startswith(head):
+            text = self.base_text + window[len(head) :]
+        else:
+            text = self._decode(self.tokens)
+        if len(self.tokens) - self.base_len >= self._CHECKPOINT_EVERY and not text.endswith(
+            "\ufffd"
+        ):
+            self.base_len, self.base_text = len(self.tokens), text
+        return text
+
+    def add(self, token_ids: Sequence[int], finished: bool) -> str:
+        self.tokens.extend(token_ids)
+        if not token_ids and not finished:
+            return ""
+        text = self._text(finished)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        end = min(hits, default=len(text))
+        if not finished:
+            end = min(end, len(text.rstrip("\ufffd")))
+            end -= _stop_prefix(text[:end], self.stop)
+        if end <= len(self.sent) or not text.startswith(self.sent):
+            # Nothing new, or the decoding of earlier tokens changed (never for byte-level
+            # BPE): what was sent stays sent.
+            new = text[len(self.sent) : end] if finished and end > len(self.sent) else ""
+        else:
+            new = text[len(self.sent) : end]
+        self.sent += new
+        return new
+
+
+def _stop_prefix(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper beginning of a stop string."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+def _delta_message(
+    d: Delta, text: _StreamText, tokenizer: Any, options: SamplingOptions
+) -> sampler_pb2.CompletionDelta:
+    out = sampler_pb2.CompletionDelta(index=d.index)
+    out.token_ids.CopyFrom(tensor.encode(np.asarray(d.token_ids, np.int32)))
+    out.text = text.add(d.token_ids, d.finish_reason is not None)
+    if d.finish_reason is not None:
+        out.finish_reason = _FINISH[d.finish_reason]
+    if options.logprobs or options.top_logprobs:
+        out.token_texts.extend(_token_text(tokenizer, t) for t in d.token_ids)
+    if options.logprobs:
+        out.logprobs.CopyFrom(tensor.encode(np.asarray(d.logprobs or [], np.float32)))
+    if options.top_logprobs:
+        shape = (len(d.token_ids), options.top_logprobs)
+        ids = np.asarray(d.top_token_ids or [], np.int32).reshape(shape)
+        values = np.asarray(d.top_logprobs or [], np.float32).reshape(shape)
+        out.top_token_ids.CopyFrom(tensor.encode(ids))
+        out.top_logprobs.CopyFrom(tensor.encode(values))
+        out.top_token_texts.extend(_token_text(tokenizer, int(t)) for t in ids.reshape(-1))
+    return out
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    """One token decoded on its own (special tokens as their text), cached per tokenizer."""
+    cache: dict[int, str] | None = getattr(tokenizer, "_rlfleet_token_texts", None)
+    if cache is None:
+        cache = {}
+        with contextlib.suppress(AttributeError):
+            tokenizer._rlfleet_token_texts = cache
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
 
 
 def _fill(

@@ -37,6 +37,8 @@ class SamplerSettings(StrictModel):
     weights_from: OptionalServiceRef = None  # the learner's WeightService
     weights_timeout_s: float = Field(default=600.0, gt=0)  # wait this long for the first one
     served_model_name: str | None = None  # GetInfo.model_name; default: model_path
+    # Generate once before reporting SERVING (the first requests of a fresh engine are slow).
+    warmup: bool = True
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1 << 20)
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -35,6 +36,7 @@ from sampler.rollout.groups import (
     build_groups,
     expert_text,
     generate_request,
+    group_id,
     score_request,
 )
 from sampler.rollout.pacing import Pacer, VersionWatch
@@ -59,7 +61,7 @@ STOP_GRACE_S = 5.0  # a stopping driver lets calls this close to done finish; th
 class RolloutDriver:
     """One driver incarnation; `run()` returns when stopped (or raises what stopped it)."""
 
-    def __init__(self, ctx: ServiceContext, settings: RolloutSettings) -> None:
+    def __init__(self, ctx: ServiceContext[RolloutSettings], settings: RolloutSettings) -> None:
         self.ctx = ctx
         self.settings = settings
         self.stop = ctx.stop_event
@@ -118,6 +120,8 @@ class RolloutDriver:
         self._check_group_size(bus.max_payload)
         self._tasks.append(await stop_when_run_over(bus, run, self.stop))
         await self.watch.start(bus, run)
+        if settings.groups_per_version:  # credit for groups the learner drops untrained
+            await self.pacer.follow_drops(bus, run, self.ctx.name)
         if settings.feed:
             feeder = PromptFeeder(
                 bus,
@@ -220,6 +224,7 @@ class RolloutDriver:
         if self.queue is not None:
             await self.queue.close()
         await self.watch.close()
+        await self.pacer.close()
         if self.stats is not None and self.bus is not None:
             with contextlib.suppress(Exception):
                 await self.stats.report(self.watch.version)
@@ -250,7 +255,7 @@ class RolloutDriver:
                 if not await self.pacer.wait_turn(self.stop):
                     return
                 batch = await self.queue.take(settings.prompts_per_call, self.stop)
-                self.pacer.count(len(batch))
+                self.pacer.count(len(batch), [group_id(self.run_name, d.message) for d in batch])
             if not batch:
                 continue
             try:
@@ -301,7 +306,7 @@ class RolloutDriver:
             started = time.monotonic()
             try:
                 answered = await call_with_retry(
-                    lambda request=request: self.samplers.generate(request),
+                    functools.partial(self.samplers.generate, request),
                     f"generating {len(tasks)} prompts",
                     self.stop,
                 )
@@ -312,6 +317,7 @@ class RolloutDriver:
                 bad = batch.pop(int(match.group(1)))
                 log.error("dropping prompt %s: %s", prompt_key(bad.message), exc)
                 await self.queue.term(bad)
+                self.pacer.credit([group_id(self.run_name, bad.message)])  # no group will come
                 continue
             if answered is None:
                 return None
@@ -361,5 +367,6 @@ class RolloutDriver:
         except InvalidArgument as exc:
             log.error("dropping prompt %s: its group %s", prompt_key(prompt.message), exc)
             await self.queue.term(prompt)
+            self.pacer.credit([group.group_id])  # never reaches the learner
             return False
         return True

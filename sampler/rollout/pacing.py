@@ -17,9 +17,21 @@ one version older and be dropped as stale by the learner (leaving this driver's 
 what the learner needs: a stall until `version_wait_s`). So after the announcement the driver
 also waits until every sampler reports the version (`loaded_version`, GetInfo).
 
+Credit back: a group the learner drops without training on it (filtered out by DAPO's dynamic
+sampling or the overlong filter, or invalid) still counted as started, yet the learner needs
+another group in its place; with enough of them every driver would wait for a version the learner
+cannot reach. So the learner announces such drops (GroupsDropped on
+``rlfleet.v1.events.<run>.dropped``, naming the producing driver and the group ids) and the pacer
+takes each group it counted itself, once, off `started` (`credit`); prompts the driver drops
+itself (refused by the sampler, a group too large to publish) are credited at once. Stale drops
+are not credited: pacing already keeps groups fresh, so a stale group means the learner moved on
+faster than this driver's count assumed (its next turns are free anyway), and credit would let it
+run further ahead of `max_policy_lag`.
+
 If the version needed does not come within `version_wait_s` (the learner restarted, drivers
-joined or left, so this driver's share of a batch changed), counting restarts from the newest
-version: waiting longer would only stall the run.
+joined or left, so this driver's share of a batch changed, or a credit event was lost: core NATS
+is at-most-once), counting restarts from the newest version: waiting longer would only stall the
+run.
 """
 
 from __future__ import annotations
@@ -27,15 +39,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, events_subject
+from services.errors import InvalidArgument
 
-__all__ = ["Pacer", "VersionWatch"]
+__all__ = ["DROPPED_EVENTS", "Pacer", "VersionWatch"]
 
 log = logging.getLogger(__name__)
+
+DROPPED_EVENTS = "dropped"  # event kind of GroupsDropped (published by the LM learner)
+# Ids of counted groups remembered for credit: far more than are ever in flight (older ones,
+# almost all trained long ago, are forgotten first).
+TRACKED_GROUPS = 65536
 
 
 class VersionWatch:
@@ -105,9 +124,13 @@ class Pacer:
         self.max_policy_lag = max_policy_lag
         self.version_wait_s = version_wait_s
         self.base: int | None = None  # set by the first wait, from the version then in force
-        self.started = 0  # groups started since `base`
+        self.started = 0  # groups started since `base`, less the credited ones
+        self.credited = 0  # groups credited back, in all (a metric)
         # The lowest version the samplers serve (GetInfo); None: do not wait for samplers.
         self.loaded_version: Callable[[], Awaitable[int]] | None = None
+        self._counted: OrderedDict[str, None] = OrderedDict()  # ids not credited yet
+        self._credit = asyncio.Event()  # set by `credit`: a waiting turn looks again
+        self._task: asyncio.Task[None] | None = None
 
     def needed(self) -> int:
         """The version that must be announced before the next group starts."""
@@ -120,23 +143,39 @@ class Pacer:
             return not stop.is_set()
         if self.base is None:
             self.base = self.watch.version
-        wanted = self.needed()
         waited = time.monotonic()
-        if self.watch.version >= wanted or await self.watch.wait_for(
-            wanted, stop, self.version_wait_s
-        ):
-            await self._samplers_at(wanted, stop, waited + self.version_wait_s)
-            return not stop.is_set()
-        if stop.is_set():
-            return False
-        log.warning(
-            "no weights v%d after %.0fs: pacing restarts from v%d",
-            wanted,
-            time.monotonic() - waited,
-            self.watch.version,
-        )
-        self.base, self.started = self.watch.version, 0
-        return True
+        deadline = waited + self.version_wait_s
+        while not stop.is_set():
+            self._credit.clear()
+            wanted = self.needed()  # a credit lowers it
+            if self.watch.version >= wanted:
+                await self._samplers_at(wanted, stop, deadline)
+                return not stop.is_set()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "no weights v%d after %.0fs: pacing restarts from v%d",
+                    wanted,
+                    time.monotonic() - waited,
+                    self.watch.version,
+                )
+                self.base, self.started = self.watch.version, 0
+                self._counted.clear()  # credit for those groups would now be extra
+                return True
+            await self._changed(wanted, stop, left)
+        return False
+
+    async def _changed(self, wanted: int, stop: asyncio.Event, timeout_s: float) -> None:
+        """Until ``wanted`` is announced, a credit comes, ``stop`` is set or the timeout."""
+        waits = [
+            asyncio.ensure_future(self.watch.wait_for(wanted, stop, timeout_s)),
+            asyncio.ensure_future(self._credit.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
 
     async def _samplers_at(self, version: int, stop: asyncio.Event, deadline: float) -> None:
         """Until the samplers serve ``version`` (or the deadline passes: pacing then goes on)."""
@@ -151,6 +190,58 @@ class Pacer:
                 return
             await asyncio.sleep(0.02)
 
-    def count(self, groups: int) -> None:
-        """``groups`` more groups started."""
+    def count(self, groups: int, ids: Iterable[str] = ()) -> None:
+        """``groups`` more groups started; ``ids``: their group ids, for credit later."""
         self.started += groups
+        for group_id in ids:
+            self._counted[group_id] = None
+            self._counted.move_to_end(group_id)
+        while len(self._counted) > TRACKED_GROUPS:
+            self._counted.popitem(last=False)
+
+    def credit(self, ids: Iterable[str]) -> int:
+        """Groups counted here that will never be trained (dropped): each gives its start back,
+        once; ids this pacer did not count (another incarnation's) are ignored. Returns how
+        many were credited."""
+        credited = 0
+        for group_id in ids:
+            if group_id in self._counted:
+                del self._counted[group_id]
+                credited += 1
+        if credited:
+            self.started = max(0, self.started - credited)
+            self.credited += credited
+            self._credit.set()
+        return credited
+
+    async def follow_drops(self, bus: Bus, run: str, producer: str) -> None:
+        """Take credit from the learner's GroupsDropped events for ``producer``'s groups."""
+        sub = await bus.subscribe(events_subject(run, DROPPED_EVENTS), events_pb2.GroupsDropped)
+        self._task = asyncio.create_task(self._follow(sub, producer), name="drops-watch")
+
+    async def _follow(self, sub: Any, producer: str) -> None:
+        async with sub:
+            while True:
+                try:
+                    delivery = await sub.__anext__()
+                except StopAsyncIteration:
+                    return
+                except InvalidArgument as exc:  # not a GroupsDropped: someone else's bug
+                    log.warning("ignoring a message on the dropped-groups subject: %s", exc)
+                    continue
+                event = delivery.message
+                if event.producer != producer:
+                    continue
+                credited = self.credit(event.group_ids)
+                if credited:
+                    log.debug(
+                        "credit for %d groups dropped by %s (%s)",
+                        credited,
+                        event.source,
+                        event.reason,
+                    )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -14,8 +14,8 @@ from services.registry import ServiceContext, ServiceSpec
 __all__ = ["SPEC", "main"]
 
 
-async def main(ctx: ServiceContext) -> None:
-    settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
+async def main(ctx: ServiceContext[RolloutSettings]) -> None:
+    settings = ctx.settings
     await RolloutDriver(ctx, settings).run()
 
 

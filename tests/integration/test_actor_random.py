@@ -60,7 +60,9 @@ def _run_name() -> str:
     return f"itest-actor-{uuid.uuid4().hex[:8]}"
 
 
-def _context(run: str, nats_url: str, endpoints: dict[str, str], **settings: Any) -> ServiceContext:
+def _context(
+    run: str, nats_url: str, endpoints: dict[str, str], **settings: Any
+) -> ServiceContext[GameActorSettings]:
     values = {"env_servers": list(endpoints), "env_id": "CartPole-v1", "seed": 0, **settings}
     return ServiceContext(
         name="actor-0",
@@ -152,7 +154,7 @@ async def test_random_actor_publishes_fragments_and_episodes(
     events = Events()
     async with Bus.connect(nats_url, name="test-reader") as bus:
         await events.start(bus, run)
-        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 60)  # type: ignore[arg-type]
+        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 60)
         await events.stop(bus)
         deliveries = await _fragments(bus, run, total // (t_steps * n))
 
@@ -208,7 +210,7 @@ async def test_actor_stops_when_the_run_is_done(nats_url: str, env_servers: dict
     events = Events()
     async with Bus.connect(nats_url, name="test-launcher") as bus:
         await events.start(bus, run)
-        actor = asyncio.create_task(GameActor(ctx, ctx.settings).run())  # type: ignore[arg-type]
+        actor = asyncio.create_task(GameActor(ctx, ctx.settings).run())
         for _ in range(200):
             if events.episodes:
                 break
@@ -272,7 +274,7 @@ async def test_actor_survives_an_env_server_crash(
         stats_interval_s=60,
         request_timeout_s=5,
     )
-    actor = GameActor(ctx, ctx.settings)  # type: ignore[arg-type]
+    actor = GameActor(ctx, ctx.settings)
     async with Bus.connect(nats_url, name="test-reader") as bus:
         await bus.ensure_stream(stream_name(run), [traj_subject(run)])  # as the learner does
         running = asyncio.create_task(actor.run())
@@ -315,6 +317,6 @@ async def test_a_fragment_over_the_payload_limit_fails_at_start(
         run, nats_url, env_servers, num_envs=8, rollout_length=5000, publish_fragments=True
     )
     with pytest.raises(InvalidArgument, match="max payload") as caught:
-        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 30)  # type: ignore[arg-type]
+        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 30)
     assert caught.value.field == "rollout_length"
     assert all(_sessions_open(name) == 0 for name in SERVERS)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.algos import ADVANTAGES, GAME_ADVANTAGES, GROUP_ADVANTAGES, discounted_returns, gae
+from learner.algos import GAME_ADVANTAGES, GROUP_ADVANTAGES, discounted_returns, gae
 
 GAMMA, LAM = 0.9, 0.8  # gamma * lam = 0.72
 
@@ -164,4 +164,3 @@ def test_shape_errors():
 def test_registered_as_gae():
     assert GAME_ADVANTAGES.get("gae") is gae
     assert "gae" not in GROUP_ADVANTAGES  # another family: a GRPO preset cannot name it
-    assert ADVANTAGES.get("gae") is gae  # the deprecated read-only view over both families

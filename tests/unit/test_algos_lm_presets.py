@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from learner.algos import (
-    ADVANTAGES,
     AGGREGATIONS,
+    GROUP_ADVANTAGES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     PRESETS,
@@ -41,7 +41,7 @@ def test_all_presets_are_registered():
 def test_preset_resolves_and_its_names_exist(name):
     p = resolve_preset(name)
     assert isinstance(p, Preset)
-    assert p.advantage in ADVANTAGES
+    assert p.advantage in GROUP_ADVANTAGES
     assert p.policy_loss in POLICY_LOSSES
     assert p.aggregation in AGGREGATIONS
     assert p.kl_estimator in KL_ESTIMATORS
@@ -56,7 +56,7 @@ def test_preset_runs_end_to_end_on_a_tiny_batch(name):
     groups = torch.tensor([0, 0, 1, 1])
     mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False], [True] * 3])
     token_rewards = {"token_rewards": -p.kl_beta * torch.rand(4, 3)} if p.kl_in_reward else {}
-    adv, _ = ADVANTAGES.get(p.advantage)(
+    adv, _ = GROUP_ADVANTAGES.get(p.advantage)(
         rewards, groups, mask, **p.advantage_kwargs, **token_rewards
     )
     old = -torch.rand(4, 3)

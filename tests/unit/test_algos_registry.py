@@ -10,7 +10,6 @@ import pytest
 import learner.algos as algos
 import learner.algos.registry as registry
 from learner.algos import (
-    ADVANTAGES,
     AGGREGATIONS,
     GAME_ADVANTAGES,
     GAME_PRESETS,
@@ -148,14 +147,6 @@ def test_a_name_of_another_family_says_which_family_it_is():
         GAME_ADVANTAGES.get("grpo")
     assert issubclass(WrongFamilyError, UnknownNameError)  # callers catching that still work
     assert "grpo" in PRESETS and "ppo" in GAME_PRESETS
-
-
-def test_deprecated_advantages_view_reads_both_families_and_registers_nothing():
-    assert ADVANTAGES.get("gae") is gae and ADVANTAGES.get("grpo") is grpo
-    assert set(ADVANTAGES.names()) == set(GAME_ADVANTAGES.names()) | set(GROUP_ADVANTAGES.names())
-    assert not hasattr(ADVANTAGES, "register") and not hasattr(ADVANTAGES, "add")
-    with pytest.raises(UnknownNameError, match="did you mean 'gae'"):
-        ADVANTAGES.get("gea")
 
 
 @pytest.fixture

@@ -139,3 +139,30 @@ def test_subclasses_elsewhere_round_trip():
 def test_repr_and_str():
     assert repr(InvalidArgument("bad", field="f")) == "InvalidArgument('bad', field='f')"
     assert str(ConfigError("run.yaml:3: run.name: invalid")) == "run.yaml:3: run.name: invalid"
+
+
+class _TransportError(grpc.RpcError):
+    """A failed call as grpc reports one it made itself: a code, a message, no details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def test_bare_internal_from_the_transport_is_unavailable():
+    # A peer whose connection breaks mid-stream ("Internal error from Core") is retried like
+    # any other unreachable peer; an INTERNAL sent by an rlfleet server carries details.
+    err = errors.from_rpc_error(
+        _TransportError(grpc.StatusCode.INTERNAL, "Internal error from Core")
+    )
+    assert isinstance(err, errors.Unavailable) and "Internal error from Core" in str(err)
+    err = errors.from_rpc_error(_TransportError(grpc.StatusCode.NOT_FOUND, "gone"))
+    assert isinstance(err, errors.NotFound)

@@ -80,3 +80,78 @@ async def test_driver_waits_until_the_samplers_serve_the_announced_version() -> 
     assert not turn.done()
     served["version"] = 1
     assert await asyncio.wait_for(turn, 1)
+
+
+async def test_credit_for_dropped_groups_lets_a_waiting_driver_start_more() -> None:
+    """Groups the learner drops untrained (DAPO's filter) give their start back: the learner
+    needs as many more before it can reach the version the driver waits for."""
+    watch, stop = VersionWatch(version=5), asyncio.Event()
+    pacer = Pacer(watch, groups_per_version=2, max_policy_lag=0, version_wait_s=30)
+    for name in ("a", "b"):
+        assert await pacer.wait_turn(stop)
+        pacer.count(1, [name])
+    waiting = asyncio.ensure_future(pacer.wait_turn(stop))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # needs v6, which needs two trained groups
+    assert pacer.credit(["not-mine"]) == 0  # another driver's (or incarnation's) group
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    assert pacer.credit(["a"]) == 1  # "a" was filtered out: one more group may start
+    assert await asyncio.wait_for(waiting, 1)
+    pacer.count(1, ["c"])
+    assert pacer.credit(["a"]) == 0  # each group is credited once (a redelivered drop)
+    assert (pacer.started, pacer.credited) == (2, 1)
+    assert await _started_without_waiting(pacer, stop, 5) == 0
+    await watch.observe(6)  # "b" and "c" trained
+    assert await _started_without_waiting(pacer, stop, 5) == 2
+
+
+async def test_credit_is_forgotten_when_pacing_restarts() -> None:
+    watch, stop = VersionWatch(version=3), asyncio.Event()
+    pacer = Pacer(watch, groups_per_version=1, max_policy_lag=0, version_wait_s=0.1)
+    assert await pacer.wait_turn(stop)
+    pacer.count(1, ["a"])
+    assert await asyncio.wait_for(pacer.wait_turn(stop), 2)  # v4 never came: restart at v3
+    pacer.count(1, ["b"])
+    assert pacer.credit(["a"]) == 0  # counted before the restart: credit would be extra
+    assert pacer.credit(["b"]) == 1 and pacer.started == 0
+
+
+async def test_drops_of_this_driver_are_taken_from_the_learners_events() -> None:
+    from rlfleet.bus.v1 import events_pb2
+    from services.bus import Delivery
+    from services.errors import InvalidArgument
+
+    class Subscription:
+        def __init__(self, items: list[object]) -> None:
+            self.items = items
+
+        async def __aenter__(self) -> Subscription:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+        async def __anext__(self) -> Delivery[events_pb2.GroupsDropped]:
+            if not self.items:
+                raise StopAsyncIteration
+            item = self.items.pop(0)
+            if isinstance(item, Exception):
+                raise item
+            assert isinstance(item, events_pb2.GroupsDropped)
+            return Delivery(message=item, subject="s", headers={})
+
+    def dropped(producer: str, *ids: str) -> events_pb2.GroupsDropped:
+        return events_pb2.GroupsDropped(
+            run="r", producer=producer, count=len(ids), reason="uniform", group_ids=ids
+        )
+
+    pacer = Pacer(VersionWatch(), groups_per_version=4, max_policy_lag=0, version_wait_s=30)
+    pacer.count(3, ["r/d/0/1", "r/d/0/2", "r/d/0/3"])
+    events: list[object] = [
+        dropped("rollout-1", "r/d/0/1"),  # same id, another driver's group: not ours
+        InvalidArgument("not a GroupsDropped"),  # skipped, the watch goes on
+        dropped("rollout-0", "r/d/0/1", "r/d/0/3"),
+    ]
+    await pacer._follow(Subscription(events), "rollout-0")
+    assert (pacer.started, pacer.credited) == (1, 2)

@@ -6,7 +6,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -100,3 +100,23 @@ class RunStatus(_message.Message):
     source: str
     time: _timestamp_pb2.Timestamp
     def __init__(self, run: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GroupsDropped(_message.Message):
+    __slots__ = ("run", "source", "producer", "count", "reason", "group_ids", "version", "time")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    source: str
+    producer: str
+    count: int
+    reason: str
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    version: int
+    time: _timestamp_pb2.Timestamp
+    def __init__(self, run: _Optional[str] = ..., source: _Optional[str] = ..., producer: _Optional[str] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,307 @@
+"""The FastAPI application and the uvicorn server that runs it inside a service.
+
+``Gateway`` holds the parts (backend pool, authenticator, serving classes); ``build_app``
+wires them into FastAPI with the middleware every route shares: the body-size limit (413),
+Prometheus request metrics and an OpenTelemetry SERVER span per request (its context, taken
+from the caller's ``traceparent``, is current while the sampler calls run, so their CLIENT spans
+and the sampler's SERVER spans join the same trace). ``HttpServer`` runs uvicorn on the
+service's event loop without taking over its signal handling (the service's stop event stops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import prometheus_client
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.auth import Authenticator
+from gateway.backends import BackendPool, Replica, SamplerReplica
+from gateway.errors import ApiError, BodyTooLarge
+from gateway.openai.routes import param_of, router
+from gateway.openai.serving_chat import OpenAIServingChat
+from gateway.openai.serving_completion import OpenAIServingCompletion
+from gateway.settings import GatewaySettings, Limits
+from services import telemetry
+
+__all__ = ["Gateway", "HttpServer", "build_app"]
+
+log = logging.getLogger(__name__)
+
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class Gateway:
+    pool: BackendPool
+    auth: Authenticator
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    limits: Limits
+
+    @classmethod
+    def create(
+        cls,
+        settings: GatewaySettings,
+        replicas: list[Replica] | None = None,
+        *,
+        addresses: list[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Gateway:
+        """From settings, over ``replicas`` (tests) or SamplerReplicas at ``addresses``."""
+        if replicas is None:
+            replicas = [
+                SamplerReplica(a, timeout_s=settings.request_timeout_s) for a in addresses or []
+            ]
+        pool = BackendPool(
+            replicas,
+            health_interval_s=settings.health_interval_s,
+            health_timeout_s=settings.health_timeout_s,
+            max_attempts=settings.max_attempts,
+            request_timeout_s=settings.request_timeout_s,
+        )
+        kw: dict[str, Any] = {
+            "served_model_name": settings.served_model_name,
+            "limits": settings.limits,
+        }
+        return cls(
+            pool=pool,
+            auth=Authenticator(settings.api_keys, environ),
+            completion=OpenAIServingCompletion(pool, **kw),
+            chat=OpenAIServingChat(pool, **kw),
+            limits=settings.limits,
+        )
+
+
+class _TooLarge(HTTPException):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``, by Content-Length or while a chunked body is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> BodyTooLarge:
+        return BodyTooLarge(
+            f"the request body is larger than {self.max_bytes} bytes", code="body_too_large"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_large = int(value) > self.max_bytes
+                except ValueError:
+                    too_large = False
+                if too_large:
+                    await self._error().response()(scope, receive, send)
+                    return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge(413, self._error().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class ObservabilityMiddleware:
+    """Request counts, latency (to the last byte) and a SERVER span per HTTP request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = (
+            path
+            if path in _ROUTES
+            else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        )
+        status = 500
+        started = time.monotonic()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        span_cm: Any = contextlib.nullcontext()
+        if telemetry.tracing_enabled():
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            span_cm = telemetry.tracer().start_as_current_span(
+                f"{scope['method']} {route}",
+                context=telemetry.extract(headers),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "http.request.method": scope["method"],
+                    "http.route": route,
+                    "url.path": path,
+                },
+            )
+        with span_cm as span:
+            try:
+                await self.app(scope, receive, send_status)
+            finally:
+                if span is not None:
+                    span.set_attribute("http.response.status_code", status)
+                    if status >= 500:
+                        span.set_status(Status(StatusCode.ERROR))
+                if route not in ("/metrics", "/health"):
+                    metrics.REQUESTS.labels(route, str(status)).inc()
+                    metrics.REQUEST_SECONDS.labels(route).observe(time.monotonic() - started)
+
+
+def build_app(gateway: Gateway, *, cors_origins: list[str] | None = None) -> FastAPI:
+    app = FastAPI(title="rlfleet gateway", docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    app.include_router(router)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        loc = tuple(first.get("loc", ()))
+        loc = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
+        return ApiError(
+            str(first.get("msg")), status=400, type="invalid_request_error", param=param_of(loc)
+        ).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "body_too_large" if exc.status_code == 413 else None
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return ApiError(
+            message, status=exc.status_code, type=kind, code=code, headers=dict(exc.headers or {})
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return ApiError(f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        pool = gateway.pool
+        backends = [
+            {
+                "address": b.address,
+                "healthy": b.healthy,
+                "outstanding": b.outstanding,
+                "error": None if b.healthy else b.last_error,
+            }
+            for b in pool.backends
+        ]
+        ok = bool(pool.healthy_backends())
+        body = {"status": "ok" if ok else "unavailable", "backends": backends}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+        return Response(data, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    # Outermost first: metrics/tracing see the 413s and every status.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.limits.max_body_bytes)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    app.add_middleware(ObservabilityMiddleware)
+    return app
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return contextlib.nullcontext()  # the service owns SIGTERM/SIGINT (ctx.stop_event)
+
+
+class HttpServer:
+    """uvicorn on a socket bound up front (port 0 picks a free one, known before serving).
+
+    The socket is made with ``proto=IPPROTO_TCP`` (and TCP_NODELAY, which Linux passes on to
+    accepted connections): asyncio turns Nagle's algorithm off only on sockets whose ``proto``
+    says TCP, and a bare ``socket(family, SOCK_STREAM)`` has proto 0. With Nagle on, an SSE
+    body chunk written while the response headers were still unacknowledged waited for the
+    client's delayed ACK (40 ms on Linux): measured 55 ms to the first chunk against 8.6 ms
+    for the same sampler stream over gRPC, the first dozen tokens arriving in one burst.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.socket.bind((host, port))
+        self.socket.listen(2048)
+        self.socket.setblocking(False)
+        self.host = host
+        self.port = int(self.socket.getsockname()[1])
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=30,
+        )
+        self.server = _Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http")
+        while not self.server.started:
+            if self._task.done():
+                await self._task  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._task
+        self._task = None
+        self.socket.close()

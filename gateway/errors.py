@@ -1,0 +1,196 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a route can meet is an ``ApiError`` with its HTTP status; ``from_backend`` maps a
+sampler's gRPC code (as the services.errors class the sampler client raised) onto one, and
+``sampler_param`` turns the sampler's BadRequest field ("sampling.top_p") into the OpenAI
+request field ("top_p").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from services.errors import RlfleetError
+
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "NoBackend",
+    "from_backend",
+    "sampler_param",
+]
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error object."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+
+
+class ModelNotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class RateLimited(ApiError):
+    status = 429
+
+    def __init__(self, message: str, *, kind: str, retry_after_s: float) -> None:
+        super().__init__(
+            message,
+            code="rate_limit_exceeded",
+            type=kind,  # OpenAI: "requests" or "tokens"
+            headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
+        )
+
+
+class Overloaded(ApiError):
+    """Every replica's queue is full: retry later (gRPC RESOURCE_EXHAUSTED)."""
+
+    status = 429
+    type = "server_overloaded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="server_overloaded", headers={"Retry-After": "1"})
+
+
+class NoBackend(ApiError):
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str = "no healthy sampler is available") -> None:
+        super().__init__(message, code="no_healthy_backend", headers={"Retry-After": "1"})
+
+
+class BackendError(ApiError):
+    status = 502
+    type = "server_error"
+
+
+class Timeout(ApiError):
+    status = 504
+    type = "timeout"
+
+
+# The sampler's field names (sampler.proto) -> the OpenAI request's.
+_PARAMS = {
+    "sampling.n": "n",
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.min_p": "min_p",
+    "sampling.max_tokens": "max_tokens",
+    "sampling.stop": "stop",
+    "sampling.stop_token_ids": "stop_token_ids",
+    "sampling.seed": "seed",
+    "sampling.top_logprobs": "top_logprobs",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "timeout": "timeout",
+}
+
+
+def sampler_param(field: str | None, *, prompt_param: str) -> str | None:
+    """The OpenAI request field behind a sampler BadRequest field: ``sampling.<x>`` maps by
+    name, anything under ``prompt`` to ``prompt_param`` ("prompt" or "messages")."""
+    if not field:
+        return None
+    for prefix, param in _PARAMS.items():
+        if field == prefix or field.startswith(prefix + "["):
+            return param
+    if field.startswith("prompt"):
+        return prompt_param
+    return field
+
+
+def from_backend(exc: BaseException, *, prompt_param: str, top_logprobs: str) -> ApiError:
+    """The HTTP error for a failed sampler call that no other replica can fix."""
+    if isinstance(exc, ApiError):
+        return exc
+    code = exc.code if isinstance(exc, RlfleetError) else grpc.StatusCode.INTERNAL
+    message = str(exc)
+    field = exc.field if isinstance(exc, RlfleetError) else None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        param = sampler_param(field, prompt_param=prompt_param)
+        if param == "top_logprobs":
+            param = top_logprobs
+        return BadRequest(_strip_peer(message), param=param)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(_strip_peer(message))
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
+        return NoBackend(message)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Timeout(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return BadRequest(_strip_peer(message))
+    return BackendError(message)
+
+
+def _strip_peer(message: str) -> str:
+    """'sampler 127.0.0.1:5: GenerateStream: n must be ...' -> 'n must be ...': the client
+    should not see internal addresses in a 4xx."""
+    parts = message.split(": ", 2)
+    if len(parts) == 3 and parts[0].startswith("sampler "):
+        return parts[2]
+    return message

@@ -1,0 +1,1 @@
+"""The OpenAI API surface: protocol models, routes and the serving classes behind them."""

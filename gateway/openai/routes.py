@@ -1,0 +1,134 @@
+"""Thin routers: authenticate, rate-limit, validate, hand over to a serving class.
+
+Checks run in the order a client can act on: body size (413, middleware), API key (401), rate
+limit (429), request shape (400), model (404), then the samplers (400 for what they reject,
+429 when every queue is full, 503 when no replica is healthy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from gateway import metrics
+from gateway.errors import BadRequest
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai.serving_engine import RequestContext
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+__all__ = ["param_of", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+
+
+def param_of(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's error location -> an OpenAI ``param`` ("messages[0].role")."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not out:
+            out = str(part)
+        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[ContentPart]"):
+            continue  # the union member pydantic tried, not a field
+        else:
+            out += f".{part}"
+    return out or None
+
+
+def validation_error(exc: ValidationError) -> BadRequest:
+    first = exc.errors()[0]
+    param = param_of(tuple(first["loc"]))
+    message = first["msg"]
+    if param == "prompt" and len(exc.errors()) > 1:  # no member of the union matched
+        return BadRequest(
+            "prompt: must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists",
+            param="prompt",
+        )
+    if param:
+        message = f"{param}: {message}"
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return BadRequest(message, param=param)
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    ignored = getattr(parsed, "ignored_fields", [])
+    if ignored:
+        log.info("ignoring unsupported fields %s", ", ".join(ignored))
+    return parsed
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+def admit(request: Request, route: str) -> RequestContext:
+    gateway = gateway_of(request)
+    key = gateway.auth.authenticate(request.headers.get("authorization"))
+    gateway.auth.admit(key)
+    return RequestContext(route=route, key=key)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    gateway = gateway_of(request)
+    gateway.auth.authenticate(request.headers.get("authorization"))
+    return JSONResponse(gateway.completion.models().model_dump(mode="json"))
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> JSONResponse:
+    gateway = gateway_of(request)
+    gateway.auth.authenticate(request.headers.get("authorization"))
+    for card in gateway.completion.models().data:
+        if card.id == model:
+            return JSONResponse(card.model_dump(mode="json"))
+    from gateway.errors import ModelNotFound
+
+    raise ModelNotFound(model)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    ctx = admit(request, "/v1/completions")
+    body = await parse(request, CompletionRequest)
+    metrics.IN_FLIGHT.inc()
+    try:
+        return await gateway_of(request).completion.create(body, ctx)
+    finally:
+        metrics.IN_FLIGHT.dec()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    ctx = admit(request, "/v1/chat/completions")
+    body = await parse(request, ChatCompletionRequest)
+    metrics.IN_FLIGHT.inc()
+    try:
+        return await gateway_of(request).chat.create(body, ctx)
+    finally:
+        metrics.IN_FLIGHT.dec()

@@ -1,0 +1,59 @@
+"""The `gateway` service kind: the OpenAI HTTP API (gateway/app.py) in front of serving samplers.
+
+grpc=True: beside the HTTP port the gateway runs a gRPC server with only the standard health
+service, so the launcher (which waits for gRPC health) starts what follows once the HTTP port
+is listening and a sampler is healthy, and Kubernetes can probe it the same way as every other
+service. It reports NOT_SERVING whenever no sampler is healthy (HTTP `/health` says 503 then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.app import Gateway, HttpServer, build_app
+from gateway.settings import GatewaySettings
+from services.registry import ServiceContext, ServiceSpec
+from services.server import GrpcServer
+
+__all__ = ["SPEC", "main"]
+
+log = logging.getLogger(__name__)
+
+
+async def main(ctx: ServiceContext[GatewaySettings]) -> None:
+    settings = ctx.settings
+    addresses = [ctx.resolve(ref) for ref in settings.samplers]
+    gateway = Gateway.create(settings, addresses=addresses)
+    health = GrpcServer(ctx.name, host=ctx.host, port=ctx.port, grace_s=1.0)
+    await health.start()
+    http = HttpServer(
+        build_app(gateway, cors_origins=settings.cors_origins),
+        settings.http_host,
+        settings.http_port,
+    )
+    try:
+        await gateway.pool.start()
+        await http.start()
+        log.info(
+            "gateway %s: OpenAI API on %s over samplers %s",
+            ctx.name,
+            http.url,
+            ", ".join(addresses),
+        )
+        serving = None
+        while not ctx.stop_event.is_set():
+            now = bool(gateway.pool.healthy_backends())
+            if now != serving:
+                health.set_serving(now)
+                serving = now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ctx.stop_event.wait(), settings.health_interval_s)
+    finally:
+        await http.stop()
+        await gateway.pool.close()
+        await health.stop()
+
+
+SPEC = ServiceSpec(kind="gateway", settings=GatewaySettings, main=main, grpc=True)

@@ -1,0 +1,72 @@
+"""Settings of the `gateway` kind (YAML `settings:` or RLFLEET_GATEWAY__<KEY>)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import Field, model_validator
+
+from services.config import ServiceRef, StrictModel
+from services.errors import ConfigError
+
+__all__ = ["DEFAULT_HTTP_PORT", "ApiKey", "GatewaySettings", "Limits"]
+
+DEFAULT_HTTP_PORT = 8000  # vLLM's own OpenAI server listens here too
+
+
+class ApiKey(StrictModel):
+    """One accepted Bearer key, given inline (`key`) or read from the environment (`key_env`),
+    with its own rate limits (None = unlimited)."""
+
+    key: str | None = Field(default=None, min_length=1)
+    key_env: str | None = Field(default=None, min_length=1)
+    name: str | None = None  # label in logs; default: key_env, else "key-<i>"
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute
+    tpm: int | None = Field(default=None, ge=1)  # prompt + completion tokens per minute
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKey:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("set exactly one of `key` and `key_env`")
+        return self
+
+    def secret(self, environ: Mapping[str, str] | None = None) -> str:
+        """The key itself; a `key_env` that is unset or empty is a ConfigError."""
+        if self.key is not None:
+            return self.key
+        env = os.environ if environ is None else environ
+        value = env.get(self.key_env or "", "")
+        if not value:
+            raise ConfigError(f"api_keys: environment variable {self.key_env} is not set")
+        return value
+
+
+class Limits(StrictModel):
+    """What one request may ask for. The sampler enforces the model's own limits (context
+    length, max_n) too; these are the gateway's, checked before any sampler is called."""
+
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)  # 413 above
+    max_prompt_chars: int = Field(default=256_000, ge=1)  # per prompt / per chat, before tokens
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # after tokenization; None: context
+    max_prompts: int = Field(default=64, ge=1)  # prompt list length of one completions request
+    max_n: int = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # cap on max_tokens; None: context
+    max_stop: int = Field(default=16, ge=0)  # stop strings
+
+
+class GatewaySettings(StrictModel):
+    """OpenAI HTTP API in front of serving samplers."""
+
+    samplers: list[ServiceRef] = Field(min_length=1)  # instance names or host:port
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=DEFAULT_HTTP_PORT, ge=0, le=65535)  # 0: any free port
+    served_model_name: str | None = None  # default: the samplers' GetInfo.model_name
+    api_keys: list[ApiKey] = Field(default_factory=list)  # empty: no authentication
+    limits: Limits = Field(default_factory=Limits)
+    request_timeout_s: float = Field(default=600.0, gt=0)  # gRPC deadline of one sampler stream
+    health_interval_s: float = Field(default=1.0, gt=0)  # background health check period
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)  # replicas tried before a request fails
+    startup_timeout_s: float = Field(default=120.0, gt=0)  # wait for a first healthy sampler
+    cors_origins: list[str] = Field(default_factory=list)

@@ -1,0 +1,110 @@
+"""The serving workflow as the README gives it, on real parts: a (short) GRPO run, then
+`rlfleet export RUN OUT --quantize w4a16`, then `rlfleet up` of a `serve` job, and the official
+`openai` client gets completions and streamed chat completions from the trained model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.ports import free_port
+from tests.integration.test_export import lm_run  # noqa: F401  (the trained run, a fixture)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-e2e"
+
+
+def _cli(*args: str, cwd: Path, **kwargs) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=cwd, env=env, text=True, start_new_session=True, **kwargs,
+    )  # fmt: skip
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"rlfleet up exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"{url} not healthy after {timeout_s:g}s")
+
+
+@pytest.mark.timeout(1200)
+def test_train_export_quantized_serve_openai(lm_run: Path, tmp_path: Path) -> None:  # noqa: F811
+    import openai
+
+    export_dir = tmp_path / "exports" / "arith-w4a16"
+    done = _cli("export", str(lm_run), str(export_dir), "--quantize", "w4a16", cwd=tmp_path)
+    assert done.wait(timeout=900) == 0
+    manifest = json.loads((export_dir / "rlfleet_export.json").read_text())
+    assert manifest["quantization"]["scheme"] == "w4a16"
+
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "serve-e2e", "dir": str(tmp_path / "runs" / "serve-e2e")},
+                "job": {
+                    "kind": "serve",
+                    "model": str(export_dir),
+                    "served_model_name": "arith",
+                    "replicas": 1,
+                    "port": port,
+                    "max_model_len": 256,
+                    "api_keys": [{"key": KEY}],
+                },
+            }
+        )
+    )
+    log = (tmp_path / "up.log").open("w")
+    up = _cli("up", str(config), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", up, timeout_s=600)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY)
+        assert [m.id for m in client.models.list().data] == ["arith"]
+        completion = client.completions.create(
+            model="arith", prompt="Q: 3+4=?\nA:", max_tokens=12, temperature=0
+        )
+        assert completion.choices[0].text and completion.usage.completion_tokens > 0
+        chunks = list(
+            client.chat.completions.create(
+                model="arith",
+                messages=[{"role": "user", "content": "Q: 2+2=?"}],
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong").models.list()
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        try:
+            code = up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            raise
+        log.close()
+    assert code in (0, 130), (tmp_path / "up.log").read_text()[-3000:]

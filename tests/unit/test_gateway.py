@@ -1,0 +1,525 @@
+"""The gateway's HTTP surface (OpenAI protocol, SSE, errors, limits, balancing, failover) over
+fake replicas; tests/contract/test_gateway.py runs the same client paths against real samplers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.limits import KeyLimiter, TokenBucket
+from gateway.settings import ApiKey, GatewaySettings, Limits
+from services.errors import InvalidArgument, ResourceExhausted, Unavailable
+from tests.unit.test_gateway_fakes import FakeReplica, ThreadedGateway
+
+MODEL = "fake-model"
+
+
+def settings(**kw: object) -> GatewaySettings:
+    base: dict[str, object] = {
+        "samplers": ["a:1", "b:2"],
+        "health_interval_s": 0.05,
+        "http_port": 0,
+    }
+    return GatewaySettings.model_validate({**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def replicas() -> list[FakeReplica]:
+    return [FakeReplica("fake:1"), FakeReplica("fake:2")]
+
+
+@pytest.fixture(scope="module")
+def gw(replicas: list[FakeReplica]) -> Iterator[ThreadedGateway]:
+    g = ThreadedGateway(settings(limits={"max_body_bytes": 4096, "max_prompts": 4}), replicas)
+    yield g
+    g.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset(replicas: list[FakeReplica]) -> Iterator[None]:
+    yield
+    for r in replicas:
+        r.serving, r.fail_before, r.fail_after_tokens, r.delay_s = True, None, None, 0.0
+
+
+@pytest.fixture
+def client(gw: ThreadedGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_n_and_usage(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == ["abc", "bcd"]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.prompt_tokens == 2 and out.usage.completion_tokens == 6
+    assert out.usage.total_tokens == 8 and out.object == "text_completion"
+
+
+def test_completion_prompt_list_fans_out(
+    client: openai.OpenAI, replicas: list[FakeReplica]
+) -> None:
+    before = [len(r.requests) for r in replicas]
+    out = client.completions.create(model=MODEL, prompt=["a", "bb", "ccc"], max_tokens=2, n=2)
+    assert len(out.choices) == 6 and [c.index for c in out.choices] == list(range(6))
+    assert out.usage.prompt_tokens == 1 + 2 + 3
+    assert sum(len(r.requests) for r in replicas) - sum(before) == 3
+    assert all(len(r.requests) > b for r, b in zip(replicas, before, strict=True))  # balanced
+    out = client.completions.create(model=MODEL, prompt=[[5, 6], [7]], max_tokens=1)
+    assert len(out.choices) == 2 and out.usage.prompt_tokens == 3
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1)
+    assert len(out.choices) == 1 and out.usage.prompt_tokens == 3
+
+
+def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=3, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["a", "b", "c"]
+    assert lp.token_logprobs == pytest.approx([-0.5, -0.6, -0.7])
+    assert lp.text_offset == [0, 1, 2]
+    assert set(lp.top_logprobs[0]) == {"a", "b"}
+    out = client.completions.create(model=MODEL, prompt="Q:", max_tokens=2, echo=True)
+    assert out.choices[0].text == "Q:ab"
+
+
+def test_completion_stop(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=10, stop=["cd"])
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_completion_stream(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["x", "y"],
+            max_tokens=3,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text: dict[int, str] = {}
+    finish = {}
+    for chunk in chunks[:-1]:
+        assert chunk.usage is None
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert text == {0: "abc", 1: "bcd", 2: "abc", 3: "bcd"}
+    assert finish == dict.fromkeys(range(4), "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    assert out.object == "chat.completion"
+    assert [c.message.content for c in out.choices] == ["abcd", "bcde"]
+    assert out.choices[0].message.role == "assistant"
+    content = out.choices[0].logprobs.content
+    assert [t.token for t in content] == ["a", "b", "c", "d"]
+    assert len(content[0].top_logprobs) == 3 and content[0].bytes == [97]
+    assert out.usage.completion_tokens == 8
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "abc"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and finishes.count("length") == 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+async def test_async_client_stream(gw: ThreadedGateway) -> None:
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == "ab"
+    await client.close()
+
+
+def test_raw_sse_format(gw: ThreadedGateway) -> None:
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True},
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0].removeprefix("data: "))
+    assert first["object"] == "text_completion" and first["choices"][0]["text"] == "a"
+
+
+def test_http_connections_have_nagle_off(gw: ThreadedGateway) -> None:
+    """Each accepted connection has TCP_NODELAY: with Nagle on, the first SSE chunk waited for
+    the client's delayed ACK of the headers (~40 ms of TTFT, measured in bench/gateway.py)."""
+    import socket
+
+    async def nodelay() -> list[int]:
+        connections = gw.http.server.server_state.connections
+        return [
+            c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            for c in connections
+        ]
+
+    with httpx.Client() as http:  # keep-alive: the connection stays open while checked
+        assert http.get(gw.url + "/health").status_code == 200
+        flags = gw.call(nodelay())
+    assert flags and all(flags), flags
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_requests(gw: ThreadedGateway) -> None:
+    url = gw.url + "/v1/completions"
+    e = error(httpx.post(url, json={"model": MODEL, "prompt": "x", "temperature": 3}), 400)
+    assert e["param"] == "temperature"
+    e = error(httpx.post(url, json={"model": MODEL}), 400)
+    assert e["param"] == "prompt"
+    e = error(httpx.post(url, json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400)
+    assert e["param"] == "suffix"
+    e = error(httpx.post(url, json={"model": MODEL, "prompt": "x", "logit_bias": {"1": 2}}), 400)
+    assert e["param"] == "logit_bias"
+    e = error(
+        httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400
+    )
+    e = error(httpx.post(url, json={"model": MODEL, "prompt": ["x"] * 5}), 400)
+    assert e["param"] == "prompt"
+    # the sampler's INVALID_ARGUMENT names the OpenAI field
+    e = error(httpx.post(url, json={"model": MODEL, "prompt": "x", "n": 12}), 400)
+    assert e["param"] == "n" and "fake:" not in e["message"]
+    e = error(httpx.post(url, json={"model": MODEL, "prompt": "x" * 80}), 400)
+    assert e["param"] == "prompt"
+    chat = gw.url + "/v1/chat/completions"
+    e = error(
+        httpx.post(
+            chat,
+            json={
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ],
+            },
+        ),
+        400,
+    )
+    assert e["param"] == "messages[0].content[0]"
+    e = error(httpx.post(chat, json={"model": MODEL, "messages": [{"content": "x"}]}), 400)
+    assert e["param"] == "messages[0].role"
+    e = error(
+        httpx.post(
+            chat,
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+        ),
+        400,
+    )
+    assert e["param"] == "tools"
+    # unknown fields are ignored, as vLLM does
+    ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, "whatever": 1})
+    assert ok.status_code == 200
+
+
+def test_context_length_is_checked(gw: ThreadedGateway) -> None:
+    e = error(
+        httpx.post(
+            gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 10, "max_tokens": 60}
+        ),
+        400,
+    )
+    assert e["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_404(gw: ThreadedGateway) -> None:
+    e = error(httpx.post(gw.url + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
+
+
+def test_body_too_large_413(gw: ThreadedGateway) -> None:
+    e = error(
+        httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 5000}), 413
+    )
+    assert e["code"] == "body_too_large"
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "fake-model", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    error(httpx.post(gw.url + "/v1/completions", content=chunks()), 413)
+
+
+def test_unknown_route_is_an_openai_error(gw: ThreadedGateway) -> None:
+    error(httpx.get(gw.url + "/v1/nothing"), 404)
+
+
+def test_sampler_overloaded_is_429_after_trying_all(
+    gw: ThreadedGateway, replicas: list[FakeReplica]
+) -> None:
+    for r in replicas:
+        r.fail_before = lambda: ResourceExhausted("sampler x: GenerateStream: queue full")
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    error(r, 429)
+    assert r.headers["retry-after"] == "1"
+
+
+def test_invalid_argument_is_not_retried(gw: ThreadedGateway, replicas: list[FakeReplica]) -> None:
+    for r in replicas:
+        r.fail_before = lambda: InvalidArgument(
+            "sampler x: GenerateStream: sampling.top_p: bad", field="sampling.top_p"
+        )
+    before = sum(len(r.requests) for r in replicas)
+    e = error(httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}), 400)
+    assert e["param"] == "top_p"
+    assert sum(len(r.requests) for r in replicas) == before + 1
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def test_failover_before_first_delta(gw: ThreadedGateway, replicas: list[FakeReplica]) -> None:
+    replicas[0].fail_before = lambda: Unavailable("sampler fake:1: GenerateStream: refused")
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(4):
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert out.choices[0].text == "ab"
+    # the failing one was taken out of rotation until its health check passes
+    replicas[0].serving = False
+    gw.call(_wait(lambda: not gw.gateway.pool.backends[0].healthy))
+    before = len(replicas[0].requests)
+    for _ in range(3):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, stream=True
+        )
+    assert len(replicas[0].requests) == before
+    replicas[0].serving, replicas[0].fail_before = True, None
+    gw.call(_wait(lambda: gw.gateway.pool.backends[0].healthy))
+
+
+def test_non_stream_rerun_when_lost_midway(
+    gw: ThreadedGateway, replicas: list[FakeReplica]
+) -> None:
+    for r in replicas:
+        r.fail_after_tokens = 2
+    first = replicas[0]
+    r = httpx.post(
+        gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}
+    )
+    error(r, 503)  # every replica lost it: 503, never a 500
+    for r in replicas:
+        r.fail_after_tokens = None
+    first.fail_after_tokens = 2
+    gw.call(_wait(lambda: all(b.healthy for b in gw.gateway.pool.backends)))
+    for _ in range(3):
+        r = httpx.post(
+            gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abcd"
+        gw.call(_wait(lambda: all(b.healthy for b in gw.gateway.pool.backends)))
+
+
+def test_stream_lost_midway_ends_with_an_error_event(
+    gw: ThreadedGateway, replicas: list[FakeReplica]
+) -> None:
+    for r in replicas:
+        r.fail_after_tokens = 2
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True},
+    ) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert "error" in json.loads(lines[-2].removeprefix("data: "))
+    for r in replicas:
+        r.fail_after_tokens = None
+    gw.call(_wait(lambda: all(b.healthy for b in gw.gateway.pool.backends)))
+
+
+def test_no_healthy_backend_503(gw: ThreadedGateway, replicas: list[FakeReplica]) -> None:
+    for r in replicas:
+        r.serving = False
+    gw.call(_wait(lambda: not gw.gateway.pool.healthy_backends()))
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert error(r, 503)["code"] == "no_healthy_backend"
+    assert httpx.get(gw.url + "/health").status_code == 503
+    for r in replicas:
+        r.serving = True
+    gw.call(_wait(lambda: len(gw.gateway.pool.healthy_backends()) == 2))
+    assert httpx.get(gw.url + "/health").json()["status"] == "ok"
+
+
+def test_client_disconnect_cancels_the_stream(
+    gw: ThreadedGateway, replicas: list[FakeReplica]
+) -> None:
+    for r in replicas:
+        r.delay_s = 0.05
+    cancelled = sum(r.cancelled for r in replicas)
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True},
+    ) as r:
+        next(r.iter_lines())
+    gw.call(_wait(lambda: sum(r.cancelled for r in replicas) == cancelled + 1, 5))
+    assert all(r.open_streams == 0 for r in replicas)
+    gw.call(_wait(lambda: all(b.outstanding == 0 for b in gw.gateway.pool.backends), 5))
+
+
+def test_metrics(gw: ThreadedGateway) -> None:
+    httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+    text = httpx.get(gw.url + "/metrics").text
+    assert 'rlfleet_gateway_requests_total{route="/v1/completions",status="200"}' in text
+    for name in (
+        "gateway_ttft_seconds_bucket",
+        "gateway_request_seconds_bucket",
+        "gateway_completion_tokens_total",
+        "gateway_prompt_tokens_total",
+        'gateway_backend_outstanding{backend="fake:1"}',
+        "gateway_backend_errors_total",
+    ):
+        assert "rlfleet_" + name in text, name
+
+
+async def _wait(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- auth and limits
+
+
+def test_api_keys_and_rate_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GW_TEST_KEY", "secret-2")
+    s = settings(api_keys=[{"key": "secret-1", "rpm": 2}, {"key_env": "GW_TEST_KEY", "tpm": 5}])
+    g = ThreadedGateway(s, [FakeReplica()])
+    try:
+        url = g.url + "/v1/completions"
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        assert error(httpx.post(url, json=body), 401)["code"] == "missing_api_key"
+        bad = {"Authorization": "Bearer nope"}
+        assert error(httpx.post(url, json=body, headers=bad), 401)["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=g.url + "/v1", api_key="nope", max_retries=0).models.list()
+        one = {"Authorization": "Bearer secret-1"}
+        assert httpx.post(url, json=body, headers=one).status_code == 200
+        assert httpx.post(url, json=body, headers=one).status_code == 200
+        r = httpx.post(url, json=body, headers=one)
+        assert error(r, 429)["type"] == "requests" and int(r.headers["retry-after"]) >= 1
+        two = {"Authorization": "Bearer secret-2"}
+        assert httpx.post(url, json=body, headers=two).status_code == 200  # 1 + 2 tokens
+        assert httpx.post(url, json=body, headers=two).status_code == 200  # 6 of 5: in debt
+        r = httpx.post(url, json=body, headers=two)
+        assert error(r, 429)["type"] == "tokens"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(
+                base_url=g.url + "/v1", api_key="secret-2", max_retries=0
+            ).completions.create(**body)
+        assert httpx.get(g.url + "/health").status_code == 200  # no key needed
+    finally:
+        g.close()
+
+
+def test_token_bucket() -> None:
+    now = [0.0]
+    bucket = TokenBucket.per_minute(60, clock=lambda: now[0])
+    assert bucket.try_take(60) == 0
+    assert bucket.try_take(1) == pytest.approx(1.0)
+    now[0] = 2.0
+    assert bucket.try_take(2) == 0
+    limiter = KeyLimiter("k", tpm=60, clock=lambda: now[0])
+    limiter.charge_tokens(120)
+    assert limiter.admit() == ("tokens", pytest.approx(61.0))
+
+
+def test_settings_validation() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        ApiKey(key="a", key_env="B")
+    with pytest.raises(ValueError):
+        GatewaySettings(samplers=[])
+    assert Limits().max_body_bytes == 4 << 20
+    assert GatewaySettings(samplers=["s"]).http_port == 8000
+
+
+def test_serve_job_expands() -> None:
+    from gateway.jobs import SERVE_JOB, ServeJobSettings
+
+    s = ServeJobSettings(
+        model="exports/grpo-arith-w4a16",
+        replicas=2,
+        port=9000,
+        api_keys=[{"key_env": "K", "rpm": 10}],
+        max_model_len=256,
+    )
+    entries = SERVE_JOB.expand(s, "demo")
+    assert [e["name"] for e in entries] == ["sampler-0", "sampler-1", "gateway"]
+    assert entries[-1]["main"] and entries[-1]["settings"]["samplers"] == ["sampler-0", "sampler-1"]
+    assert entries[0]["settings"]["served_model_name"] == "grpo-arith-w4a16"
+    assert "weights_from" not in entries[0]["settings"]
+    from gateway.settings import GatewaySettings as G
+    from sampler.lm.settings import SamplerSettings
+
+    SamplerSettings.model_validate(entries[0]["settings"])
+    G.model_validate(entries[-1]["settings"])
+
+
+def test_examples_serve_yaml_validates() -> None:
+    from pathlib import Path
+
+    from services.config import load_run_config
+
+    config = load_run_config(Path(__file__).parents[2] / "examples" / "serve.yaml")
+    assert [s.name for s in config.services] == ["sampler-0", "sampler-1", "gateway"]
