@@ -10,7 +10,9 @@ Prints a table and writes bench/results/gateway.json: per-level numbers for each
 `throughput_ratio_min` and `ttft_p50_ratio_max` (the worst level's gateway/vLLM ratios, 1
 replica each) and `two_replica_throughput_ratio` (2 replicas / 1 at the highest level). On a CPU
 machine the replicas share the same cores, so 2 replicas show the gateway's balancing cost, not
-a speed-up; on separate GPUs they would add up.
+a speed-up; on separate GPUs they would add up. `two_replicas` says which: with fewer than
+`CORES_PER_REPLICA` cores per engine the ratio is recorded as `scaling_measurable: false`
+(two engines time-slicing the same cores, each batch half as full), not as a gateway failure.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ from bench.lm_common import (
 RESULTS = RESULTS_DIR / "gateway.json"
 MODEL = "tiny"
 LEVELS = (1, 8, 32)
+# An engine busy with a batch keeps about one core for its worker and one for its front end
+# (API server / sampler process + engine core); below this many cores per replica, 2 replicas
+# only share the cores 1 replica already used.
+CORES_PER_REPLICA = 2
 SAMPLER = {
     "dtype": "bfloat16",
     "enforce_eager": True,
@@ -255,6 +261,20 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
                 "two_replica_ratio": round(two_r["requests_per_s"] / gw_r["requests_per_s"], 3),
             }
         )
+    cpus = os.cpu_count() or 1
+    measurable = cpus >= 2 * CORES_PER_REPLICA
+    two_replicas = {
+        "cpus": cpus,
+        "scaling_measurable": measurable,
+        "note": (
+            "2 replicas have cores of their own: the ratio is the gateway's scaling"
+            if measurable
+            else f"2 engines on {cpus} shared CPU cores cannot scale (each needs about "
+            f"{CORES_PER_REPLICA}): 2 replicas / 1 measures two engines time-slicing the cores "
+            "1 replica already saturates (smaller batches each, plus context switches), not "
+            "the gateway's balancing; on separate GPUs / core sets the replicas add up"
+        ),
+    }
     return {
         "model": {"size": a.model_size, "path": str(model.relative_to(ROOT))},
         "max_tokens": a.max_tokens,
@@ -264,6 +284,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         "throughput_ratio_min": min(r["throughput_ratio"] for r in ratios),
         "ttft_p50_ratio_max": max(r["ttft_p50_ratio"] for r in ratios),
         "two_replica_throughput_ratio": ratios[-1]["two_replica_ratio"],
+        "two_replicas": two_replicas,
     }
 
 
@@ -282,11 +303,14 @@ def print_table(r: dict[str, Any]) -> None:
                 f"{x['ttft_p95_s'] * 1e3:7.1f}ms {x['latency_p50_s']:7.3f}s "
                 f"{x['latency_p95_s']:7.3f}s {x['errors']:4}"
             )
+    two = r["two_replicas"]
     print(
         f"gateway/vLLM throughput ratio (worst level): {r['throughput_ratio_min']:.2f}; "
         f"TTFT p50 ratio (worst): {r['ttft_p50_ratio_max']:.2f}; "
         f"2 replicas / 1: {r['two_replica_throughput_ratio']:.2f}"
+        + ("" if two["scaling_measurable"] else " (not a scaling measurement, see below)")
     )
+    print(f"2 replicas: {two['note']}")
 
 
 def main() -> None:

@@ -88,25 +88,15 @@ def from_proto(msg: space_pb2.Space, *, name: str = "space") -> gymnasium.Space:
 
     MultiBinary comes back as ``MultiBinary(k)`` for a 1-d shape ``[k]`` (gymnasium's usual form).
     """
+    kind = msg.WhichOneof("kind")
+    if kind in ("box", "discrete", "multi_discrete", "multi_binary"):
+        try:
+            return _leaf_from_proto(msg, kind, name)
+        except (ValueError, TypeError, AssertionError, OverflowError) as exc:
+            # gymnasium's own checks (n >= 1, positive extents, low <= high, ...).
+            raise InvalidArgument(f"{name}: {type(exc).__name__}: {exc}", field=name) from exc
     from gymnasium import spaces
 
-    kind = msg.WhichOneof("kind")
-    if kind == "box":
-        box = msg.box
-        low = tensor.decode(box.low, name=f"{name}.low")
-        high = tensor.decode(box.high, name=f"{name}.high")
-        return spaces.Box(low=low, high=high, shape=tuple(box.shape), dtype=_np(box.dtype))
-    if kind == "discrete":
-        dtype = _np(msg.discrete.dtype or _INT64)
-        return spaces.Discrete(msg.discrete.n, start=msg.discrete.start, dtype=dtype)
-    if kind == "multi_discrete":
-        md = msg.multi_discrete
-        nvec = tensor.decode(md.nvec, name=f"{name}.nvec")
-        start = tensor.decode(md.start, name=f"{name}.start") if md.HasField("start") else None
-        return spaces.MultiDiscrete(nvec, dtype=_np(md.dtype or _INT64), start=start)
-    if kind == "multi_binary":
-        shape = list(msg.multi_binary.shape)
-        return spaces.MultiBinary(shape[0] if len(shape) == 1 else shape)
     if kind == "dict":
         return spaces.Dict(
             {n.name: from_proto(n.space, name=f"{name}.{n.name}") for n in msg.dict.spaces}
@@ -123,6 +113,38 @@ def from_proto(msg: space_pb2.Space, *, name: str = "space") -> gymnasium.Space:
             text.max_length, min_length=text.min_length, charset=text.charset or alphanumeric
         )
     raise InvalidArgument(f"{name}: empty Space (no kind set)", field=name)
+
+
+def _leaf_from_proto(msg: space_pb2.Space, kind: str, name: str) -> gymnasium.Space:
+    """Box, Discrete, MultiDiscrete or MultiBinary; shapes checked before numpy sees them."""
+    from gymnasium import spaces
+
+    if kind == "box":
+        box = msg.box
+        dtype = _np(box.dtype)
+        shape = tensor.check_shape(box.shape, dtype.itemsize, name=f"{name}.shape")
+        low = tensor.decode(box.low, name=f"{name}.low")
+        high = tensor.decode(box.high, name=f"{name}.high")
+        for bound, array in (("low", low), ("high", high)):
+            # The message carries full bounds (see space.proto): a scalar bound broadcast to a
+            # huge shape would allocate it here.
+            if array.shape != shape:
+                raise InvalidArgument(
+                    f"{name}.{bound}: shape {list(array.shape)}, expected the sample shape "
+                    f"{list(shape)}",
+                    field=f"{name}.{bound}",
+                )
+        return spaces.Box(low=low, high=high, shape=shape, dtype=dtype)
+    if kind == "discrete":
+        dtype = _np(msg.discrete.dtype or _INT64)
+        return spaces.Discrete(msg.discrete.n, start=msg.discrete.start, dtype=dtype)
+    if kind == "multi_discrete":
+        md = msg.multi_discrete
+        nvec = tensor.decode(md.nvec, name=f"{name}.nvec")
+        start = tensor.decode(md.start, name=f"{name}.start") if md.HasField("start") else None
+        return spaces.MultiDiscrete(nvec, dtype=_np(md.dtype or _INT64), start=start)
+    dims = list(tensor.check_shape(msg.multi_binary.shape, name=f"{name}.shape"))
+    return spaces.MultiBinary(dims[0] if len(dims) == 1 else dims)
 
 
 def _np(code: int) -> np.dtype:

@@ -98,9 +98,7 @@ def decode(
 ) -> np.ndarray:
     """View a Tensor message as a read-only numpy array, checking it against `spec` if given."""
     dt = numpy_dtype(msg.dtype)
-    shape = tuple(msg.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{name}: negative extent in shape {list(shape)}", field=name)
+    shape = check_shape(msg.shape, dt.itemsize, name=name)
     expected = math.prod(shape) * dt.itemsize
     if len(msg.data) != expected:
         raise InvalidArgument(
@@ -112,6 +110,38 @@ def decode(
     if spec is not None:
         check(array, spec, name=spec.name or name, dtype_code=msg.dtype)
     return array
+
+
+# numpy's limits: at most 64 dimensions (32 before numpy 2), and the product of the non-zero
+# extents times the item size must fit in a signed 64-bit index, even when another extent is 0.
+MAX_DIMS = 32
+_MAX_INDEX = (1 << 63) - 1
+
+
+def check_shape(
+    shape: Sequence[int], itemsize: int = 1, *, name: str = "tensor"
+) -> tuple[int, ...]:
+    """``shape`` as a tuple, or InvalidArgument naming ``name`` when numpy cannot hold it.
+
+    Rejects negative extents, more than MAX_DIMS dimensions and shapes whose size overflows
+    (e.g. ``[0, 2**62, 2**62]``: zero elements, but numpy refuses it with a ValueError).
+    """
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{name}: negative extent in shape {list(dims)}", field=name)
+    if len(dims) > MAX_DIMS:
+        raise InvalidArgument(
+            f"{name}: {len(dims)} dimensions, more than the {MAX_DIMS} supported", field=name
+        )
+    size = max(itemsize, 1)
+    for d in dims:
+        size *= max(d, 1)
+        if size > _MAX_INDEX:
+            raise InvalidArgument(
+                f"{name}: shape {list(dims)} is too large (its size overflows 64 bits)",
+                field=name,
+            )
+    return dims
 
 
 def decode_torch(msg: tensor_pb2.Tensor, *, name: str = "tensor") -> Any:

@@ -1,6 +1,7 @@
 """`rlfleet play`: run a trained game policy locally, report its returns, record it.
 
-`play` loads a policy saved by the learner (`common.artifacts.load_policy`) and runs evaluation
+`play` loads a policy saved by the learner (`common.artifacts.load_policy`: a run's ``final/``, or
+its latest checkpoint when it has none, or a checkpoint folder) and runs evaluation
 episodes on an environment made by this package's registry (`env_server.registry.make_env`, so
 gymnasium ids, plugin packages such as flappy_bird_gymnasium and ``rlfleet.envs`` entry points
 all work). With ``--frames DIR`` or ``--video PATH`` it renders (``render_mode="rgb_array"``
@@ -162,6 +163,7 @@ class PlayResult:
     episodes: list[Episode]
     wall_s: float
     recording: str | None = None
+    policy_note: str | None = None  # the policy is not a finished run's: where it stopped
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -280,7 +282,24 @@ def play(
                 recorder.close()
         with contextlib.suppress(Exception):
             env.close()
-    return PlayResult(policy.env_id, policy.directory, deterministic, results, wall_s, written)
+    return PlayResult(
+        policy.env_id, policy.directory, deterministic, results, wall_s, written, _note(policy)
+    )
+
+
+def _note(policy: LoadedPolicy) -> str | None:
+    d = policy.description
+    if d.get("source") == "checkpoint":
+        return (
+            f"no final policy: playing checkpoint {policy.directory.name} "
+            f"(update {d.get('updates')}, {d.get('global_step')} env steps)"
+        )
+    if not policy.complete:
+        return (
+            f"the run was stopped at update {d.get('stopped_at_update', d.get('updates'))} "
+            f"({d.get('global_step')} env steps), before its end"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------- rlfleet play
@@ -289,7 +308,8 @@ def play(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run", metavar="RUN_OR_PATH",
-        help="run directory, run name (under ./runs/), run config, or a final/ folder",
+        help="run directory, run name (under ./runs/), run config, a final/ folder, or a "
+        "checkpoint folder (a run without final/ plays its latest checkpoint)",
     )  # fmt: skip
     parser.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
     parser.add_argument(
@@ -341,6 +361,8 @@ def main(args: argparse.Namespace) -> int:
         on_episode=report,
     )
     summary = result.summary()
+    if result.policy_note:
+        print(f"note: {result.policy_note}")
     mode = "greedy" if args.deterministic else "sampled"
     names = ["return", "length", *dict.fromkeys(k for e in result.episodes for k in e.info)]
     means = "  ".join(f"{n} {summary[f'mean_{n}']:.2f} ± {summary[f'std_{n}']:.2f}" for n in names)

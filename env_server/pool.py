@@ -14,13 +14,14 @@ Not thread-safe: one session drives one pool, one request at a time.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import numpy as np
 
 from env_server.client.types import EpisodeStats, StepResult
-from services.errors import FailedPrecondition, InvalidArgument
+from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
     import gymnasium
@@ -39,6 +40,7 @@ class EnvPool:
         *,
         autoreset_mode: AutoresetMode,
         seed: int | None = None,
+        float64_rewards: bool = False,
     ) -> None:
         from gymnasium.vector import AutoresetMode
 
@@ -56,6 +58,8 @@ class EnvPool:
         self.observation_space = self.envs[0].observation_space
         self.action_space = self.envs[0].action_space
         self.render_mode = self.envs[0].render_mode
+        self.metadata: dict[str, Any] = dict(getattr(self.envs[0], "metadata", None) or {})
+        self._float64_rewards = float64_rewards  # else float32 (StepResult.rewards)
         for i, env in enumerate(self.envs[1:], 1):
             if env.observation_space != self.observation_space:
                 self.close()
@@ -72,26 +76,45 @@ class EnvPool:
         self,
         *,
         seed: int | None = None,
+        seeds: Sequence[int | None] | None = None,
         indices: Sequence[int] = (),
         options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset all envs (or `indices`); env i gets seed + i. Returns all N observations."""
+        """Reset all envs (or `indices`); env i gets seed + i. Returns all N observations.
+
+        ``seeds`` (instead of ``seed``) gives the k-th env reset its own seed (None: keep its
+        RNG). ``indices`` are checked (at most N, each once, in range) before any env is reset;
+        an env raising ValueError/TypeError/AssertionError on given ``options`` is
+        InvalidArgument.
+        """
+        targets = self._targets(indices, "reset.env_indices") or range(self.num_envs)
+        if seeds is not None:
+            if seed is not None:
+                raise InvalidArgument("set seed or seeds, not both", field="reset.seeds")
+            if len(seeds) != len(targets):
+                raise InvalidArgument(
+                    f"{len(seeds)} seeds for {len(targets)} environments to reset (one each)",
+                    field="reset.seeds",
+                )
         if not self._started and not indices:
-            seed = self._first_seed if seed is None else seed
+            seed = self._first_seed if seed is None and seeds is None else seed
             self._first_seed = None
         elif not self._started:
             raise FailedPrecondition("reset all environments before resetting some")
-        targets = list(indices) or range(self.num_envs)
-        bad = [i for i in targets if not 0 <= i < self.num_envs]
-        if bad:
-            raise InvalidArgument(
-                f"env indices {bad} out of range [0, {self.num_envs})", field="reset.env_indices"
-            )
         infos: dict[str, Any] = {}
         self._started = False  # stays False if an env raises half way
-        for i in targets:
-            env_seed = None if seed is None else seed + i
-            self._obs[i], info = self.envs[i].reset(seed=env_seed, options=options)
+        if seeds is None:
+            seeds = [None if seed is None else seed + i for i in targets]
+        for i, env_seed in zip(targets, seeds, strict=True):
+            try:
+                self._obs[i], info = self.envs[i].reset(seed=env_seed, options=options)
+            except (ValueError, TypeError, AssertionError) as exc:
+                if not options:
+                    raise
+                raise InvalidArgument(
+                    f"env {i} rejected the reset options: {type(exc).__name__}: {exc}",
+                    field="reset.options",
+                ) from exc
             if info:
                 _add_info(infos, info, i, self.num_envs)
         self._ended[targets] = False
@@ -165,7 +188,7 @@ class EnvPool:
             self._lengths[done] = 0
         return StepResult(
             observations=_stack(self.observation_space, obs),
-            rewards=rewards.astype(np.float32),
+            rewards=rewards if self._float64_rewards else rewards.astype(np.float32),
             terminated=terminated,
             truncated=truncated,
             infos=infos,
@@ -177,19 +200,53 @@ class EnvPool:
         rows = [finals.get(i) for i in range(self.num_envs)]
         return _stack(self.observation_space, rows, fill_missing=True)
 
-    def render(self, indices: Sequence[int] = ()) -> np.ndarray:
-        """RGB frames uint8 [K, H, W, 3] of `indices` (default: env 0)."""
+    def render(self, indices: Sequence[int] = (), *, max_bytes: int | None = None) -> np.ndarray:
+        """RGB frames uint8 [K, H, W, 3] of `indices` (default: env 0).
+
+        With ``max_bytes``, ResourceExhausted as soon as the frames would exceed it: the first
+        frame's size times K is the estimate, so at most one frame is rendered in vain.
+        """
         if self.render_mode != "rgb_array":
             raise FailedPrecondition(
                 f"render needs render_mode 'rgb_array' at create (have {self.render_mode!r})"
             )
-        targets = list(indices) or [0]
-        bad = [i for i in targets if not 0 <= i < self.num_envs]
-        if bad:
+        targets = self._targets(indices, "render.env_indices") or [0]
+        frames: list[np.ndarray] = []
+        total = 0
+        for k, i in enumerate(targets):
+            frame = np.asarray(self.envs[i].render(), dtype=np.uint8)
+            total += frame.nbytes
+            # What the whole answer comes to if the frames still to render are this size.
+            estimate = total + frame.nbytes * (len(targets) - k - 1)
+            if max_bytes is not None and estimate > max_bytes:
+                raise ResourceExhausted(
+                    f"{len(targets)} frames of shape {list(frame.shape)} come to about "
+                    f"{estimate} bytes, over the {max_bytes} bytes a response may carry; "
+                    "render fewer envs per request",
+                    field="render.env_indices",
+                )
+            frames.append(frame)
+        return np.stack(frames)
+
+    def _targets(self, indices: Sequence[int], field: str) -> list[int]:
+        """``indices`` as a list after checking them: at most N, no duplicates, in range.
+
+        The length is checked before anything is copied, so a huge request costs nothing.
+        """
+        n = self.num_envs
+        if len(indices) > n:
             raise InvalidArgument(
-                f"env indices {bad} out of range [0, {self.num_envs})", field="render.env_indices"
+                f"{len(indices)} env indices for a pool of {n} envs (each index at most once)",
+                field=field,
             )
-        return np.stack([np.asarray(self.envs[i].render(), dtype=np.uint8) for i in targets])
+        targets = list(indices)
+        if len(set(targets)) != len(targets):
+            repeated = sorted(i for i, c in Counter(targets).items() if c > 1)
+            raise InvalidArgument(f"env indices {repeated} repeated", field=field)
+        bad = [i for i in targets if not 0 <= i < n]
+        if bad:
+            raise InvalidArgument(f"env indices {bad} out of range [0, {n})", field=field)
+        return targets
 
     def close(self) -> None:
         """Close every env; errors in one env's close do not keep the others open."""

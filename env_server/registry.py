@@ -9,18 +9,29 @@ Two sources, one namespace of ids:
 
 An id defined by both is an error (services.registry refuses duplicates inside the group): which
 one a client got would depend on import order.
+
+A run file may also name an env by reference, the reference being its id: ``module:Name`` (an
+importable module) or ``path/to/file.py:Name`` (a file, relative to the current directory,
+imported under a module name of its own), where ``Name`` is a gymnasium Env subclass, a callable
+returning an Env (a factory, called like an entry point's) or an EnvSpec in that module, or a
+gymnasium id the module registers when imported. `check_reference` imports and checks one when
+the config is validated; `register` (run by `preload` at the server's start) makes it an id this
+server creates, beside the others (the same id twice is an error).
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import importlib
 import importlib.util
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from env_server.client.types import EnvEntry
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from services.references import import_reference_module, is_reference, split_reference
 from services.registry import entry_point_registry
 
 if TYPE_CHECKING:
@@ -29,10 +40,13 @@ if TYPE_CHECKING:
 __all__ = [
     "GYMNASIUM_PLUGIN_MODULES",
     "PLUGIN_GROUP",
+    "check_reference",
     "find_env",
+    "is_reference",
     "list_local_envs",
     "make_env",
     "preload",
+    "register",
 ]
 
 PLUGIN_GROUP = "rlfleet.envs"
@@ -120,7 +134,89 @@ def _unavailable(entry_point: Any) -> str | None:
     return None
 
 
-def _all_entries() -> dict[str, EnvEntry]:
+# --- references from the run file --------------------------------------------------------------
+
+REFERENCE_FORMS = "'module:Name' or 'path/to/file.py:Name'"
+
+
+@dataclass(frozen=True)
+class _Reference:
+    target: Any  # an Env subclass, a factory or an EnvSpec
+    origin: str  # "file /abs/envs.py" or "module pkg.envs", for errors and ListEnvs
+
+
+_REFERENCES: dict[str, _Reference] = {}  # registered by this server (see `register`)
+
+
+def _resolve(ref: str) -> _Reference:
+    """What a reference names; ValueError saying what is wrong."""
+    import gymnasium
+    from gymnasium.envs.registration import EnvSpec
+
+    where, name = split_reference(ref, REFERENCE_FORMS)
+    module, label, origin = import_reference_module(where)
+    registry = _gymnasium().registry
+    if not hasattr(module, name):
+        if name in registry:  # an id the module registered on import
+            return _Reference(registry[name], origin)
+        names = [n for n in vars(module) if not n.startswith("_")] + list(registry)
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(
+            f"module {label} has no attribute '{name}' and registers no gymnasium id '{name}'"
+            + hint
+        )
+    target = getattr(module, name)
+    if isinstance(target, type) and not issubclass(target, gymnasium.Env):
+        raise ValueError(f"class {name} is not a gymnasium.Env subclass")
+    if not (callable(target) or isinstance(target, EnvSpec)):
+        raise ValueError(
+            f"{name} is a {type(target).__name__}, not a gymnasium.Env subclass, a callable "
+            "returning one or an EnvSpec"
+        )
+    return _Reference(target, origin)
+
+
+def check_reference(ref: str) -> None:
+    """Import and check a reference at config-load time; ValueError ``'<ref>' — <reason>``.
+
+    A factory is only known to return an Env once called: `preload` creates one at start."""
+    try:
+        _resolve(ref)
+    except ValueError as exc:
+        raise ValueError(f"'{ref}' — {exc}") from None
+
+
+def register(ref: str) -> EnvEntry:
+    """Make ``ref`` an env id of this process (idempotent); ConfigError when it does not
+    resolve or clashes with a gymnasium id or an entry point of the same name."""
+    if ref not in _REFERENCES:
+        try:
+            resolved = _resolve(ref)
+        except ValueError as exc:
+            raise ConfigError(f"env '{ref}' — {exc}") from None
+        others = _registered_entries()
+        if ref in others:
+            raise ConfigError(
+                f"env id '{ref}' is registered twice: as {others[ref].source} and by reference "
+                f"({resolved.origin})"
+            )
+        _REFERENCES[ref] = resolved
+    return _reference_entries()[ref]
+
+
+def _reference_entries() -> dict[str, EnvEntry]:
+    from gymnasium.envs.registration import EnvSpec
+
+    entries = {}
+    for ref, resolved in _REFERENCES.items():
+        source = f"reference:{resolved.origin}"
+        spec = resolved.target if isinstance(resolved.target, EnvSpec) else None
+        entries[ref] = _gym_entry(spec, source, ref) if spec else EnvEntry(ref, source)
+    return entries
+
+
+def _registered_entries() -> dict[str, EnvEntry]:
     gym = _gymnasium()
     registry = gym.registry
     entries = {
@@ -130,6 +226,10 @@ def _all_entries() -> dict[str, EnvEntry]:
     }
     entries.update(_plugin_entries(registry))
     return entries
+
+
+def _all_entries() -> dict[str, EnvEntry]:
+    return {**_registered_entries(), **_reference_entries()}
 
 
 def list_local_envs(filter: str = "") -> list[EnvEntry]:
@@ -177,27 +277,39 @@ def make_env(
     if entry.source.startswith("plugin:"):
         value = entry_point_registry(PLUGIN_GROUP)[env_id]
         target = value if not isinstance(value, str) else _spec_of(value, gym.registry)
+    elif env_id in _REFERENCES:
+        target = _REFERENCES[env_id].target
     try:
         if callable(target) and not isinstance(target, str):
-            return target(**kwargs)
-        return gym.make(target, **kwargs)
+            env = target(**kwargs)
+        else:
+            return gym.make(target, **kwargs)
     except TypeError as exc:
         raise InvalidArgument(f"{env_id}: bad kwargs: {exc}", field="create.kwargs") from exc
     except gym.error.DependencyNotInstalled as exc:
         raise FailedPrecondition(f"{env_id}: {exc}") from exc
+    if not isinstance(env, gym.Env):
+        raise FailedPrecondition(
+            f"{env_id}: the factory returned {type(env).__name__}, not a gymnasium.Env"
+        )
+    return env
 
 
 def preload(env_ids: list[str]) -> None:
-    """Import and create-check each id at server start, so a typo fails the start, not a run.
+    """Register each reference and create-check each id at server start, so a typo fails the
+    start, not a run.
 
-    "module:Id" imports `module` first (how third-party gymnasium packages are named).
+    A reference registers itself as an id; "module:Id" (how third-party gymnasium packages are
+    named) is one, an alias of the id `module` registers, which the bare id names too.
     """
     for env_id in env_ids:
-        module, _, bare = env_id.rpartition(":")
+        if is_reference(env_id):
+            try:
+                register(env_id)
+            except ConfigError as exc:
+                raise ConfigError(f"preload: {exc}") from None
         try:
-            if module:
-                importlib.import_module(module)
-            env = make_env(bare)
+            env = make_env(env_id)
         except Exception as exc:
             raise ConfigError(f"preload: cannot create '{env_id}': {exc}") from exc
         with contextlib.suppress(Exception):

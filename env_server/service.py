@@ -26,21 +26,27 @@ class EnvServerSettings(StrictModel):
     max_sessions: int = Field(default=64, ge=1)  # concurrent Session streams holding a pool
     max_envs_per_session: int = Field(default=1024, ge=1)  # CreateRequest.num_envs limit
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1 << 20)
-    # Env ids created once at start so a typo or a missing package fails the start, not a run;
-    # "module:Id" imports `module` first (third-party gymnasium packages).
+    # A Session stream with no request for this long is ended with UNAVAILABLE and its pool
+    # closed, so idle clients cannot hold every slot; 0 turns it off.
+    session_idle_timeout_s: float = Field(default=600.0, ge=0)
+    # Env ids created once at start so a typo or a missing package fails the start, not a run.
+    # References ("module:Name", "path/to/file.py:Name", relative to the current directory; a
+    # gymnasium Env class, a factory, or an id the module registers) become ids of this server.
     preload: list[str] = Field(default_factory=list)
 
     @field_validator("preload")
     @classmethod
     def _known_ids(cls, env_ids: list[str]) -> list[str]:
-        # Plain ids are checked against this install's registry when the config is validated;
-        # "module:Id" needs its module imported, which only the start does.
+        # Checked when the config is validated: plain ids against this install's registry,
+        # references by importing them (a factory's result is checked at the start).
         for env_id in env_ids:
-            if ":" not in env_id:
-                try:
-                    registry.find_env(env_id)
-                except RlfleetError as exc:
-                    raise ValueError(str(exc)) from None
+            if registry.is_reference(env_id):
+                registry.check_reference(env_id)
+                continue
+            try:
+                registry.find_env(env_id)
+            except RlfleetError as exc:
+                raise ValueError(str(exc)) from None
         return env_ids
 
 
@@ -52,6 +58,8 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         name=ctx.name,
         max_sessions=settings.max_sessions,
         max_envs_per_session=settings.max_envs_per_session,
+        max_message_bytes=settings.max_message_bytes,
+        session_idle_timeout_s=settings.session_idle_timeout_s,
     )
     server = GrpcServer(
         ctx.name, host=ctx.host, port=ctx.port, max_message_bytes=settings.max_message_bytes

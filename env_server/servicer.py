@@ -2,9 +2,14 @@
 
 Every request gets exactly one response, in order. A request that fails gets its error in-band
 (`SessionResponse.error`, from services.errors.to_status) and the stream keeps serving; only the
-server shutting down ends a stream with a status. The pool is closed, and its session slot freed,
-whenever the stream ends: CloseRequest, the client half-closing, or the client vanishing (grpc
-cancels the handler, which runs the `finally`).
+server shutting down, or a session left idle for `session_idle_timeout_s`, ends a stream with a
+status (UNAVAILABLE: open a new session). The pool is closed, and its session slot freed,
+whenever the stream ends: CloseRequest, the client half-closing, the idle timeout, or the client
+vanishing (grpc cancels the handler, which runs the `finally`).
+
+Inputs are bounded before any work is done: env indices (at most N, each once, in range), seeds
+(>= 0), the autoreset and render modes (known values), Struct kwargs/options (finite numbers),
+and render output (frames must fit the server's message limit).
 
 Stepping runs on the event loop thread, not in `asyncio.to_thread`. Measured on the 2-core build
 machine (shared, so noisy), CartPole-v1, one client process per session, 4 s each, two runs:
@@ -23,12 +28,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
+from google.protobuf import struct_pb2
 
 from common import spaces, tensor
 from env_server import registry
@@ -40,6 +46,8 @@ from services.errors import (
     InvalidArgument,
     ResourceExhausted,
     RlfleetError,
+    Unavailable,
+    abort_with,
     to_status,
 )
 from services.telemetry import metrics
@@ -58,6 +66,10 @@ _MODES = {
     env_pb2.AUTORESET_MODE_NEXT_STEP: "NEXT_STEP",
     env_pb2.AUTORESET_MODE_DISABLED: "DISABLED",
 }
+# What a pool may be created with: render frames to arrays, or nothing (no windows on a server).
+_RENDER_MODES = ("", "rgb_array")
+# Room in a RenderResponse for everything but the frame bytes (request id, dtype, shape).
+_RENDER_ENVELOPE_BYTES = 64 << 10
 # And back, for the CreateResponse: the mode the session runs in (never UNSPECIFIED).
 _PROTO_MODES = {
     "SAME_STEP": env_pb2.AUTORESET_MODE_SAME_STEP,
@@ -70,11 +82,22 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
     """Serves ListEnvs and Session streams within per-server and per-session limits."""
 
     def __init__(
-        self, *, name: str = "env_server", max_sessions: int = 64, max_envs_per_session: int = 1024
+        self,
+        *,
+        name: str = "env_server",
+        max_sessions: int = 64,
+        max_envs_per_session: int = 1024,
+        max_message_bytes: int = 64 << 20,
+        session_idle_timeout_s: float = 600.0,
     ) -> None:
         self.name = name
         self.max_sessions = max_sessions
         self.max_envs_per_session = max_envs_per_session
+        # The server's send limit: render answers must fit in it (with room for the envelope).
+        self.max_message_bytes = max_message_bytes
+        self.max_render_bytes = max(1, max_message_bytes - _RENDER_ENVELOPE_BYTES)
+        # A stream with no request for this long is ended (UNAVAILABLE) and its slot freed; 0: off.
+        self.session_idle_timeout_s = session_idle_timeout_s
         self.active_sessions = 0
         self._gauge = _ACTIVE_SESSIONS.labels(name)
         self._steps = _ENV_STEPS.labels(name)
@@ -95,9 +118,22 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         # generator: the server's interceptors wrap a generator handler in one more generator
         # each, a per-message cost; a coroutine is wrapped once per stream.
         session = _Session(self)
+        idle_s = self.session_idle_timeout_s or None
         try:
             while not session.closed:
-                request = await context.read()
+                try:
+                    async with asyncio.timeout(idle_s):
+                        request = await context.read()
+                except TimeoutError:
+                    await session.release()  # the slot is free before the client hears why
+                    log.info("session idle for %gs: ending its stream", idle_s)
+                    await abort_with(
+                        context,
+                        Unavailable(
+                            f"server {self.name} ended this session: no request for {idle_s:g}s "
+                            "(session_idle_timeout_s); its pool is closed, open a new session"
+                        ),
+                    )
                 if request is grpc.aio.EOF:
                     return
                 await context.write(await session.answer(request))
@@ -139,7 +175,9 @@ class _Session:
             elif kind == "create":
                 await self._create(request.create, response.create)
             elif kind == "render":
-                frames = self._require_pool("render").render(list(request.render.env_indices))
+                frames = self._require_pool("render").render(
+                    request.render.env_indices, max_bytes=self.service.max_render_bytes
+                )
                 response.render.frames.CopyFrom(tensor.encode(frames))
             elif kind == "close":
                 response.close.total_steps = self.pool.total_steps if self.pool else 0
@@ -171,8 +209,26 @@ class _Session:
                 f"num_envs={req.num_envs} is over this server's max_envs_per_session={limit}",
                 field="create.num_envs",
             )
+        if req.autoreset_mode not in _MODES:
+            raise InvalidArgument(
+                f"unknown autoreset_mode {req.autoreset_mode}; one of "
+                + ", ".join(env_pb2.AutoresetMode.Name(m) for m in _MODES),
+                field="create.autoreset_mode",
+            )
+        if req.HasField("seed"):
+            _check_seed(req.seed, "create.seed")
+        if req.render_mode not in _RENDER_MODES:
+            raise InvalidArgument(
+                f"render_mode {req.render_mode!r} is not supported: 'rgb_array' or empty (none)",
+                field="create.render_mode",
+            )
+        kwargs = _plain_struct(req.kwargs, "create.kwargs")
+        if "render_mode" in kwargs:
+            raise InvalidArgument(
+                "render_mode goes in CreateRequest.render_mode, not in kwargs",
+                field="create.kwargs.render_mode",
+            )
         entry = registry.find_env(req.env_id)
-        kwargs = _plain(json_format.MessageToDict(req.kwargs))
         mode = AutoresetMode[_MODES[req.autoreset_mode]]
         self.service._acquire()
         self._holds_slot = True
@@ -185,6 +241,7 @@ class _Session:
                 req.num_envs,
                 autoreset_mode=mode,
                 seed=req.seed if req.HasField("seed") else None,
+                float64_rewards=req.float64_rewards,
             )
         )
         try:
@@ -200,16 +257,24 @@ class _Session:
         out.num_envs = req.num_envs
         out.autoreset_mode = _PROTO_MODES[mode.name]
         out.env.CopyFrom(entry.to_proto())
+        metadata = self.pool.metadata
+        modes = metadata.get("render_modes") or ()
+        out.render_modes.extend(m for m in _RENDER_MODES if m and m in modes)
+        fps = metadata.get("render_fps")
+        if isinstance(fps, int | float) and not isinstance(fps, bool) and math.isfinite(fps):
+            out.render_fps = fps
         log.info("session %s: %d x %s (%s)", out.session_id, req.num_envs, req.env_id, mode.name)
 
     def _reset(self, req: env_pb2.ResetRequest, out: env_pb2.ResetResponse) -> None:
         pool = self._require_pool("reset")
-        options = (
-            _plain(json_format.MessageToDict(req.options)) if req.HasField("options") else None
-        )
+        if req.HasField("seed"):
+            _check_seed(req.seed, "reset.seed")
+        options = _plain_struct(req.options, "reset.options") if req.HasField("options") else None
+        seeds = _seeds(req.seeds, pool.num_envs) if req.seeds else None
         obs, infos = pool.reset(
             seed=req.seed if req.HasField("seed") else None,
-            indices=list(req.env_indices),
+            seeds=seeds,
+            indices=req.env_indices,  # the pool checks its length before copying it
             options=options,
         )
         out.observations.CopyFrom(tensor.encode_tree(obs))
@@ -257,12 +322,45 @@ def _close_built_pool(task: asyncio.Future[EnvPool]) -> None:
         task.result().close()
 
 
-def _plain(value: Any) -> Any:
-    """Struct values are doubles: give integral numbers back as ints (env kwargs expect them)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
+def _check_seed(seed: int, field: str) -> None:
+    if seed < 0:
+        raise InvalidArgument(f"seed must be >= 0 (gymnasium seeds), got {seed}", field=field)
+
+
+def _seeds(values: Sequence[int], num_envs: int) -> list[int | None]:
+    """ResetRequest.seeds as gymnasium seeds (-1: None), bounded before anything is copied."""
+    if len(values) > num_envs:
+        raise InvalidArgument(
+            f"{len(values)} seeds for a pool of {num_envs} envs (one per env reset)",
+            field="reset.seeds",
+        )
+    seeds = list(values)
+    if any(s < -1 for s in seeds):
+        raise InvalidArgument(
+            f"seeds must be >= 0 (or -1: keep the env's RNG), got {seeds}", field="reset.seeds"
+        )
+    return [None if s == -1 else s for s in seeds]
+
+
+def _plain_struct(msg: struct_pb2.Struct, field: str) -> dict[str, Any]:
+    """A Struct as plain Python values; NaN/inf anywhere is InvalidArgument naming its path."""
+    return {k: _plain(v, f"{field}.{k}") for k, v in msg.fields.items()}
+
+
+def _plain(value: struct_pb2.Value, field: str) -> Any:
+    """Struct numbers are doubles: integral ones come back as ints (env kwargs expect them)."""
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        if not math.isfinite(number):
+            raise InvalidArgument(f"{field}: {number} is not a finite number", field=field)
+        return int(number) if number.is_integer() else number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return _plain_struct(value.struct_value, field)
+    if kind == "list_value":
+        return [_plain(v, f"{field}[{i}]") for i, v in enumerate(value.list_value.values)]
+    return None  # null_value (or no kind at all)

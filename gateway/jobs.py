@@ -7,7 +7,8 @@ this imports neither vLLM nor FastAPI.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -21,24 +22,72 @@ __all__ = ["SERVE_JOB", "ServeJobSettings"]
 class ServeJobSettings(StrictModel):
     """Serve a model folder (e.g. what `rlfleet export` wrote) over the OpenAI API."""
 
-    model: str = Field(min_length=1)  # Hugging Face folder (or hub id when online)
-    replicas: int = Field(default=1, ge=1)
-    engine: Literal["vllm", "hf"] = "vllm"
-    served_model_name: str | None = None  # default: the folder's name
-    host: str = "127.0.0.1"
-    port: int = Field(default=DEFAULT_HTTP_PORT, ge=0, le=65535)
-    api_keys: list[ApiKey] = Field(default_factory=list)
-    limits: Limits = Field(default_factory=Limits)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    max_model_len: int | None = Field(default=None, ge=2)
-    kv_cache_gib: int = Field(default=1, ge=1)
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_n: int = Field(default=16, ge=1)
-    enforce_eager: bool = True
-    seed: int = Field(default=0, ge=0)
-    sampler: dict[str, Any] = Field(default_factory=dict)  # extra sampler settings
-    gateway: dict[str, Any] = Field(default_factory=dict)  # extra gateway settings
-    restarts: int = Field(default=3, ge=0)
+    aliases: ClassVar[Mapping[str, str]] = {
+        "model_path": "model",
+        "model_name_or_path": "model",
+        "num_replicas": "replicas",
+        "data_parallel_size": "replicas",
+        "num_instances": "replicas",
+        "api_key": "use api_keys: [{key: ...}] or [{key_env: ...}]",
+        "gpu_memory_utilization": "use kv_cache_gib (the KV cache in GiB, per replica)",
+        "max_num_batched_seqs": "max_num_seqs",
+        "bind": "host",
+        "http_port": "port",
+        "http_host": "host",
+    }
+
+    model: str = Field(
+        min_length=1, description="Hugging Face model folder to serve (or a hub id when online)"
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="sampler replicas (one inference engine each) behind the gateway",
+    )
+    engine: Literal["vllm", "hf"] = Field(
+        default="vllm", description="inference engine of the replicas"
+    )
+    served_model_name: str | None = Field(
+        default=None, description="model name clients send in requests (default: the folder's name)"
+    )
+    host: str = Field(default="127.0.0.1", description="HTTP bind address of the gateway")
+    port: int = Field(
+        default=DEFAULT_HTTP_PORT,
+        ge=0,
+        le=65535,
+        description="HTTP port of the gateway (0: any free port)",
+    )
+    api_keys: list[ApiKey] = Field(
+        default_factory=list,
+        description="accepted Bearer keys with their rate limits (empty: no authentication)",
+    )
+    limits: Limits = Field(
+        default_factory=Limits,
+        description="per-request limits the gateway checks before calling a replica",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="bfloat16", description="weights and activations dtype"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="context length in tokens (default: the model's)"
+    )
+    kv_cache_gib: int = Field(default=1, ge=1, description="KV cache size per replica, in GiB")
+    max_num_seqs: int = Field(default=256, ge=1, description="sequences a replica batches at once")
+    max_n: int = Field(
+        default=16, ge=1, description="most completions per request (n) a replica accepts"
+    )
+    enforce_eager: bool = Field(
+        default=True,
+        description="run the engine eagerly (no CUDA graphs: faster start, slower decode)",
+    )
+    seed: int = Field(default=0, ge=0, description="base sampling seed (replica i gets seed + i)")
+    sampler: dict[str, Any] = Field(
+        default_factory=dict, description="extra sampler settings, passed to every replica"
+    )
+    gateway: dict[str, Any] = Field(default_factory=dict, description="extra gateway settings")
+    restarts: int = Field(
+        default=3, ge=0, description="restarts of each service before the run fails"
+    )
 
     @property
     def model_name(self) -> str:

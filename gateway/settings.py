@@ -19,11 +19,17 @@ class ApiKey(StrictModel):
     """One accepted Bearer key, given inline (`key`) or read from the environment (`key_env`),
     with its own rate limits (None = unlimited)."""
 
-    key: str | None = Field(default=None, min_length=1)
-    key_env: str | None = Field(default=None, min_length=1)
-    name: str | None = None  # label in logs; default: key_env, else "key-<i>"
-    rpm: int | None = Field(default=None, ge=1)  # requests per minute
-    tpm: int | None = Field(default=None, ge=1)  # prompt + completion tokens per minute
+    key: str | None = Field(default=None, min_length=1, description="the key itself, inline")
+    key_env: str | None = Field(
+        default=None, min_length=1, description="environment variable holding the key"
+    )
+    name: str | None = Field(
+        default=None, description="label in logs (default: key_env, else key-<i>)"
+    )
+    rpm: int | None = Field(default=None, ge=1, description="requests per minute (null: unlimited)")
+    tpm: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens per minute (null: unlimited)"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKey:
@@ -46,13 +52,25 @@ class Limits(StrictModel):
     """What one request may ask for. The sampler enforces the model's own limits (context
     length, max_n) too; these are the gateway's, checked before any sampler is called."""
 
-    max_body_bytes: int = Field(default=4 << 20, ge=1024)  # 413 above
-    max_prompt_chars: int = Field(default=256_000, ge=1)  # per prompt / per chat, before tokens
-    max_prompt_tokens: int | None = Field(default=None, ge=1)  # after tokenization; None: context
-    max_prompts: int = Field(default=64, ge=1)  # prompt list length of one completions request
-    max_n: int = Field(default=16, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)  # cap on max_tokens; None: context
-    max_stop: int = Field(default=16, ge=0)  # stop strings
+    max_body_bytes: int = Field(
+        default=4 << 20, ge=1024, description="largest request body in bytes (413 above)"
+    )
+    max_prompt_chars: int = Field(
+        default=256_000,
+        ge=1,
+        description="characters per prompt (or per chat), before tokenization",
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens per prompt after tokenization (null: the context length)",
+    )
+    max_prompts: int = Field(default=64, ge=1, description="prompts in one completions request")
+    max_n: int = Field(default=16, ge=1, description="completions per request (n)")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="cap on a request's max_tokens (null: the context length)"
+    )
+    max_stop: int = Field(default=16, ge=0, description="stop strings per request")
 
 
 class GatewaySettings(StrictModel):

@@ -4,22 +4,40 @@
 What is particular to it: the env spaces (from an env server, or a local env), the learning-rate
 schedule over env steps, the episode statistics actors publish (``charts/episodic_return``, and
 ``target_return`` ending the run early), and the ``rlfleet play`` layout of ``final/``.
+
+Every run leaves a playable policy: ``final/`` when it ends, and also when it is stopped
+(SIGTERM/SIGINT) before its end, then marked ``"complete": false`` with ``stopped_at_update``;
+every checkpoint carries the policy description (``common.artifacts.POLICY_STATE_KEY``), so
+`load_policy` can read a run killed before either. A learner started on a run that is already
+over says so at once (the run, why, and how to start afresh or continue) and only re-announces
+the end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from common.artifacts import save_policy
+from common.artifacts import (
+    CHECKPOINTS_DIR,
+    FINAL_DIR,
+    MODEL_STATES_FILES,
+    POLICY_STATE_KEY,
+    policy_description,
+    save_policy,
+)
 from common.policies import build_policy
 from learner.algos import constant, linear_anneal
+from learner.consumer import now
 from learner.engine import Engine, build_engine
 from learner.game import Fragment, FragmentBatch, decode_fragment, update
 from learner.loop import LearnerLoop
@@ -27,10 +45,20 @@ from learner.settings import LearnerSettings
 from learner.workload import Envelope, Progress
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
+from services.console import PROGRESS_EVENTS, progress_record
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 
 __all__ = ["GameWorkload"]
+
+log = logging.getLogger(__name__)
+
+# The progress line `rlfleet up` shows (services.console): (label, metric) in display order.
+HEADLINE = (
+    ("EpRewMean", "charts/episodic_return"),
+    ("EpLenMean", "charts/episodic_length"),
+    ("FPS", "charts/SPS"),
+)
 
 
 class GameWorkload:
@@ -52,10 +80,19 @@ class GameWorkload:
         self.episodes = 0
         self._steps_this_run = 0  # env steps since this incarnation began consuming: SPS
         self._watcher: asyncio.Task[None] | None = None
+        self._run: LearnerLoop | None = None  # from begin: what a stop saves final/ from
+        self._final_saved = False  # this incarnation wrote final/ (the run's end)
+        self._over_at_start: str | None = None  # why the run was already over when it began
+        self._description: dict[str, Any] | None = None  # the policy's, for every checkpoint
+        self._resumed = False  # restored from a checkpoint: announced by begin
 
     # ------------------------------------------------------------------ set-up and state
 
     async def setup(self) -> None:
+        # Before the engine is built (the slow part): a run that is already over says so now.
+        state = await asyncio.to_thread(_checkpoint_state, self.ctx.run_dir / CHECKPOINTS_DIR)
+        if state is not None:
+            self._note_over(int(state.get("samples", 0)), state.get("returns") or ())
         s = self.settings
         if not s.env_servers:
             self.spaces = await asyncio.to_thread(_local_spaces, s.env_id, s.env_kwargs)
@@ -77,13 +114,29 @@ class GameWorkload:
         self.returns.extend(state.get("returns", ()))
         self.lengths.extend(state.get("lengths", ()))
         self.episodes = int(state.get("episodes", 0))
+        self._resumed = True
 
     def state(self) -> dict[str, Any]:
         return {
             "returns": list(self.returns),
             "lengths": list(self.lengths),
             "episodes": self.episodes,
+            POLICY_STATE_KEY: self._policy_description(),  # the checkpoint plays on its own
         }
+
+    def _policy_description(self) -> dict[str, Any]:
+        if self._description is None:
+            assert self.spaces is not None
+            s = self.settings
+            self._description = policy_description(
+                env_id=s.env_id,
+                env_kwargs=s.env_kwargs,
+                observation_space=self.spaces[0],
+                action_space=self.spaces[1],
+                policy=s.policy,
+                algo=s.algo,
+            )
+        return self._description
 
     def warm_start(self, run: LearnerLoop) -> None:
         """Nothing: game RL starts from the freshly initialised policy."""
@@ -95,10 +148,24 @@ class GameWorkload:
     async def begin(self, run: LearnerLoop) -> None:
         """Follow the episode statistics actors publish."""
         assert run.bus is not None
+        self._run = run
+        if self._over_at_start is None:  # (setup could not read the checkpoint)
+            self._note_over(run.progress.samples, self.returns)
         episodes = await run.bus.subscribe(
             events_subject(self.ctx.run_name, "episodes"), events_pb2.EpisodeStats
         )
         self._watcher = asyncio.create_task(self._watch_episodes(episodes), name="episodes")
+        if self._resumed:
+            p = run.progress
+            status = events_pb2.RunStatus(
+                run=self.ctx.run_name,
+                state=events_pb2.RUN_STATE_RUNNING,
+                message=f"resumed from checkpoint at update {p.updates} ({p.samples} env steps)",
+                source=self.ctx.name,
+                time=now(),
+            )
+            with contextlib.suppress(RlfleetError):  # the console's notice: best effort
+                await run.bus.publish_event(events_subject(self.ctx.run_name, "status"), status)
 
     async def _watch_episodes(self, sub: Any) -> None:
         async with sub:
@@ -165,19 +232,55 @@ class GameWorkload:
         return progress.samples  # CleanRL's global_step: env steps
 
     async def after_update(self, run: LearnerLoop) -> None:
-        """Nothing: no periodic work besides the loop's checkpoints."""
+        """The progress record of `rlfleet up`'s progress line (env steps of total_timesteps)."""
+        assert run.bus is not None
+        p, m = run.progress, run.metrics
+        record = progress_record(
+            self.ctx.name,
+            unit="step",
+            done=p.samples,
+            total=self.settings.total_timesteps,
+            version=p.version,
+            headline=[(label, m[key]) for label, key in HEADLINE if key in m],
+        )
+        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
+            await run.bus.publish_event(events_subject(self.ctx.run_name, PROGRESS_EVENTS), record)
 
     # ------------------------------------------------------------------ the end
 
     def done(self, progress: Progress) -> bool:
         """The step budget is spent, or the mean return of the last `episode_window` episodes
         has reached `target_return` (when set)."""
+        return self._end_reason(progress.samples, self.returns) is not None
+
+    def _end_reason(self, samples: int, returns: Sequence[float]) -> str | None:
         s = self.settings
-        if progress.samples >= s.total_timesteps:
-            return True
-        full = len(self.returns) >= s.episode_window
+        if samples >= s.total_timesteps:
+            return f"{samples} env steps reached total_timesteps {s.total_timesteps}"
+        window = list(returns)[-s.episode_window :]
         target = s.target_return
-        return target is not None and full and float(np.mean(self.returns)) >= target
+        if target is None or len(window) < s.episode_window:
+            return None
+        mean = float(np.mean(window))
+        if mean < target:
+            return None
+        return (
+            f"the mean return of the last {s.episode_window} episodes, {mean:.4g}, reached "
+            f"target_return {target:g}"
+        )
+
+    def _note_over(self, samples: int, returns: Sequence[float]) -> None:
+        """Say, once, that the run was over before this learner began, and what to do."""
+        reason = self._end_reason(samples, returns)
+        if reason is None or self._over_at_start is not None:
+            return
+        knob = "total_timesteps" if "total_timesteps" in reason else "target_return"
+        self._over_at_start = (
+            f"run '{self.ctx.run_name}' is already finished ({reason}): nothing to train. "
+            f"To start afresh: rm -r {self.ctx.run_dir} (or use a new run name); to continue "
+            f"it: raise {knob} in the run config"
+        )
+        log.warning("%s", self._over_at_start)
 
     async def finish(self, run: LearnerLoop) -> None:
         # Episodes that arrived after the last update's report (while it was published, or
@@ -194,8 +297,13 @@ class GameWorkload:
 
     def save_final(self, final_dir: Path, progress: Progress) -> None:
         """``final/policy.pt`` + ``policy.json``, the layout `rlfleet play` loads."""
+        self._save(final_dir, progress, complete=True)
+        self._final_saved = True
+
+    def _save(self, final_dir: Path, progress: Progress, *, complete: bool) -> None:
         assert self.engine is not None and self.spaces is not None
         s = self.settings
+        stopped = {} if complete else {"stopped_at_update": progress.updates}
         save_policy(
             final_dir,
             self.engine.named_weights(torch.float32),
@@ -208,15 +316,54 @@ class GameWorkload:
             version=progress.version,
             global_step=progress.samples,
             updates=progress.updates,
+            complete=complete,
+            **stopped,
         )
 
     def summary(self, progress: Progress) -> str:
-        return f"{progress.samples} env steps in {progress.updates} updates"
+        done = f"{progress.samples} env steps in {progress.updates} updates"
+        return f"{done}; {self._over_at_start}" if self._over_at_start else done
 
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
+        await self._save_stopped()
+
+    async def _save_stopped(self) -> None:
+        """Stopped (SIGTERM/SIGINT) before the end: the current policy into ``final/``, marked
+        incomplete, so the run can be played. Before the loop's stop checkpoint, which holds
+        the same weights."""
+        run = self._run
+        if run is None or self._final_saved or self.engine is None:
+            return
+        p = run.progress
+        if not self.ctx.stop_event.is_set() or p.updates == 0 or self.done(p):
+            return
+        final_dir = run.dirs[FINAL_DIR]
+        try:
+            await asyncio.to_thread(self._save, final_dir, p, complete=False)
+        except Exception as exc:  # the stop checkpoint still follows
+            log.warning("stopped at update %d; could not save %s: %s", p.updates, final_dir, exc)
+            return
+        log.info(
+            "stopped at update %d (%d env steps): current policy saved to %s (complete: false)",
+            p.updates,
+            p.samples,
+            final_dir,
+        )
+
+
+def _checkpoint_state(checkpoints: Path) -> dict[str, Any] | None:
+    """The client state of the latest checkpoint, read without an engine (None: none, or not
+    readable; the engine's restore is what counts)."""
+    try:
+        tag = checkpoints / (checkpoints / "latest").read_text().strip()
+        states = next(tag / n for n in MODEL_STATES_FILES if (tag / n).is_file())
+        saved = torch.load(states, map_location="cpu", weights_only=True)
+    except Exception:
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _local_spaces(env_id: str, env_kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -9,67 +9,238 @@ import torch; validating ``algo`` looks it up in ``learner.algos``' ``GAME_PRESE
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from learner.settings import check_game_algo
+from learner.settings import check_device, check_game_algo
 from services.config import StrictModel
 from services.registry import JobSpec, get_service
 
-__all__ = ["A2C_JOB", "PPO_JOB", "GameJobSettings"]
+__all__ = [
+    "A2C_JOB",
+    "MAX_ACTORS",
+    "MAX_ENVS_PER_ACTOR",
+    "MAX_ENV_SERVERS",
+    "MAX_TOTAL_ENVS",
+    "PPO_JOB",
+    "GameJobSettings",
+]
+
+# Upper bounds on the counts a job expands into: one process per actor and env server, and
+# every env of every actor is a live session on an env server. Past these a typo (an extra
+# zero) would try to start tens of thousands of processes rather than fail in validation.
+MAX_ACTORS = 1024
+MAX_ENV_SERVERS = 256
+MAX_ENVS_PER_ACTOR = 4096
+MAX_TOTAL_ENVS = 65_536  # num_actors x num_envs
 
 
 class GameJobSettings(StrictModel):
     """PPO/A2C over remote environment pools. Batch per update =
     fragments_per_update x rollout_length x num_envs transitions."""
 
-    algo: str = "ppo"  # GAME_PRESETS name (LearnerSettings.algo): ppo, a2c, or a plugin's
-    env_id: str = Field(min_length=1)
-    env_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # How many env servers the run starts (env-0, env-1, ...), or the addresses (host:port) of
-    # env servers that already run elsewhere.
-    env_servers: int | list[str] = 1
-    num_actors: int = Field(default=1, ge=1)
-    num_envs: int = Field(default=8, ge=1)  # per actor
-    rollout_length: int = Field(default=128, ge=1)  # steps per fragment
-    total_timesteps: int = Field(default=500_000, ge=1)
-    target_return: float | None = None  # stop early at this mean return (last 20 episodes)
-    fragments_per_update: int | None = Field(default=None, ge=1)  # default: num_actors
-    update_epochs: int = Field(default=4, ge=1)
-    minibatch_size: int = Field(default=256, ge=1)
-    learning_rate: float = Field(default=2.5e-4, gt=0)
-    anneal_lr: bool = True
-    gamma: float = Field(default=0.99, ge=0, le=1)
-    gae_lambda: float = Field(default=0.95, ge=0, le=1)
-    clip_coef: float = Field(default=0.2, gt=0)
-    clip_vloss: bool = True
-    ent_coef: float = Field(default=0.01, ge=0)
-    vf_coef: float = Field(default=0.5, ge=0)
-    max_grad_norm: float | None = Field(default=0.5, gt=0)
-    norm_adv: bool = True
-    target_kl: float | None = Field(default=None, gt=0)
-    max_policy_lag: int = Field(default=1, ge=0)
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    activation: Literal["tanh", "relu"] = "tanh"
-    checkpoint_every: int = Field(default=10, ge=1)
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    device: Literal["cpu", "cuda", "auto"] = "auto"
-    seed: int = Field(default=1, ge=0)
-    restarts: int = Field(default=3, ge=0)  # per service
-    env_server: dict[str, Any] = Field(default_factory=dict)  # extra env_server settings
+    aliases: ClassVar[Mapping[str, str]] = {
+        "env": "env_id",
+        "env_name": "env_id",
+        "gym_id": "env_id",
+        "environment": "env_id",
+        "n_envs": "num_envs",
+        "num_envs_per_worker": "num_envs",
+        "num_envs_per_env_runner": "num_envs",
+        "num_workers": "use num_actors (actor processes), each stepping num_envs envs",
+        "num_env_runners": "num_actors",
+        "num_rollout_workers": "num_actors",
+        "total_steps": "total_timesteps",
+        "n_timesteps": "total_timesteps",
+        "timesteps": "total_timesteps",
+        "num_timesteps": "total_timesteps",
+        "num_steps": "rollout_length",
+        "n_steps": "rollout_length",
+        "rollout_fragment_length": "rollout_length",
+        "batch_size": "rlfleet's minibatch_size is the SGD minibatch; the rollout batch per update "
+        "is num_actors x num_envs x rollout_length (fragments_per_update sets the first factor)",
+        "train_batch_size": "the rollout batch is num_actors x num_envs x rollout_length "
+        "(fragments_per_update sets the first factor); minibatch_size is the SGD minibatch",
+        "num_minibatches": "set minibatch_size (transitions per SGD step) instead",
+        "sgd_minibatch_size": "minibatch_size",
+        "minibatch": "minibatch_size",
+        "epochs": "update_epochs",
+        "n_epochs": "update_epochs",
+        "ppo_epochs": "update_epochs",
+        "num_epochs": "update_epochs",
+        "num_sgd_iter": "update_epochs",
+        "lr": "learning_rate",
+        "discount": "gamma",
+        "discount_factor": "gamma",
+        "lam": "gae_lambda",
+        "lambda": "gae_lambda",
+        "lambda_": "gae_lambda",
+        "gae": "gae_lambda",
+        "clip_range": "clip_coef",
+        "clip_param": "clip_coef",
+        "clip_epsilon": "clip_coef",
+        "eps_clip": "clip_coef",
+        "epsilon": "clip_coef",
+        "entropy_coef": "ent_coef",
+        "entropy_coeff": "ent_coef",
+        "vf_loss_coeff": "vf_coef",
+        "value_coef": "vf_coef",
+        "grad_clip": "max_grad_norm",
+        "normalize_advantage": "norm_adv",
+        "beta": "game jobs have no KL penalty: ent_coef is the entropy bonus, target_kl stops "
+        "an update early",
+        "kl_coeff": "game jobs have no KL penalty: target_kl stops an update's epochs early",
+        "kl_coef": "game jobs have no KL penalty: target_kl stops an update's epochs early",
+        "net_arch": "hidden_sizes",
+        "fcnet_hiddens": "hidden_sizes",
+        "activation_fn": "activation",
+        "gpu_ids": "device",
+        "gpu": "device",
+        "cuda": "use device (cpu | cuda | auto)",
+        "num_gpus": "use device (cpu | cuda | auto); the learner uses one device",
+        "use_gpu": "device",
+        "torch_deterministic": "not a knob: runs are seeded by seed",
+        "save_freq": "use checkpoint_every (in updates)",
+        "checkpoint_freq": "use checkpoint_every (in updates)",
+        "bf16": "use precision (fp32 | bf16 | fp16)",
+        "fp16": "use precision (fp32 | bf16 | fp16)",
+        "mixed_precision": "use precision (fp32 | bf16 | fp16)",
+    }
+
+    algo: str = Field(
+        default="ppo",
+        description="game algorithm preset (GAME_PRESETS name): ppo, a2c, or a plugin's",
+    )
+    env_id: str = Field(
+        min_length=1,
+        description="environment id the env servers host, e.g. CartPole-v1 (`rlfleet envs`)",
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the environment's constructor"
+    )
+    env_servers: int | list[str] = Field(
+        default=1,
+        description="env servers to start (env-0, env-1, ...), or host:port of running ones",
+    )
+    num_actors: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_ACTORS,
+        description="actor processes stepping envs (one game_actor service each)",
+    )
+    num_envs: int = Field(
+        default=8,
+        ge=1,
+        le=MAX_ENVS_PER_ACTOR,
+        description="envs per actor, spread over the env servers",
+    )
+    rollout_length: int = Field(
+        default=128,
+        ge=1,
+        description="env steps per fragment (per env) an actor sends to the learner",
+    )
+    total_timesteps: int = Field(
+        default=500_000, ge=1, description="env steps (transitions, all envs) to train for"
+    )
+    target_return: float | None = Field(
+        default=None,
+        description="stop early once the mean return of the last 20 episodes reaches this",
+    )
+    fragments_per_update: int | None = Field(
+        default=None,
+        ge=1,
+        description="fragments (of all actors) per update; default: num_actors",
+    )
+    update_epochs: int = Field(default=4, ge=1, description="SGD passes over each batch")
+    minibatch_size: int = Field(
+        default=256,
+        ge=1,
+        description="transitions per SGD step (the batch is split into minibatches of this size)",
+    )
+    learning_rate: float = Field(default=2.5e-4, gt=0, description="optimizer (Adam) learning rate")
+    anneal_lr: bool = Field(
+        default=True, description="anneal the learning rate linearly to 0 over total_timesteps"
+    )
+    gamma: float = Field(default=0.99, ge=0, le=1, description="discount factor")
+    gae_lambda: float = Field(
+        default=0.95, ge=0, le=1, description="GAE lambda (bias/variance trade-off of advantages)"
+    )
+    clip_coef: float = Field(
+        default=0.2,
+        gt=0,
+        description="PPO ratio clip range epsilon (also clips the value loss with clip_vloss)",
+    )
+    clip_vloss: bool = Field(
+        default=True, description="clip the value loss around the old values like the policy ratio"
+    )
+    ent_coef: float = Field(default=0.01, ge=0, description="entropy bonus coefficient")
+    vf_coef: float = Field(default=0.5, ge=0, description="value loss coefficient")
+    max_grad_norm: float | None = Field(
+        default=0.5, gt=0, description="clip the global gradient norm to this (null: no clipping)"
+    )
+    norm_adv: bool = Field(default=True, description="normalize advantages per minibatch")
+    target_kl: float | None = Field(
+        default=None,
+        gt=0,
+        description="stop an update's epochs early once the approximate KL exceeds this",
+    )
+    max_policy_lag: int = Field(
+        default=1,
+        ge=0,
+        description="drop fragments more than this many policy versions old (0: on-policy only)",
+    )
+    hidden_sizes: tuple[int, ...] = Field(
+        default=(64, 64), description="widths of the policy and value MLPs' hidden layers"
+    )
+    activation: Literal["tanh", "relu"] = Field(
+        default="tanh", description="hidden-layer activation"
+    )
+    checkpoint_every: int = Field(
+        default=10, ge=1, description="updates between learner checkpoints"
+    )
+    zero_stage: int = Field(
+        default=0,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage of the learner (0: plain data parallel)",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="learner training precision"
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        default="auto", description="learner device (auto: cuda when available); actors run on cpu"
+    )
+    seed: int = Field(
+        default=1, ge=0, description="base seed (actor i's envs get distinct seeds from it)"
+    )
+    restarts: int = Field(
+        default=3, ge=0, description="restarts of each service before the run fails"
+    )
+    env_server: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra env_server settings, passed to every env server started",
+    )
 
     @field_validator("algo")
     @classmethod
     def _known_algo(cls, name: str) -> str:
         return check_game_algo(name)
 
+    @field_validator("device")
+    @classmethod
+    def _available_device(cls, device: Literal["cpu", "cuda", "auto"]) -> str:
+        return check_device(device)
+
     @field_validator("env_servers")
     @classmethod
     def _servers(cls, value: int | list[str]) -> int | list[str]:
         if isinstance(value, int) and value < 1:
             raise ValueError("env_servers must be >= 1 (or a list of host:port addresses)")
+        count = value if isinstance(value, int) else len(value)
+        if count > MAX_ENV_SERVERS:
+            raise ValueError(f"env_servers={count} is more than the {MAX_ENV_SERVERS} allowed")
         if isinstance(value, list):
             if not value:
                 raise ValueError("env_servers must not be empty")
@@ -84,16 +255,25 @@ class GameJobSettings(StrictModel):
         # Env servers run this same install, so an id unknown here is unknown to them too. The
         # env server's own settings model checks it (found by kind, through the rlfleet.services
         # entry points: the learner does not import the env server).
+        # A reference (module:Name, path/to/file.py:Name) is imported and checked there too.
         try:
             get_service("env_server").settings.model_validate({"preload": [env_id]})
         except ValidationError as exc:
             reason = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+            if ":" in env_id:  # the reason names the reference already
+                raise ValueError(reason) from None
             raise ValueError(f"no env server hosts env id '{env_id}': {reason}") from None
         return env_id
 
     @model_validator(mode="after")
     def _batch(self) -> GameJobSettings:
         servers = self.env_servers if isinstance(self.env_servers, int) else len(self.env_servers)
+        total = self.num_actors * self.num_envs
+        if total > MAX_TOTAL_ENVS:
+            raise ValueError(
+                f"num_actors x num_envs = {self.num_actors} x {self.num_envs} = {total} envs, "
+                f"more than the {MAX_TOTAL_ENVS} allowed in one run"
+            )
         if self.num_envs < servers:
             raise ValueError(
                 f"num_envs={self.num_envs} per actor is fewer than the {servers} env servers "
@@ -194,8 +374,8 @@ PPO_JOB = JobSpec(kind="ppo", settings=GameJobSettings, expand=expand)
 class A2CJobSettings(GameJobSettings):
     """A2C: the same knobs, one epoch over the whole batch by default."""
 
-    algo: str = "a2c"
-    update_epochs: int = Field(default=1, ge=1)
+    algo: str = Field(default="a2c", description="game algorithm preset (GAME_PRESETS name)")
+    update_epochs: int = Field(default=1, ge=1, description="SGD passes over each batch")
 
 
 A2C_JOB = JobSpec(kind="a2c", settings=A2CJobSettings, expand=expand)

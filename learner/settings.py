@@ -8,6 +8,8 @@ Defaults are CleanRL's PPO defaults for CartPole (batch of 4 fragments of 128 st
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,10 +21,42 @@ from services.config import ServiceRef, StrictModel
 if TYPE_CHECKING:
     from learner.algos.presets import GamePreset
 
-__all__ = ["DeepSpeedSettings", "LearnerSettings", "OptimizerSettings", "check_game_algo"]
+__all__ = [
+    "SKIP_DEVICE_CHECK_ENV",
+    "DeepSpeedSettings",
+    "LearnerSettings",
+    "OptimizerSettings",
+    "check_device",
+    "check_game_algo",
+]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda", "auto"]
+# Set (to anything but "" or "0") to skip the CUDA check, e.g. to validate on a laptop a run
+# that will be deployed on GPU machines.
+SKIP_DEVICE_CHECK_ENV = "RLFLEET_SKIP_DEVICE_CHECK"
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    import torch  # lazily: only a `device: cuda` setting pays for it
+
+    return bool(torch.cuda.is_available())
+
+
+def check_device(device: str) -> str:
+    """``device`` unless it is ``cuda`` on a host without a usable CUDA device (``ValueError``):
+    a learner set to ``cuda`` there would crash at every start, so the config fails at once.
+    ``auto`` picks whatever is there and is always fine."""
+    if device != "cuda" or os.environ.get(SKIP_DEVICE_CHECK_ENV, "") not in ("", "0"):
+        return device
+    if not _cuda_available():
+        raise ValueError(
+            "device 'cuda' but this host has no usable CUDA device (torch.cuda.is_available() "
+            f"is False); use 'cpu' or 'auto', or set {SKIP_DEVICE_CHECK_ENV}=1 to validate for "
+            "another host"
+        )
+    return device
 
 
 def check_game_algo(name: str) -> str:
@@ -64,6 +98,12 @@ class DeepSpeedSettings(StrictModel):
     # TORCH_EXTENSIONS_DIR = <cache_dir>/torch_extensions unless that variable is set already.
     # None: $RLFLEET_CACHE_DIR, else $XDG_CACHE_HOME/rlfleet, else ~/.cache/rlfleet.
     cache_dir: Path | None = None
+
+    @field_validator("device")
+    @classmethod
+    def _available_device(cls, device: Device) -> Device:
+        check_device(device)
+        return device
 
 
 class LearnerSettings(StrictModel):
@@ -129,6 +169,12 @@ class LearnerSettings(StrictModel):
     @classmethod
     def _known_algo(cls, name: str) -> str:
         return check_game_algo(name)
+
+    @field_validator("device")
+    @classmethod
+    def _available_device(cls, device: Device) -> Device:
+        check_device(device)
+        return device
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerSettings:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import timestamp_pb2
 
-from common.weights import build_manifest, iter_chunk_bytes, new_buffer
+from common.weights import MAX_CHUNK_BYTES, build_manifest, iter_chunk_bytes, new_buffer
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import weights_pb2, weights_pb2_grpc
 from services.bus import MSG_ID_HEADER, Bus, events_subject, validate_run_name
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MIN_CHUNK_BYTES",
     "SERVICE_NAME",
     "StoredVersion",
     "WeightServicer",
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 SERVICE_NAME = service_name(weights_pb2, "WeightService")
+# FetchWeightsRequest.max_chunk_bytes below this (other than 0) is INVALID_ARGUMENT.
+MIN_CHUNK_BYTES = 64 << 10
 
 
 @dataclass(eq=False)
@@ -212,6 +215,13 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         """Yields FetchWeightsResponse wire bytes (see add_weight_service)."""
         if request.version < 0:
             raise InvalidArgument(f"version must be >= 0, got {request.version}", field="version")
+        if 0 < request.max_chunk_bytes < MIN_CHUNK_BYTES:
+            # One-byte chunks would turn a fetch into millions of messages (CPU on both ends).
+            raise InvalidArgument(
+                f"max_chunk_bytes {request.max_chunk_bytes} is below the minimum of "
+                f"{MIN_CHUNK_BYTES} (0: the maximum, {MAX_CHUNK_BYTES})",
+                field="max_chunk_bytes",
+            )
         with self.store.pinned(request.version) as entry:
             manifest = entry.manifest
             if request.expected_digest and request.expected_digest != manifest.digest:

@@ -13,7 +13,8 @@ returns the ScoreResponse (the rollout driver copies its FunctionScores into Tra
 Call errors come back as the services.errors class the server raised (InvalidArgument naming
 the field, ResourceExhausted, Unavailable, ...), the message prefixed with the service and the
 method ("reward service 127.0.0.1:50051: Score: ..."); per-item failures of one function are in
-`FunctionResult.error`, rebuilt the same way (its ``code`` is DEADLINE_EXCEEDED or INTERNAL).
+`FunctionResult.error`, rebuilt the same way (its ``code`` is DEADLINE_EXCEEDED, INTERNAL, or
+UNAVAILABLE for a function the server refuses while earlier calls of it are stuck).
 
 The reward service's client module: other services import it only through this one, and it
 imports only the contracts (rlfleet.*), the runtime (services.*) and common.*.

@@ -51,15 +51,19 @@ def build_registry(
     entry_points: Iterable[metadata.EntryPoint] | None = None,
     extra_entry_points: Iterable[metadata.EntryPoint] = (),
 ) -> tuple[RewardRegistry, list[ModelReward]]:
-    """Every reward this server runs (models not loaded yet), with the settings checked against
-    it: a default set, kwargs or timeout naming an unknown reward fails the start."""
+    """Every reward this server runs (models not loaded yet; the run file's references imported),
+    with the settings checked against it: a default set, kwargs or timeout naming an unknown
+    reward fails the start."""
     models = [_model(spec) for spec in settings.reward_models]
     records: list[RewardFunction] = [
         model_reward_function(m, timeout_s=spec.timeout_s, description=spec.description)
         for m, spec in zip(models, settings.reward_models, strict=True)
     ]
     registry = load_registry(
-        entry_points=entry_points, extra_entry_points=extra_entry_points, models=records
+        entry_points=entry_points,
+        extra_entry_points=extra_entry_points,
+        models=records,
+        references=settings.references,
     )
     known = ", ".join(registry)
     for key, names in (
@@ -107,6 +111,7 @@ async def serve(
         await ctx.stop_event.wait()
     finally:
         await server.stop()
+        service.close()
 
 
 async def main(ctx: ServiceContext[RewardSettings]) -> None:

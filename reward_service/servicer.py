@@ -1,9 +1,11 @@
 """`rlfleet.reward.v1.RewardService`: batched scoring with named reward functions.
 
 A Score call is validated in full (validation.py), then every requested function runs over the
-whole batch at once, concurrently with the others, each within its own time budget (runner.py).
-A function's failure is reported per item and never fails the call. No function runs past the
-caller's deadline: its budget is cut to fit, so the scores that are ready still get back.
+whole batch at once, concurrently with the others, each within its own time budget and isolated
+from the server's event loop (runner.py: worker threads, a loop of its own for an async one).
+A function's failure (whatever it raises, a timeout, being unavailable) is reported per item and
+never fails the call. No function runs past the caller's deadline: its budget is cut to fit, so
+the scores that are ready still get back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import replace
 import grpc
 
 from reward_service.rewards.registry import Kind, RewardFunction
-from reward_service.runner import Outcome, run_call
+from reward_service.runner import Outcome, RewardRunner
 from reward_service.settings import RewardSettings
 from reward_service.validation import default_timeout_s, validate
 from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
@@ -50,6 +52,15 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         self.name = name
         self.active = 0
         self._gauge = _ACTIVE.labels(name)
+        self.runner = RewardRunner(
+            worker_threads=settings.worker_threads,
+            max_threads_per_function=settings.max_threads_per_function,
+            max_stuck_calls=settings.max_stuck_calls,
+        )
+
+    def close(self) -> None:
+        """Stop the reward functions' worker threads and loops (after the server stopped)."""
+        self.runner.close()
 
     async def Score(
         self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
@@ -78,7 +89,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             budget = max(0.0, time_remaining * 0.9 - 0.05)
             plan.calls[:] = [replace(c, timeout_s=min(c.timeout_s, budget)) for c in plan.calls]
         per_call: list[list[Outcome]] = await asyncio.gather(
-            *(run_call(call, plan.batch) for call in plan.calls)
+            *(self.runner.run(call, plan.batch) for call in plan.calls)
         )
         response = reward_pb2.ScoreResponse(rewards=[call.to_proto() for call in plan.calls])
         for i in range(len(plan.batch)):

@@ -5,25 +5,31 @@ one comes from the ``rlfleet.commands`` entry-point group (name -> a `Command`),
 package adds ``play``, ``init-model`` or ``export`` without the runtime importing it. A command's
 module must be cheap to import: the parser is built from every command at start, and heavy
 imports (torch, vLLM) belong inside the handler. Exit codes: 0 ok, 1 runtime failure, 2 invalid
-config or usage (message on stderr naming the key).
+config or usage (message on stderr naming the key); ``serve`` also exits ``EXIT_PERMANENT`` (3)
+with a one-line reason on stderr when the service fails for good (a ConfigError or
+InvalidArgument: restarting it would fail the same way), which the launcher does not restart.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from services.errors import ConfigError, RlfleetError
+from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError, is_permanent
 
 __all__ = [
     "COMMANDS",
     "COMMANDS_GROUP",
+    "ENV_EXIT_REASON",
+    "ORPHAN_GRACE_S",
     "Command",
     "all_commands",
     "command",
@@ -32,6 +38,10 @@ __all__ = [
 ]
 
 COMMANDS_GROUP = "rlfleet.commands"
+# Where `serve` writes the one-line reason of a permanent failure (set by the launcher, which
+# quotes it); the same line always goes to stderr too.
+ENV_EXIT_REASON = "RLFLEET_EXIT_REASON_FILE"
+ORPHAN_GRACE_S = 15.0  # an orphaned service that has not stopped by then exits at once
 
 log = logging.getLogger("rlfleet")
 
@@ -66,13 +76,23 @@ def _config_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML file")
 
 
-@command("up", "validate a run config, then launch the whole run locally", _config_arg)
+def _up_args(parser: argparse.ArgumentParser) -> None:
+    _config_arg(parser)
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every metrics and episode event, not only the progress line "
+        "(also: RLFLEET_VERBOSE=1)",
+    )
+
+
+@command("up", "validate a run config, then launch the whole run locally", _up_args)
 def _up(args: argparse.Namespace) -> int:
     from services.config import load_run_config
     from services.launcher import Launcher
 
     config = load_run_config(args.config)
-    return Launcher(config, args.config).run()
+    return Launcher(config, args.config, verbose=True if args.verbose else None).run()
 
 
 @command("validate", "validate a run config (structure and every service's settings)", _config_arg)
@@ -82,6 +102,134 @@ def _validate(args: argparse.Namespace) -> int:
     config = load_run_config(args.config)
     print(f"OK: {args.config} (run '{config.run.name}', {len(config.services)} services)")
     return 0
+
+
+def _jobs_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", nargs="?", help="a job kind: list its knobs")
+
+
+@command(
+    "jobs", "list the job kinds, or one kind's knobs (type, default, bounds, help)", _jobs_args
+)
+def _jobs(args: argparse.Namespace) -> int:
+    from services.registry import JOBS_GROUP, entry_point_registry, get_job
+
+    if args.kind is None:
+        rows = []
+        for kind in entry_point_registry(JOBS_GROUP):
+            try:
+                about = _summary(get_job(kind).settings.__doc__)
+            except ConfigError as exc:  # one broken plugin must not hide the others
+                about = f"(failed to load: {exc})"
+            rows.append({"kind": kind, "description": about})
+        print_table(rows)
+        return 0
+    spec = get_job(args.kind)
+    print(f"{spec.kind}: {_summary(spec.settings.__doc__, first_sentence=False)}")
+    print_table(_knob_rows(spec.settings, ""))
+    return 0
+
+
+def _summary(doc: str | None, first_sentence: bool = True) -> str:
+    """A docstring's first paragraph on one line (its first sentence when ``first_sentence``)."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    if first_sentence:
+        text = re.split(r"(?<=\.)\s+(?=[A-Z`])", text)[0]
+    return text
+
+
+def _knob_rows(model: Any, indent: str) -> list[dict[str, str]]:
+    """One row per field of a pydantic ``model``; a field holding models (``limits``,
+    ``api_keys: [...]``) is followed by that model's fields, indented."""
+    from pydantic import BaseModel
+
+    rows = []
+    for name, info in model.model_fields.items():
+        default = (
+            "(required)"
+            if info.is_required()
+            else _value(info.get_default(call_default_factory=True))
+        )
+        rows.append({
+            "knob": indent + name,
+            "type": _type_name(info.annotation),
+            "default": default,
+            "bounds": _bounds(info.metadata),
+            "description": info.description or "",
+        })  # fmt: skip
+        nested = [a for a in (info.annotation, *_args(info.annotation)) if isinstance(a, type)]
+        inner = next((a for a in nested if issubclass(a, BaseModel)), None)
+        if inner is not None:
+            rows.extend(_knob_rows(inner, indent + "  "))
+    return rows
+
+
+def _args(ann: Any) -> list[Any]:
+    import typing
+
+    out = []
+    for arg in typing.get_args(ann):
+        out.extend([arg, *_args(arg)])
+    return out
+
+
+def _type_name(ann: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if ann is type(None):
+        return "null"
+    return getattr(ann, "__name__", str(ann).replace("typing.", ""))
+
+
+def _value(value: Any, limit: int = 30) -> str:
+    """A default as it would be written in YAML (flow style), cut at ``limit`` characters."""
+    import json
+    from pathlib import PurePath
+
+    from pydantic import BaseModel
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, BaseModel):
+            return plain(v.model_dump())
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        return str(v) if isinstance(v, PurePath) else v
+
+    v = plain(value)
+    text = v if isinstance(v, str) else json.dumps(v).replace('"', "")
+    if isinstance(value, BaseModel):
+        text = "{...}"  # its fields follow, indented
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bounds(metadata: Iterable[Any]) -> str:
+    """``>=1, <=1024`` from a field's annotated-types constraints (ge/gt/le/lt/min_length)."""
+    ops = {
+        "ge": ">=",
+        "gt": ">",
+        "le": "<=",
+        "lt": "<",
+        "min_length": "len>=",
+        "max_length": "len<=",
+    }
+    out = []
+    for item in metadata:
+        for attr, op in ops.items():
+            bound = getattr(item, attr, None)
+            if bound is not None:
+                out.append(f"{op}{bound}")
+    return ", ".join(out)
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +242,16 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
 
 @command("serve", "run one service (what the launcher and containers run)", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        return _serve_until_done(args)
+    except BaseException as exc:
+        cause = _permanent_cause(exc)
+        if cause is None:
+            raise
+        return _fail_permanently(args, cause)
+
+
+def _serve_until_done(args: argparse.Namespace) -> int:
     from services.config import load_service_settings
     from services.registry import ServiceContext, get_service
     from services.telemetry import setup_tracing, start_metrics_server
@@ -124,22 +282,61 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve())
-    except Exception:
+    except Exception as exc:
+        if _permanent_cause(exc) is not None:
+            raise  # _serve reports it in one line
         log.exception("%s (%s) failed", ctx.name, spec.kind)
         return 1
     return 0
 
 
+def _permanent_cause(exc: BaseException) -> BaseException | None:
+    """The error that makes ``exc`` permanent (itself, or the leaf of an exception group whose
+    leaves are all permanent), or None for a failure a restart may heal."""
+    if is_permanent(exc):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(is_permanent)
+        if match is not None and rest is None:
+            leaf: BaseException = match
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            return leaf
+    return None
+
+
+def _fail_permanently(args: argparse.Namespace, exc: BaseException) -> int:
+    """One line on stderr (and in $RLFLEET_EXIT_REASON_FILE), no traceback: EXIT_PERMANENT."""
+    message = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    reason = f"{args.name or args.kind} ({args.kind}): {type(exc).__name__}: {message}"
+    print(f"rlfleet: permanent failure: {reason}", file=sys.stderr, flush=True)
+    path = os.environ.get(ENV_EXIT_REASON)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as out:
+            out.write(reason + "\n")
+    return EXIT_PERMANENT
+
+
 async def _stop_when_orphaned(stop_event: asyncio.Event) -> None:
     """Stop gracefully if the launcher that started us dies without stopping us (SIGKILL,
-    OOM): services run in their own process group, so nothing else would end them."""
+    OOM): services run in their own process group, so nothing else would end them. (The
+    launcher also asks the kernel for a SIGTERM at its death, PR_SET_PDEATHSIG, which lands on
+    the same graceful stop.) A service that has not stopped ``ORPHAN_GRACE_S`` later (its bus
+    is gone with the launcher, say) exits at once: an orphan must never linger."""
     launcher = os.environ.get("RLFLEET_LAUNCHER_PID")
     if not launcher or not launcher.isdigit():
         return
-    while os.getppid() == int(launcher):
+    while os.getppid() == int(launcher) and not stop_event.is_set():
         await asyncio.sleep(1.0)
-    log.warning("launcher (pid %s) is gone: stopping", launcher)
-    stop_event.set()
+    if not stop_event.is_set():
+        log.warning("launcher (pid %s) is gone: stopping", launcher)
+        stop_event.set()
+    while os.getppid() == int(launcher):
+        await asyncio.sleep(1.0)  # a normal stop, the launcher still there: nothing to force
+    await asyncio.sleep(ORPHAN_GRACE_S)
+    log.warning("still running %gs after the launcher died: exiting", ORPHAN_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 def print_table(rows: Iterable[Any]) -> None:
@@ -209,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `rlfleet jobs ppo | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

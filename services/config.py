@@ -22,13 +22,13 @@ import typing
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.errors import ConfigError
-from services.registry import get_job, get_service
+from services.registry import JOBS_GROUP, entry_point_registry, get_job, get_service
 
 __all__ = [
     "ENV_PREFIX",
@@ -43,6 +43,7 @@ __all__ = [
     "load_service_settings",
     "parse_yaml",
     "settings_from_env",
+    "unknown_key",
     "validate_run_config",
 ]
 
@@ -58,6 +59,11 @@ class StrictModel(BaseModel):
     values are immutable once validated (a running service cannot drift from its config)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Names users bring from other tools (TRL's ``beta``, SB3's ``n_envs``) -> either the knob
+    # this model calls it (``"num_envs"``) or a one-line explanation; an unknown-key error for
+    # this model shows it instead of a spelling suggestion.
+    aliases: ClassVar[Mapping[str, str]] = {}
 
 
 class _ServiceRefMarker:
@@ -86,6 +92,8 @@ class NatsSection(StrictModel):
     """Where the bus is; ``url: null`` starts an embedded nats-server for the run."""
 
     url: str | None = Field(default=None, pattern=r"^(nats|tls|ws|wss)://\S+$")
+    # Restarts of the embedded server (same port and store) before its death fails the run.
+    restarts: int = Field(default=5, ge=0)
 
 
 class _AtLoc(ValueError):
@@ -260,6 +268,32 @@ def _suggest(word: str, choices: Sequence[str] | None) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _aliases(model: type[BaseModel] | None) -> Mapping[str, str]:
+    found = getattr(model, "aliases", None) if model is not None else None
+    return found if isinstance(found, Mapping) else {}
+
+
+def _unknown_key_msg(
+    key: str, choices: Sequence[str] | None, aliases: Mapping[str, str] | None = None
+) -> str:
+    """``unknown key 'k'`` plus the alias table's pointer for ``k`` (a knob name or a line of
+    explanation), else the closest spelling."""
+    hint = (aliases or {}).get(key)
+    if hint is None:
+        return f"unknown key '{key}'" + _suggest(key, choices)
+    if hint in (choices or ()):
+        return f"unknown key '{key}' (rlfleet calls it '{hint}')"
+    return f"unknown key '{key}': {hint}"
+
+
+def unknown_key(
+    key: str, choices: Sequence[str], aliases: Mapping[str, str] | None = None
+) -> ValueError:
+    """The error a validator of a free-form mapping field (``algo: {...}``) raises for an unknown
+    key: reported at that key's own path and line, with the alias pointer or a suggestion."""
+    return _AtLoc(_unknown_key_msg(key, choices, aliases), (key,))
+
+
 def _model_at(model: Any, loc: Loc) -> type[BaseModel] | None:
     """The pydantic model found at ``loc`` inside ``model``'s annotations, if any."""
     ann = model
@@ -305,7 +339,7 @@ def _issues_of(
         if err["type"] == "extra_forbidden":
             parent = _model_at(model, loc[:-1])
             names = list(parent.model_fields) if parent else None
-            msg = f"unknown key '{loc[-1]}'" + _suggest(str(loc[-1]), names)
+            msg = _unknown_key_msg(str(loc[-1]), names, _aliases(parent))
         elif err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
         env_var = next((v for p, v in env_paths.items() if loc[: len(p)] == p), None)
@@ -330,6 +364,9 @@ def _env_overrides(
             parent = _model_at(model, path[:depth])
             if not key or (parent is not None and key not in parent.model_fields):
                 names = list(parent.model_fields) if parent else None
+                if key in _aliases(parent):
+                    msg = _unknown_key_msg(key, names, _aliases(parent))
+                    raise ConfigError(f"{var}: {msg} (service kind '{service_kind}')")
                 raise ConfigError(
                     f"{var}: unknown key '{key}' for service kind '{service_kind}'"
                     + _suggest(key, names)
@@ -459,9 +496,17 @@ def read_yaml_mapping(path: str | os.PathLike[str], what: str = "a run config") 
     """Read and parse a YAML file whose top level must be a mapping (ConfigError otherwise)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+            f"({exc.reason}); save the file as UTF-8"
+        ) from None
     source = parse_yaml(text, str(path))
     if not isinstance(source.data, dict):
         raise ConfigError(f"{path}:1: the top level of {what} must be a mapping")
@@ -480,7 +525,74 @@ def validate_model(model: type[BaseModel], data: Any, source: YamlSource) -> Any
 def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource]:
     """The run file validated up to (not including) each service's settings."""
     source = read_yaml_mapping(path)
-    return validate_model(RunConfig, _expand_job(source), source), source
+    data = _expand_job(source)
+    try:
+        return RunConfig.model_validate(data), source
+    except ValidationError as exc:
+        issues = _top_level_issues(data, _issues_of(exc, RunConfig, (), {}))
+        raise _render(issues, source) from None
+
+
+def _job_models() -> dict[str, type[BaseModel]]:
+    """Every installed job kind's settings model; a kind that fails to load is left out (this
+    only explains a misplaced knob, it must not fail for an unrelated plugin)."""
+    models: dict[str, type[BaseModel]] = {}
+    for kind in entry_point_registry(JOBS_GROUP):
+        try:
+            models[kind] = get_job(kind).settings
+        except ConfigError:
+            continue
+    return models
+
+
+def _knob_hint(key: str, model: type[BaseModel]) -> str | None:
+    """Why ``key`` at the top level belongs under ``job:``, if ``model`` has it (or an alias)."""
+    if key in model.model_fields:
+        return f"unknown key '{key}': a job knob at the top level; put it under `job:` (job.{key})"
+    hint = _aliases(model).get(key)
+    if hint is None:
+        return None
+    if hint in model.model_fields:
+        return f"unknown key '{key}': job knobs go under `job:`, and rlfleet calls it job.{hint}"
+    return f"unknown key '{key}': job knobs go under `job:`; {hint}"
+
+
+def _top_level_issues(data: Mapping[str, Any], issues: list[_Issue]) -> list[_Issue]:
+    """Unknown top-level keys that are job knobs, explained: a job written without ``job:``
+    (one issue instead of "services: Field required" and one per knob), or a knob of the run's
+    job written beside it (``device`` -> ``job.device``, not "did you mean 'services'")."""
+    unknown = [k for k in data if isinstance(k, str) and k not in RunConfig.model_fields]
+    if not unknown:
+        return issues
+    job = data.get("job")
+    if isinstance(job, Mapping):  # _expand_job accepted it: its kind is installed
+        model = get_job(str(job["kind"])).settings
+        hints = {k: h for k in unknown if (h := _knob_hint(k, model)) is not None}
+        return [
+            _Issue(i.loc, hints[str(i.loc[0])]) if len(i.loc) == 1 and i.loc[0] in hints else i
+            for i in issues
+        ]
+    models = _job_models()
+    knobs = [
+        k
+        for k in unknown
+        if k == "kind" or any(_knob_hint(k, m) is not None for m in models.values())
+    ]
+    if not knobs or ("kind" not in knobs and "services" in data):
+        return issues
+    kind = data.get("kind")
+    kind = kind if isinstance(kind, str) and kind in models else "..."
+    first = next((k for k in knobs if k != "kind"), None)
+    example = f"kind: {kind}" + (f", {first}: ..." if first else "")
+    flat = _Issue(
+        (knobs[0],),
+        f"this looks like a job's knobs at the top level ({', '.join(knobs)}); "
+        f"put them under `job:` (job: {{{example}}})",
+    )
+    rest = [
+        i for i in issues if not (len(i.loc) == 1 and (i.loc[0] in knobs or i.loc[0] == "services"))
+    ]
+    return [flat, *rest]
 
 
 def _expand_job(source: YamlSource) -> dict[str, Any]:

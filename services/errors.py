@@ -24,6 +24,7 @@ from grpc_status import rpc_status
 
 __all__ = [
     "DOMAIN",
+    "EXIT_PERMANENT",
     "REQUEST_ID_KEY",
     "ConfigError",
     "FailedPrecondition",
@@ -37,12 +38,17 @@ __all__ = [
     "current_request_id",
     "from_rpc_error",
     "from_status",
+    "is_permanent",
     "request_id_var",
     "to_status",
 ]
 
 DOMAIN = "rlfleet"
 REQUEST_ID_KEY = "x-request-id"
+# Exit status of `rlfleet serve` for a failure a restart cannot heal (a bad setting, a payload
+# that can never fit the bus: ConfigError or InvalidArgument): one line on stderr, no traceback,
+# and the launcher fails the run at once instead of restarting the service.
+EXIT_PERMANENT = 3
 
 # The request id of the RPC being handled, set by the server's request-id interceptor. It lives
 # here rather than in server.py because to_status() reads it to fill RequestInfo, and server.py
@@ -120,6 +126,11 @@ class ConfigError(RlfleetError):
     """An invalid configuration; the message names the key (and file:line when known)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure that a restart with the same config cannot heal."""
+    return isinstance(exc, ConfigError | InvalidArgument)
 
 
 # Which class a bare status code becomes when the details do not name one (e.g. an error made by

@@ -3,10 +3,16 @@
 The launcher starts an embedded nats-server (unless the config names one), then every service
 as ``python -m services.cli serve KIND`` in its own process group on a free loopback port, in
 config order, waiting for each gRPC service to report healthy before starting the next. It
-supervises them (bounded restarts with backoff on a crash), ends the run when the ``main``
-service exits, prints the run's metric and episode events, and on exit or Ctrl-C stops
-everything in reverse order (SIGTERM to the group, SIGKILL after a grace) so no process is
-left behind. Services run exactly as a container would run them; only the env differs.
+supervises them (bounded restarts with backoff on a crash; none for a service that exits
+``EXIT_PERMANENT``, whose one-line reason fails the run), supervises the embedded nats-server the
+same way (restarted on the same port and store, so clients reconnect to it), ends the run when
+the ``main`` service exits, shows the run's progress (services.console: one compact line per
+interval from the progress records the run publishes; every metrics and episode event with
+``--verbose``; every metrics event in ``<run dir>/metrics.jsonl``), and on exit or Ctrl-C
+stops everything in reverse order (SIGTERM to the group, SIGKILL after a grace) so no process is
+left behind. Every child also gets a parent-death signal (PR_SET_PDEATHSIG: SIGTERM for
+services, SIGKILL for nats-server), so none outlives a SIGKILLed launcher. Services run exactly
+as a container would run them; only the env differs.
 
 About 500 lines: the supervisor (start order, health waits, restarts, ordered stop) is one state
 machine over the same process table, and reads best in one place; event formatting is the only
@@ -34,11 +40,15 @@ import yaml
 
 from services import registry as reg
 from services.bus import TYPE_HEADER, Bus, EmbeddedNats, events_wildcard
+from services.bus.nats_server import parent_death_signal
+from services.cli import ENV_EXIT_REASON
 from services.config import RunConfig, ServiceEntry, validate_run_config
+from services.console import DEFAULT_INTERVAL_S, PROGRESS_EVENTS, Console
+from services.errors import EXIT_PERMANENT, RlfleetError
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 
-__all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter"]
+__all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter", "verbose_from_env"]
 
 # vLLM's first compile can take a minute on CPU, and an LM sampler becomes healthy only once it
 # has loaded the learner's first version (after the learner's SFT warm start).
@@ -46,9 +56,18 @@ HEALTH_TIMEOUT_S = 300.0
 GRACE_S = 10.0
 BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
 MAX_BACKOFF_S = 10.0
+NATS_POLL_S = 0.2  # how often the embedded nats-server is checked (and reaped once it exits)
 # Episodes are summarised by the metrics events (mean return of the last ones): one line per
-# episode would flood the terminal at thousands of episodes per minute.
+# episode would flood the terminal at thousands of episodes per minute (--verbose shows them).
 MONITORED_EVENTS = frozenset({"metrics"})
+VERBOSE_EVENTS = frozenset({"metrics", "episodes"})
+ENV_VERBOSE = "RLFLEET_VERBOSE"  # 1: every metrics and episode event, one line each
+ENV_PROGRESS_INTERVAL = "RLFLEET_PROGRESS_INTERVAL_S"  # seconds between progress lines
+TICK_S = 0.25  # how often a progress line held back by the interval is looked at
+
+
+def verbose_from_env(environ: Mapping[str, str]) -> bool:
+    return environ.get(ENV_VERBOSE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # --- event printing: a formatter per message type ----------------------------------------------
@@ -136,20 +155,36 @@ def _message_class(full_name: str) -> Any | None:
     return message_factory.GetMessageClass(descriptor)
 
 
-def format_event(subject: str, data: bytes, headers: Mapping[str, str] | None) -> str | None:
-    """One printable line for a metrics/episode event, or None for events not shown."""
-    kind = subject.rsplit(".", 1)[-1]
-    if kind not in MONITORED_EVENTS:
-        return None
-    full_name = (headers or {}).get(TYPE_HEADER, "google.protobuf.Struct")
+def _decode(full_name: str, data: bytes) -> tuple[Any, str | None]:
+    """(the message, None), or (None, why it cannot be shown)."""
     cls = _message_class(full_name)
     if cls is None:
-        return f"[{kind}] <{full_name}: {len(data)} bytes>"
+        return None, f"<{full_name}: {len(data)} bytes>"
     try:
-        message = cls.FromString(data)
+        return cls.FromString(data), None
     except Exception:
-        return f"[{kind}] <undecodable {full_name}: {len(data)} bytes>"
+        return None, f"<undecodable {full_name}: {len(data)} bytes>"
+
+
+def _event_line(kind: str, full_name: str, message: Any) -> str:
     return f"[{kind}] " + FORMATTERS.get(full_name, _format_fields)(message)
+
+
+def format_event(
+    subject: str,
+    data: bytes,
+    headers: Mapping[str, str] | None,
+    kinds: frozenset[str] = MONITORED_EVENTS,
+) -> str | None:
+    """One printable line for an event of one of ``kinds``, or None for events not shown."""
+    kind = subject.rsplit(".", 1)[-1]
+    if kind not in kinds:
+        return None
+    full_name = (headers or {}).get(TYPE_HEADER, "google.protobuf.Struct")
+    message, error = _decode(full_name, data)
+    if message is None:
+        return f"[{kind}] {error}"
+    return _event_line(kind, full_name, message)
 
 
 # --- one supervised service --------------------------------------------------------------------
@@ -178,6 +213,23 @@ class _Service:
     @property
     def restarts(self) -> int:
         return max(self.starts - 1, 0)
+
+    @property
+    def reason_path(self) -> Path:
+        """Where ``serve`` writes the one-line reason of a permanent failure."""
+        return self.log_path.with_suffix(".reason")
+
+    def permanent_reason(self) -> str:
+        """The reason file's line, else the last line of the log."""
+        for path in (self.reason_path, self.log_path):
+            try:
+                lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            except OSError:
+                continue
+            last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+            if last:
+                return last
+        return "(no reason given)"
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -218,7 +270,8 @@ class Launcher:
     """Runs one RunConfig locally; ``run()`` returns the process exit code.
 
     0: the main service exited 0 (or, with no main service, the run was stopped by a signal or
-    every service exited 0); 1: a service failed for good or never became healthy;
+    every service exited 0); 1: a service (or the embedded nats-server) failed after its
+    restarts, failed permanently (``EXIT_PERMANENT``: not restarted) or never became healthy;
     130: stopped by a signal before the main service finished.
     """
 
@@ -232,6 +285,8 @@ class Launcher:
         health_timeout_s: float = HEALTH_TIMEOUT_S,
         grace_s: float = GRACE_S,
         backoff_s: float = BACKOFF_S,
+        verbose: bool | None = None,
+        progress_interval_s: float | None = None,
     ) -> None:
         # Validate here too (cheap when already validated), so a config built in Python gets
         # the same before-anything-starts guarantee as a loaded file.
@@ -243,6 +298,22 @@ class Launcher:
         self.grace_s = grace_s
         self.backoff_s = backoff_s
         self.run_dir = config.run_dir.resolve()
+        if verbose is None:
+            verbose = verbose_from_env(self.environ)
+        if progress_interval_s is None:
+            raw = self.environ.get(ENV_PROGRESS_INTERVAL, "")
+            try:
+                progress_interval_s = float(raw) if raw else DEFAULT_INTERVAL_S
+            except ValueError:
+                progress_interval_s = DEFAULT_INTERVAL_S
+        self.console = Console(
+            self.out,
+            config.run.name,
+            verbose=verbose,
+            interval_s=progress_interval_s,
+            live=_is_terminal(self.out),
+            metrics_path=self.run_dir / "metrics.jsonl",
+        )
         self._services: list[_Service] = []
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -250,7 +321,7 @@ class Launcher:
         self._outcome: asyncio.Future[int] | None = None
 
     def say(self, line: str) -> None:
-        print(f"rlfleet: {line}", file=self.out, flush=True)
+        self.console.line(f"rlfleet: {line}")
 
     def run(self) -> int:
         """Run until the main service exits, a service fails for good, or Ctrl-C/SIGTERM."""
@@ -293,7 +364,7 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_copy = self._write_config_copy()
         self._outcome = asyncio.get_running_loop().create_future()
-        nats: Any = None
+        nats: EmbeddedNats | None = None
         monitor: asyncio.Task[None] | None = None
         supervisors: list[asyncio.Task[None]] = []
         code = 1
@@ -301,9 +372,11 @@ class Launcher:
             if self.config.nats.url:
                 url = self.config.nats.url
             else:
-                nats = EmbeddedNats(self.run_dir / "nats")
-                await asyncio.to_thread(nats.start)
+                # Started from the loop's thread: the parent-death signal follows that thread.
+                nats = EmbeddedNats(self.run_dir / "nats", die_with_parent=True)
+                await nats.start_async()
                 url = nats.url
+                supervisors.append(asyncio.create_task(self._supervise_nats(nats)))
             self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}")
             await self._prepare_job()
             ports = free_ports(2 * len(self.config.services))
@@ -334,6 +407,7 @@ class Launcher:
             if monitor is not None:
                 monitor.cancel()
                 await asyncio.gather(monitor, return_exceptions=True)
+            self.console.close()  # the last progress line, then plain lines again
             if nats is not None:
                 await asyncio.to_thread(nats.stop)
             self._summary(code)
@@ -362,6 +436,41 @@ class Launcher:
         env[reg.ENV_LAUNCHER_PID] = str(os.getpid())
         return env
 
+    async def _supervise_nats(self, nats: EmbeddedNats) -> None:
+        """Restart the embedded nats-server when it dies, on the same port and store dir: the
+        clients (which reconnect forever) find it again with the streams and consumers of the
+        run. After ``nats.restarts`` restarts a further exit fails the run."""
+        limit = self.config.nats.restarts
+        restarts = 0
+        while not self._stopping:
+            while nats.running:
+                await asyncio.sleep(NATS_POLL_S)
+            if self._stopping:
+                return
+            code = nats.returncode
+            if restarts >= limit:
+                self._finish(
+                    1,
+                    f"nats-server failed ({_describe(code)}) after {restarts} restart(s); "
+                    f"last lines of {nats.log_path}:\n{_tail(nats.log_path)}",
+                )
+                return
+            delay = min(self.backoff_s * 2**restarts, MAX_BACKOFF_S)
+            restarts += 1
+            self.say(
+                f"nats-server exited ({_describe(code)}); restart {restarts}/{limit} in "
+                f"{delay:g}s on {nats.url} (same store)"
+            )
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            try:
+                await nats.start_async()
+            except RlfleetError as exc:
+                self.say(f"nats-server restart {restarts}/{limit} failed: {exc}")
+                continue
+            self.say(f"nats-server up again at {nats.url} (pid {nats.pid})")
+
     def _finish(self, code: int, message: str) -> None:
         if self._outcome is not None and not self._outcome.done():
             self.say(message)
@@ -382,6 +491,13 @@ class Launcher:
             code = await process.wait()
             svc.exit_codes.append(code)
             if self._stopping:
+                return
+            if code == EXIT_PERMANENT:
+                self._finish(
+                    1,
+                    f"{svc.name} failed permanently (exit {code}, not restarted): "
+                    f"{svc.permanent_reason()}",
+                )
                 return
             if code == 0:
                 svc.ready.set()
@@ -412,11 +528,17 @@ class Launcher:
     ) -> asyncio.subprocess.Process:
         argv = [sys.executable, "-m", "services.cli", "serve", svc.entry.service]
         argv += ["--name", svc.name, "--port", str(svc.port), "--config", str(config_copy)]
-        child_env = {**env, reg.ENV_METRICS_PORT: str(svc.metrics_port)}
+        child_env = {
+            **env,
+            reg.ENV_METRICS_PORT: str(svc.metrics_port),
+            ENV_EXIT_REASON: str(svc.reason_path),
+        }
+        svc.reason_path.unlink(missing_ok=True)  # a reason is about this start only
         svc.starts += 1
         with svc.log_path.open("ab") as log:
             # Own session = own process group: a terminal Ctrl-C reaches only the launcher,
             # which stops services in order, and killpg reaches whatever a service started.
+            # SIGTERM at the launcher's death (even SIGKILL): the service's graceful stop.
             svc.process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -424,6 +546,7 @@ class Launcher:
                 stderr=asyncio.subprocess.STDOUT,
                 env=child_env,
                 start_new_session=True,
+                preexec_fn=parent_death_signal(signal.SIGTERM),
             )
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             header = f"=== {stamp} start {svc.starts} pid {svc.process.pid}: {shlex.join(argv)}\n"
@@ -477,22 +600,34 @@ class Launcher:
     # --- monitor and summary -------------------------------------------------------------------
 
     async def _monitor(self, url: str) -> None:
-        """Print one line per metrics/episode event of this run."""
+        """Hand this run's events to the console; show a held-back progress line when due."""
         try:
             bus = await Bus.connect(url, name="rlfleet-launcher")
         except Exception as exc:
             self.say(f"event monitor off: {exc}")
             return
+        console = self.console
+        shown = VERBOSE_EVENTS if console.verbose else MONITORED_EVENTS
 
         async def on_message(msg: Any) -> None:
-            line = format_event(msg.subject, msg.data, msg.headers)
-            if line is not None:
-                print(f"  {line}", file=self.out, flush=True)
+            kind = msg.subject.rsplit(".", 1)[-1]
+            if kind not in VERBOSE_EVENTS | {PROGRESS_EVENTS, "status"}:
+                return
+            full_name = (msg.headers or {}).get(TYPE_HEADER, "google.protobuf.Struct")
+            message, error = _decode(full_name, msg.data)
+            if message is None:
+                if kind in shown:
+                    console.line(f"  [{kind}] {error}")
+                return
+            console.event(kind, full_name, message, lambda: _event_line(kind, full_name, message))
 
         try:
             # Raw subscription: the monitor decodes any payload type, known or not.
             await bus.nc.subscribe(events_wildcard(self.config.run.name), cb=on_message)
-            await asyncio.Event().wait()
+            console.start()
+            while True:
+                await asyncio.sleep(TICK_S)
+                console.tick()
         finally:
             await bus.close()
 
@@ -501,12 +636,17 @@ class Launcher:
         self.say(f"run '{self.config.run.name}' {status} (exit {code}); run dir {self.run_dir}")
         for svc in self._services:
             last = svc.exit_codes[-1] if svc.exit_codes else None
-            print(
+            self.console.line(
                 f"  {svc.name:<20} {svc.entry.service:<16} {_describe(last):<12} "
-                f"restarts {svc.restarts}  log {svc.log_path}",
-                file=self.out,
-                flush=True,
+                f"restarts {svc.restarts}  log {svc.log_path}"
             )
+
+
+def _is_terminal(out: IO[str]) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):  # a closed or file-less stream
+        return False
 
 
 def _kill_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:

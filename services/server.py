@@ -11,7 +11,8 @@ raised message limits on both ends, graceful stop, and three always-on intercept
 2. telemetry: Prometheus counters/latency per method and code, and a span when tracing is on;
 3. exception mapping: an exception escaping a handler becomes a proper status (RlfleetError ->
    its code, anything else -> INTERNAL naming the type) with ``google.rpc.Status`` details,
-   instead of grpc's bare UNKNOWN.
+   instead of grpc's bare UNKNOWN; a request message that cannot be decoded is INVALID_ARGUMENT
+   (grpc alone answers UNKNOWN).
 
 ``channel()`` builds the matching client side: same limits, keepalive, retries of UNAVAILABLE,
 and interceptors that forward the request id and the trace context.
@@ -42,6 +43,7 @@ from grpc_reflection.v1alpha import reflection
 from services import telemetry
 from services.errors import (
     REQUEST_ID_KEY,
+    InvalidArgument,
     RlfleetError,
     abort_with,
     current_request_id,
@@ -101,6 +103,9 @@ def wrap_method_handler(
     if kind is None:
         return handler
     behaviour = getattr(handler, kind)
+    # Only the wrapper closest to the servicer's own behaviour checks for an undecodable
+    # request, so the InvalidArgument it raises passes through every scope (mapping, metrics).
+    innermost = not getattr(behaviour, _WRAPPED, False)
 
     if inspect.isasyncgenfunction(behaviour):
 
@@ -108,6 +113,8 @@ def wrap_method_handler(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
             async with scope(context):
+                if innermost and isinstance(request, _Undecodable):
+                    raise request.error()
                 async for response in behaviour(request, context):
                     yield response
 
@@ -117,16 +124,65 @@ def wrap_method_handler(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> Any:
             async with scope(context):
+                if innermost and isinstance(request, _Undecodable):
+                    raise request.error()
                 return await behaviour(request, context)
 
     else:
         return handler
 
+    setattr(wrapped, _WRAPPED, True)
     return _HANDLER_FACTORIES[kind](
         wrapped,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_tolerant_deserializer(
+            handler.request_deserializer, streamed=kind.startswith("stream_")
+        ),
         response_serializer=handler.response_serializer,
     )
+
+
+_WRAPPED = "_rlfleet_wrapped"
+
+
+class _Undecodable:
+    """What a unary request that failed to deserialize becomes: the handler wrapper raises
+    InvalidArgument for it inside the interceptors' scopes. grpc itself would answer UNKNOWN
+    ("Unexpected error"), without details, metrics or request id."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"request message cannot be decoded: {type(self.exc).__name__}: {self.exc}",
+            field="request",
+        )
+
+
+def _tolerant_deserializer(
+    deserializer: Callable[[bytes], Any] | None, *, streamed: bool
+) -> Callable[[bytes], Any] | None:
+    """``deserializer`` that does not raise grpc's UNKNOWN on bytes it cannot decode.
+
+    Unary requests are decoded before the handler runs: they become an ``_Undecodable`` that
+    the wrapper turns into INVALID_ARGUMENT. Streamed requests are decoded inside the handler
+    (``context.read()``, the request iterator): they raise InvalidArgument there, which the
+    exception mapping sends as INVALID_ARGUMENT.
+    """
+    if deserializer is None or getattr(deserializer, _WRAPPED, False):
+        return deserializer
+    decode = deserializer
+
+    def tolerant(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except Exception as exc:
+            if streamed:
+                raise _Undecodable(exc).error() from exc
+            return _Undecodable(exc)
+
+    setattr(tolerant, _WRAPPED, True)
+    return tolerant
 
 
 class ScopedServerInterceptor(grpc.aio.ServerInterceptor):

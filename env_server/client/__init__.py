@@ -7,24 +7,44 @@ the server's pool, registry or servicer.
   received bytes: no copy on the hot path).
 - `SyncEnvSession`: the same calls, blocking, on a private event loop (gymnasium's API is sync).
 - `RemoteVectorEnv`: a `gymnasium.vector.VectorEnv` over one session; behaves like
-  `SyncVectorEnv` step for step, including SAME_STEP's `final_obs`/`final_info` infos.
-- `RemoteEnv`: a `gymnasium.Env` over a session of one env (autoreset DISABLED, as an Env has).
+  `SyncVectorEnv` step for step (NEXT_STEP by default; SAME_STEP's `final_obs`/`final_info`
+  infos by option; list seeds; float64 rewards), so gymnasium's vector wrappers run on it.
+- `RemoteEnv`: a `gymnasium.Env` over a session of one env (autoreset DISABLED, as an Env has);
+  passes gymnasium's check_env, `spec` included.
 - `list_envs(address)`: what a server offers (`rlfleet envs --server`).
 
 Errors from the server come back as the services.errors class they were raised as
-(`InvalidArgument`, `NotFound`, ...), with the field they name.
+(`InvalidArgument`, `NotFound`, ...), with the field they name; where gymnasium has an exception
+for the case, as a subclass of both: `InvalidActionError` (rejected actions; also
+gymnasium.error.InvalidAction and ValueError), `ResetNeededError` (step before reset, or past an
+episode's end with autoreset DISABLED; gymnasium.error.ResetNeeded), `ClosedEnvError` (a closed
+session; gymnasium.error.ClosedEnvironmentError). `RemoteAttributeError` (an AttributeError) is
+what get_attr/call/set_attr raise for what the wire cannot reach.
 """
 
-from env_server.client.session import EnvSession, SessionInfo, SyncEnvSession, list_envs
+from env_server.client.session import (
+    ClosedEnvError,
+    EnvSession,
+    InvalidActionError,
+    RemoteAttributeError,
+    ResetNeededError,
+    SessionInfo,
+    SyncEnvSession,
+    list_envs,
+)
 from env_server.client.types import EnvEntry, EpisodeStats, StepResult
 from env_server.client.vector import RemoteEnv, RemoteVectorEnv
 
 __all__ = [
+    "ClosedEnvError",
     "EnvEntry",
     "EnvSession",
     "EpisodeStats",
+    "InvalidActionError",
+    "RemoteAttributeError",
     "RemoteEnv",
     "RemoteVectorEnv",
+    "ResetNeededError",
     "SessionInfo",
     "StepResult",
     "SyncEnvSession",

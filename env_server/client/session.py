@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from env_server.client.types import EnvEntry, EpisodeStats, StepResult
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
     FailedPrecondition,
+    InvalidArgument,
     RlfleetError,
     Unavailable,
     from_rpc_error,
@@ -38,6 +40,43 @@ _MODE_TO_PROTO = {
 _MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()}
 
 
+# The errors gymnasium users catch, as rlfleet errors: each is both the services.errors class the
+# server sent (so `except InvalidArgument` keeps working) and the gymnasium/builtin exception a
+# local env raises in the same situation.
+class InvalidActionError(InvalidArgument, gymnasium.error.InvalidAction, ValueError):
+    """A step's actions were rejected (shape, dtype, range, NaN); no environment was stepped."""
+
+
+class ResetNeededError(FailedPrecondition, gymnasium.error.ResetNeeded):
+    """Step before reset, or (DISABLED mode) stepping an env whose episode ended."""
+
+
+class ClosedEnvError(FailedPrecondition, gymnasium.error.ClosedEnvironmentError):
+    """A request on a session that is closed (or was aborted)."""
+
+
+class RemoteAttributeError(RlfleetError, AttributeError):
+    """An attribute or method of the remote envs that cannot be reached over the wire."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+def _as_gym_error(error: RlfleetError, kind: str) -> RlfleetError:
+    """The server's error for a request of `kind`, as the gymnasium-catchable subclass."""
+    cls: type[RlfleetError] | None = None
+    if kind == "step" and type(error) is InvalidArgument:
+        cls = InvalidActionError
+    elif kind in ("step", "reset") and type(error) is FailedPrecondition:
+        cls = ResetNeededError
+    if cls is None:
+        return error
+    out = cls(error.message, field=error.field)
+    out.request_id = error.request_id
+    if out.code != error.code:
+        out.code = error.code
+    return out
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     """What CreateRequest answered: the pool's shape and spaces (of ONE env)."""
@@ -48,6 +87,8 @@ class SessionInfo:
     observation_space: gymnasium.Space
     action_space: gymnasium.Space
     autoreset_mode: AutoresetMode
+    render_modes: tuple[str, ...] = ()  # the env's render modes a session may be created with
+    render_fps: float | None = None  # the env's metadata["render_fps"], when it declares one
 
 
 class EnvSession:
@@ -113,7 +154,7 @@ class EnvSession:
         if response is grpc.aio.EOF:
             raise self._end(await self._status_error())
         if response.HasField("error"):
-            raise from_status(response.error)
+            raise _as_gym_error(from_status(response.error), request.WhichOneof("request"))
         return response
 
     async def _requests(self) -> AsyncIterator[env_pb2.SessionRequest]:
@@ -143,14 +184,19 @@ class EnvSession:
         kwargs: dict[str, Any] | None = None,
         autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
         render_mode: str | None = None,
+        float64_rewards: bool = False,
     ) -> SessionInfo:
-        """Create the pool: env i is seeded with seed + i at the first reset."""
+        """Create the pool: env i is seeded with seed + i at the first reset.
+
+        Rewards come as float32 unless `float64_rewards` (the envs' values, unrounded).
+        """
         request = env_pb2.CreateRequest(
             env_id=env_id,
             num_envs=num_envs,
             seed=seed,
             autoreset_mode=_MODE_TO_PROTO[AutoresetMode(autoreset_mode)],
             render_mode=render_mode or "",
+            float64_rewards=float64_rewards,
         )
         if kwargs:
             request.kwargs.update(kwargs)
@@ -162,18 +208,30 @@ class EnvSession:
             observation_space=spaces.from_proto(msg.observation_space, name="observation_space"),
             action_space=spaces.from_proto(msg.action_space, name="action_space"),
             autoreset_mode=_MODE_FROM_PROTO[msg.autoreset_mode],
+            render_modes=tuple(msg.render_modes),
+            render_fps=msg.render_fps if msg.HasField("render_fps") else None,
         )
         return self.info
 
     async def reset(
         self,
         *,
-        seed: int | None = None,
+        seed: int | Sequence[int | None] | None = None,
         env_indices: Sequence[int] = (),
         options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset all envs (or `env_indices`); env i gets seed + i. Returns (obs [N...], infos)."""
-        request = env_pb2.ResetRequest(seed=seed, env_indices=list(env_indices))
+        """Reset all envs (or `env_indices`); env i gets seed + i. Returns (obs [N...], infos).
+
+        A sequence of seeds gives each env reset its own (the k-th env reset gets seed[k];
+        None keeps its RNG), as SyncVectorEnv's reset(seed=[...]) does.
+        """
+        request = env_pb2.ResetRequest(env_indices=list(env_indices))
+        if isinstance(seed, Sequence):
+            if any(s is not None and s < 0 for s in seed):
+                raise InvalidArgument(f"seeds must be >= 0 or None, got {list(seed)}", field="seed")
+            request.seeds.extend(-1 if s is None else int(s) for s in seed)
+        elif seed is not None:
+            request.seed = int(seed)
         if options is not None:
             request.options.CopyFrom(_struct(options))
         msg = (await self._request(reset=request)).reset
@@ -218,7 +276,7 @@ class EnvSession:
         finally:
             if call is not None:
                 call.cancel()  # no-op once the server has ended the stream
-            self._end(FailedPrecondition("the session is closed"))
+            self._end(ClosedEnvError("the session is closed"))
             await self._channel.close()
         return total
 
@@ -226,7 +284,7 @@ class EnvSession:
         """Drop the stream without a CloseRequest (the server frees the pool on cancellation)."""
         if self._call is not None:
             self._call.cancel()
-        self._end(FailedPrecondition("the session was aborted"))
+        self._end(ClosedEnvError("the session was aborted"))
 
 
 def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
@@ -235,14 +293,32 @@ def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
     return out
 
 
+_thread = threading.local()
+
+
+def _thread_loop() -> asyncio.AbstractEventLoop:
+    """The calling thread's event loop for sync sessions, made once and never closed.
+
+    One loop per thread rather than one per session: grpc's poller delivers a channel's last
+    completions (of a cancelled stream) to the loop the channel was made on, possibly after
+    close() returned; on a closed loop that logs "RuntimeError: Event loop is closed" from a
+    callback, an open one just queues them. grpc keeps every loop it has seen referenced anyway.
+    """
+    loop: asyncio.AbstractEventLoop | None = getattr(_thread, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _thread.loop = asyncio.new_event_loop()
+    return loop
+
+
 class SyncEnvSession:
-    """Blocking EnvSession, run on a private event loop in the calling thread.
+    """Blocking EnvSession, run on the calling thread's own event loop (see `_thread_loop`).
 
     Not usable from inside a running event loop (use EnvSession there).
     """
 
     def __init__(self, address: str, **session_kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = _thread_loop()
+        self._closed = False
 
         async def open_session() -> EnvSession:  # the channel binds to the loop it is made on
             return EnvSession(address, **session_kwargs)
@@ -252,29 +328,34 @@ class SyncEnvSession:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run_until_complete(coro)
 
+    def _open(self) -> EnvSession:
+        """The session, checked open before a coroutine is made (none left un-awaited)."""
+        if self._closed:
+            raise ClosedEnvError("the session is closed")
+        return self.session
+
     @property
     def info(self) -> SessionInfo | None:
         return self.session.info
 
     def create(self, env_id: str, num_envs: int = 1, **kwargs: Any) -> SessionInfo:
-        return self._run(self.session.create(env_id, num_envs, **kwargs))
+        return self._run(self._open().create(env_id, num_envs, **kwargs))
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        return self._run(self.session.reset(**kwargs))
+        return self._run(self._open().reset(**kwargs))
 
     def step(self, actions: Any) -> StepResult:
-        return self._run(self.session.step(actions))
+        return self._run(self._open().step(actions))
 
     def render(self, env_indices: Sequence[int] = ()) -> np.ndarray:
-        return self._run(self.session.render(env_indices))
+        return self._run(self._open().render(env_indices))
 
     def close(self) -> int:
-        if self._loop.is_closed():
+        """Close the session (and its channel); idempotent, and prints nothing."""
+        if self._closed:
             return 0
-        try:
-            return self._run(self.session.close())
-        finally:
-            self._loop.close()
+        self._closed = True
+        return self._run(self.session.close())
 
     def __enter__(self) -> SyncEnvSession:
         return self

@@ -52,7 +52,7 @@ class StepResult:
     """One lock step of N environments (gymnasium vector conventions)."""
 
     observations: Any  # batched like the observation space, leading dimension N
-    rewards: np.ndarray  # float32 [N]
+    rewards: np.ndarray  # float32 [N] (float64 when the session asked for float64 rewards)
     terminated: np.ndarray  # bool [N]
     truncated: np.ndarray  # bool [N]
     infos: dict[str, Any]  # vector-style numeric infos; SAME_STEP adds final_info/_final_info

@@ -3,24 +3,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium
 import numpy as np
+from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
-from env_server.client.session import SyncEnvSession
+from env_server.client.session import RemoteAttributeError, SessionInfo, SyncEnvSession
 from env_server.client.types import EpisodeStats
+
+# What get_attr/call can answer without the server: per-env attributes the client knows.
+_LOCAL_ATTRS = ("action_space", "metadata", "observation_space", "render_mode", "spec")
 
 
 class RemoteVectorEnv(gymnasium.vector.VectorEnv):
     """N environments on an env server, as a gymnasium VectorEnv.
 
-    The default autoreset mode is SAME_STEP (the server's default, what trainers bootstrap
-    from); pass NEXT_STEP to get SyncVectorEnv's default behaviour. With copy=True (the default,
-    as SyncVectorEnv) returned arrays are writable copies; copy=False returns read-only views.
-    Ended episodes' returns and lengths, counted by the server, are in `last_episodes`.
+    Conforms to SyncVectorEnv: NEXT_STEP autoreset by default (SAME_STEP, with final_obs and
+    final_info infos, by option), reset(seed=int | list | None), float64 rewards, metadata with
+    render_modes/render_fps/autoreset_mode, `spec`, and call/get_attr/set_attr for what the
+    client knows (`call("render")`; other names raise RemoteAttributeError, an AttributeError).
+    With copy=True (the default, as SyncVectorEnv) returned arrays are writable copies;
+    copy=False returns read-only views. Ended episodes' returns and lengths, counted by the
+    server, are in `last_episodes`.
     """
 
     def __init__(
@@ -31,7 +39,7 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         *,
         seed: int | None = None,
         kwargs: dict[str, Any] | None = None,
-        autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+        autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         render_mode: str | None = None,
         copy: bool = True,
         request_timeout_s: float = 120.0,
@@ -45,6 +53,7 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
                 kwargs=kwargs,
                 autoreset_mode=autoreset_mode,
                 render_mode=render_mode,
+                float64_rewards=True,
             )
         except BaseException:
             self._session.close()
@@ -56,19 +65,36 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         self.observation_space = batch_space(info.observation_space, self.num_envs)
         self.action_space = batch_space(info.action_space, self.num_envs)
         self.render_mode = render_mode
-        self.metadata = {"autoreset_mode": info.autoreset_mode}
+        self.autoreset_mode = info.autoreset_mode
+        self.spec = _spec(address, info, kwargs, request_timeout_s)
+        self._env_metadata = _metadata(info)
+        self.metadata = {**self._env_metadata, "autoreset_mode": info.autoreset_mode}
         self.copy = copy
         self.last_episodes: list[EpisodeStats] = []
 
     def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset; seed s seeds env i with s + i. options["reset_mask"] resets only those envs."""
-        if seed is not None and not isinstance(seed, int | np.integer):
-            raise TypeError("RemoteVectorEnv.reset takes one int seed (env i gets seed + i)")
+        """Reset, as SyncVectorEnv: seed s seeds env i with s + i; a list gives env i seed[i]
+        (None: keep its RNG). options["reset_mask"] resets only those envs."""
         options = dict(options or {})
         mask = options.pop("reset_mask", None)
         indices = np.flatnonzero(mask).tolist() if mask is not None else []
+        if isinstance(seed, np.ndarray):
+            seed = seed.tolist()
+        if isinstance(seed, Sequence) and not isinstance(seed, str):
+            if len(seed) != self.num_envs:
+                raise ValueError(
+                    "If seeds are passed as a list the length must match "
+                    f"num_envs={self.num_envs} but got length={len(seed)}."
+                )
+            seeds = [seed[i] for i in indices] if mask is not None else list(seed)
+            seed = None if all(s is None for s in seeds) else seeds
+        elif seed is not None and not isinstance(seed, int | np.integer):
+            raise TypeError(f"seed must be an int, a list of one per env, or None; got {seed!r}")
         obs, infos = self._session.reset(seed=seed, env_indices=indices, options=options or None)
         return self._out(obs), self._out(infos)
 
@@ -104,8 +130,88 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
             return None
         return tuple(self._session.render(range(self.num_envs)))
 
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """SyncVectorEnv.call for what the client can do: "render" (each env's frame, or None
+        without render_mode="rgb_array") and the attributes `get_attr` knows."""
+        if name == "render":
+            if args or kwargs:
+                raise TypeError("render() takes no arguments")
+            frames = self.render()
+            return frames if frames is not None else (None,) * self.num_envs
+        if args or kwargs:
+            raise RemoteAttributeError(
+                f"{name!r}: RemoteVectorEnv.call can call only 'render' on the remote envs",
+                field=name,
+            )
+        return self.get_attr(name)
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """Each env's `name`, for attributes the client knows: the single spaces, render_mode,
+        spec and metadata (the env's, without autoreset_mode); others raise
+        RemoteAttributeError (an AttributeError)."""
+        values = {
+            "action_space": self.single_action_space,
+            "observation_space": self.single_observation_space,
+            "render_mode": self.render_mode,
+            "spec": self.spec,
+        }
+        if name == "metadata":
+            return tuple(dict(self._env_metadata) for _ in range(self.num_envs))
+        if name not in values:
+            raise RemoteAttributeError(
+                f"{name!r}: the remote envs' attributes cannot be read over the wire; "
+                f"get_attr knows {', '.join(_LOCAL_ATTRS)}",
+                field=name,
+            )
+        return (values[name],) * self.num_envs
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
+        """Not possible over the wire: checks `values` as SyncVectorEnv does, then raises
+        RemoteAttributeError (an AttributeError)."""
+        if not isinstance(values, list | tuple):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of environments. "
+                f"Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        raise RemoteAttributeError(
+            f"{name!r}: attributes of remote envs cannot be set over the wire "
+            "(pass kwargs at creation instead)",
+            field=name,
+        )
+
     def close_extras(self, **kwargs: Any) -> None:
         self._session.close()
+
+
+def _metadata(info: SessionInfo) -> dict[str, Any]:
+    """An env's metadata as the server describes it: render_modes (and render_fps)."""
+    out: dict[str, Any] = {"render_modes": list(info.render_modes)}
+    if info.render_fps is not None:
+        fps = info.render_fps
+        out["render_fps"] = int(fps) if fps.is_integer() else fps
+    return out
+
+
+def _spec(
+    address: str, info: SessionInfo, kwargs: dict[str, Any] | None, request_timeout_s: float
+) -> EnvSpec:
+    """An EnvSpec of one remote env: `gymnasium.make(spec)` (or spec.make()) opens a RemoteEnv
+    of the same id on the same server."""
+    entry = info.env
+    spec_kwargs: dict[str, Any] = {"address": address, "env_id": entry.env_id}
+    if kwargs:
+        spec_kwargs["kwargs"] = dict(kwargs)
+    if request_timeout_s != 120.0:
+        spec_kwargs["request_timeout_s"] = request_timeout_s
+    return EnvSpec(
+        id=entry.env_id,
+        entry_point=f"{RemoteEnv.__module__}:{RemoteEnv.__name__}",
+        reward_threshold=entry.reward_threshold,
+        max_episode_steps=entry.max_episode_steps or None,
+        kwargs=spec_kwargs,
+    )
 
 
 def _rows(batch: Any, ended: np.ndarray) -> np.ndarray:
@@ -132,7 +238,12 @@ class RemoteEnv(gymnasium.Env):
 
     `np_random` is a local generator seeded like the remote env (reset(seed=...)), so code that
     samples from it is reproducible; the remote env's own generator cannot be read over the wire.
+    `spec` makes another RemoteEnv of the same id on the same server (gymnasium.make(env.spec));
+    `metadata` has the env's render_modes (those a server renders: "rgb_array") and render_fps.
     """
+
+    # What the class can render (gymnasium.make reads it before an instance exists).
+    metadata: dict[str, Any] = {"render_modes": ["rgb_array"]}
 
     def __init__(
         self,
@@ -151,6 +262,7 @@ class RemoteEnv(gymnasium.Env):
                 kwargs=kwargs,
                 autoreset_mode=AutoresetMode.DISABLED,
                 render_mode=render_mode,
+                float64_rewards=True,
             )
         except BaseException:
             self._session.close()
@@ -159,7 +271,8 @@ class RemoteEnv(gymnasium.Env):
         self.observation_space = info.observation_space
         self.action_space = info.action_space
         self.render_mode = render_mode
-        self.metadata = {"render_modes": [render_mode] if render_mode else []}
+        self.metadata = _metadata(info)
+        self.spec = _spec(address, info, kwargs, request_timeout_s)
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

@@ -42,7 +42,9 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
     if isinstance(payload, str):
         return f"data: {payload}\n\n"
     if isinstance(payload, BaseModel):
-        payload = payload.model_dump(mode="json")
+        # The same compact JSON as json.dumps(model_dump(mode="json")), non-ASCII as UTF-8,
+        # in half the time: this runs once per streamed token.
+        return f"data: {payload.model_dump_json()}\n\n"
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
@@ -89,6 +91,8 @@ class RequestContext:
     ttft_recorded: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # The route's completion-token counter, looked up once (add_completion runs per delta).
+    _completion_counter: Any = field(default=None, repr=False)
 
     def first_token(self) -> None:
         if not self.ttft_recorded:
@@ -104,7 +108,9 @@ class RequestContext:
         if count:
             self.completion_tokens += count
             self.key.charge_tokens(count)
-            metrics.COMPLETION_TOKENS.labels(self.route).inc(count)
+            if self._completion_counter is None:
+                self._completion_counter = metrics.COMPLETION_TOKENS.labels(self.route)
+            self._completion_counter.inc(count)
 
     def usage(self) -> UsageInfo:
         return UsageInfo(

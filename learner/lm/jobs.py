@@ -10,14 +10,16 @@ the preset and its ``algo`` overrides imports ``learner.algos`` (the typed regis
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from learner.lm.settings import check_preset
-from services.config import StrictModel
-from services.registry import JobSpec
+from services.config import StrictModel, unknown_key
+from services.references import is_reference
+from services.registry import JobSpec, get_service
 
 if TYPE_CHECKING:
     from learner.algos.presets import Preset
@@ -31,59 +33,261 @@ DYNAMIC_SAMPLING_VERSION_WAIT_S = 120.0
 
 
 class RewardKnob(StrictModel):
-    name: str = Field(min_length=1)
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """One reward of the run: a registered name (``accuracy``, an entry point's) or a function by
+    reference, ``module:function`` or ``path/to/file.py:function`` (relative to the current
+    directory), imported and checked here, at config load."""
+
+    aliases: ClassVar[Mapping[str, str]] = {
+        "func": "name",
+        "fn": "name",
+        "function": "name",
+        "reward": "name",
+        "args": "kwargs",
+        "params": "kwargs",
+        "coef": "weight",
+    }
+
+    name: str = Field(
+        min_length=1,
+        description="registered reward (accuracy, format, ...), module:fn or file.py:fn",
+    )
+    weight: float = Field(
+        default=1.0, description="weight of this reward in the sum each completion is scored by"
+    )
+    # Validated when left out too: a reference's required hyperparameters must be set here.
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="keyword arguments for the reward function",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _importable(cls, name: str) -> str:
+        if is_reference(name):
+            _check_reward({"plugins": [name]})  # its kwargs are checked with them, at their key
+        return name
+
+    @field_validator("kwargs")
+    @classmethod
+    def _accepted(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        name = info.data.get("name")  # absent when the name failed already
+        if name is not None and is_reference(name):
+            _check_reward({"reward_kwargs": {name: kwargs}})
+        return kwargs
+
+
+def _check_reward(settings: dict[str, Any]) -> None:
+    """Check a reward reference with the reward service's own settings model, found by kind
+    through the rlfleet.services entry points (the learner does not import the reward service);
+    ValueError with the service's one-line reason."""
+    try:
+        get_service("reward_service").settings.model_validate(settings)
+    except ValidationError as exc:
+        raise ValueError(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+
+
+# Names of other tools for preset fields, inside `algo: {...}`.
+_ALGO_ALIASES = {
+    "beta": "kl_beta",
+    "kl_coef": "kl_beta",
+    "kl_coeff": "kl_beta",
+    "epsilon": "use loss_kwargs: {clip_low: ...} (the ratio clip range)",
+    "epsilon_high": "use loss_kwargs: {clip_high: ...}",
+    "entropy_coeff": "entropy_coef",
+    "dynamic_sample": "dynamic_sampling",
+}
 
 
 class LMJobSettings(StrictModel):
     """GRPO-family RL of a causal LM on a prompt dataset, warm-started by SFT."""
 
-    preset: str = "grpo"  # set by the job kind
-    algo: dict[str, Any] = Field(default_factory=dict)  # preset overrides, checked at their line
-    model_path: Path = Path("runs/models/tiny-arith")
-    init_model: Literal["tiny", "small", "base100m"] | None = "tiny"  # create when missing
-    dataset: dict[str, Any] = Field(default_factory=lambda: {"generator": "arith"})
+    aliases: ClassVar[Mapping[str, str]] = {
+        "beta": "use algo: {kl_beta: ...} (TRL/ms-swift's beta is the KL coefficient)",
+        "kl_coef": "use algo: {kl_beta: ...} (the KL coefficient)",
+        "kl_coeff": "use algo: {kl_beta: ...} (the KL coefficient)",
+        "init_kl_coef": "use algo: {kl_beta: ...} (the KL coefficient)",
+        "epsilon": "use algo: {loss_kwargs: {clip_low: ...}} (the ratio clip range)",
+        "epsilon_high": "use algo: {loss_kwargs: {clip_high: ...}} (the upper clip range)",
+        "cliprange": "use algo: {loss_kwargs: {clip_low: ..., clip_high: ...}}",
+        "clip_range": "use algo: {loss_kwargs: {clip_low: ..., clip_high: ...}}",
+        "loss_type": "the job kind picks the loss (grpo, dr_grpo, dapo, ...); or algo: "
+        "{policy_loss: ..., aggregation: ...}",
+        "scale_rewards": "use algo: {advantage: ..., advantage_kwargs: {...}} (or kind: dr_grpo)",
+        "dynamic_sample": "use algo: {dynamic_sampling: true} (or kind: dapo)",
+        "importance_sampling_level": "use kind: gspo (sequence-level ratios)",
+        "num_generations": "group_size",
+        "n_samples": "group_size",
+        "num_samples": "group_size",
+        "rollout_n": "group_size",
+        "n": "group_size",
+        "max_completion_length": "max_tokens",
+        "max_new_tokens": "max_tokens",
+        "response_length": "max_tokens",
+        "max_length": "max_tokens (tokens generated per completion)",
+        "batch_size": "rlfleet's minibatch_size is the SGD minibatch (sequences); the rollout "
+        "batch per update is groups_per_update x group_size completions",
+        "train_batch_size": "use groups_per_update (prompts per update); the rollout batch is "
+        "groups_per_update x group_size completions",
+        "per_device_train_batch_size": "use minibatch_size (sequences per optimizer step)",
+        "gradient_accumulation_steps": "not a knob: minibatch_size is the sequences per "
+        "optimizer step",
+        "generation_batch_size": "use prompts_per_call (prompts per sampler call)",
+        "lr": "learning_rate",
+        "epochs_per_update": "epochs",
+        "ppo_epochs": "epochs",
+        "update_epochs": "epochs",
+        "num_iterations": "epochs",
+        "num_train_epochs": "use total_updates (LM jobs count updates, not dataset epochs)",
+        "max_steps": "total_updates",
+        "total_steps": "total_updates",
+        "total_training_steps": "total_updates",
+        "total_timesteps": "total_updates",
+        "save_steps": "checkpoint_every (in updates)",
+        "eval_steps": "eval_every (in updates)",
+        "model": "model_path",
+        "model_name": "model_path",
+        "model_name_or_path": "model_path",
+        "model_id": "model_path",
+        "dataset_name": "use dataset: {generator: ...}",
+        "reward_funcs": "use rewards: [{name: ...}, ...]",
+        "reward_fns": "use rewards: [{name: ...}, ...]",
+        "reward_weights": "use rewards: [{name: ..., weight: ...}, ...]",
+        "use_vllm": "use engine (vllm | hf)",
+        "use_peft": "use lora: {r: ..., alpha: ...}",
+        "peft_config": "lora",
+        "lora_r": "use lora: {r: ...}",
+        "lora_rank": "use lora: {r: ...}",
+        "lora_alpha": "use lora: {alpha: ...}",
+        "gamma": "LM advantages are group-relative: there is no discount (see algo: {advantage})",
+        "num_workers": "use num_drivers (rollout drivers) and num_samplers (engines)",
+        "gpu_ids": "device",
+        "gpu": "device",
+        "cuda": "use device (cpu | cuda | auto)",
+        "bf16": "use precision (fp32 | bf16 | fp16)",
+        "fp16": "use precision (fp32 | bf16 | fp16)",
+        "kl_beta": "use algo: {kl_beta: ...} (a preset field)",
+        "kl_estimator": "use algo: {kl_estimator: ...} (a preset field)",
+        "entropy_coef": "use algo: {entropy_coef: ...} (a preset field)",
+        "dynamic_sampling": "use algo: {dynamic_sampling: ...} (a preset field)",
+        "overlong_filter": "use algo: {overlong_filter: ...} (a preset field)",
+        "loss_kwargs": "use algo: {loss_kwargs: {...}} (a preset field)",
+        "advantage": "use algo: {advantage: ...} (a preset field)",
+        "policy_loss": "use algo: {policy_loss: ...} (a preset field)",
+        "aggregation": "use algo: {aggregation: ...} (a preset field)",
+        "tis_cap": "use algo: {tis_cap: ...} (a preset field)",
+    }
+
+    preset: str = Field(default="grpo", description="algorithm preset; set by the job kind")
+    algo: dict[str, Any] = Field(
+        default_factory=dict,
+        description="preset field overrides (learner.algos.presets.Preset fields), e.g. "
+        "{kl_beta: 0.04, loss_kwargs: {clip_high: 0.28}}",
+    )
+    model_path: Path = Field(
+        default=Path("runs/models/tiny-arith"),
+        description="Hugging Face model folder the learner trains and samplers serve",
+    )
+    init_model: Literal["tiny", "small", "base100m"] | None = Field(
+        default="tiny",
+        description="size of the model init-model creates at model_path when missing (null: never)",
+    )
+    dataset: dict[str, Any] = Field(
+        default_factory=lambda: {"generator": "arith"},
+        description="prompt dataset spec (generator name and its options) for RL, SFT and eval",
+    )
     rewards: list[RewardKnob] = Field(
         default_factory=lambda: [
             RewardKnob(name="accuracy"),
             RewardKnob(name="format", weight=0.1, kwargs={"tags": ["answer"]}),
-        ]
+        ],
+        description="rewards summed (weighted) into each completion's score",
     )
-    group_size: int = Field(default=8, ge=2)  # completions per prompt
-    prompts_per_call: int = Field(default=8, ge=1)
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: list[str] = Field(default_factory=list)
-    groups_per_update: int = Field(default=8, ge=1)
-    total_updates: int = Field(default=100, ge=1)
-    learning_rate: float = Field(default=1e-4, gt=0)
-    epochs: int = Field(default=1, ge=1)
-    minibatch_size: int = Field(default=64, ge=1)
-    max_policy_lag: int = Field(default=1, ge=0)
-    sft_steps: int = Field(default=200, ge=0)
-    sft_batch_size: int = Field(default=32, ge=1)
-    sft_learning_rate: float = Field(default=1e-3, gt=0)
-    eval_count: int = Field(default=200, ge=0)  # held-out prompts; 0 = no evaluation
-    eval_every: int = Field(default=10, ge=1)
-    num_samplers: int = Field(default=1, ge=1)
-    num_drivers: int = Field(default=1, ge=1)
-    engine: Literal["vllm", "hf"] = "vllm"
-    sampler: dict[str, Any] = Field(default_factory=dict)  # extra sampler settings
-    lora: dict[str, Any] | None = None
-    checkpoint_every: int = Field(default=10, ge=1)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    device: Literal["cpu", "cuda", "auto"] = "auto"
-    seed: int = Field(default=1, ge=0)
-    restarts: int = Field(default=2, ge=0)
+    group_size: int = Field(
+        default=8, ge=2, description="completions sampled per prompt (one group)"
+    )
+    prompts_per_call: int = Field(
+        default=8, ge=1, description="prompts a rollout driver sends per sampler call"
+    )
+    max_tokens: int = Field(default=16, ge=1, description="most tokens generated per completion")
+    temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling probability mass")
+    stop: list[str] = Field(default_factory=list, description="strings that end a completion")
+    groups_per_update: int = Field(
+        default=8,
+        ge=1,
+        description="prompt groups per update (after filters); batch = it x group_size completions",
+    )
+    total_updates: int = Field(
+        default=100, ge=1, description="learner updates (optimizer phases) to train for"
+    )
+    learning_rate: float = Field(default=1e-4, gt=0, description="RL optimizer learning rate")
+    epochs: int = Field(default=1, ge=1, description="passes over each update's batch")
+    minibatch_size: int = Field(
+        default=64, ge=1, description="sequences (completions) per optimizer step"
+    )
+    max_policy_lag: int = Field(
+        default=1,
+        ge=0,
+        description="drop groups sampled more than this many versions ago (0: on-policy only)",
+    )
+    sft_steps: int = Field(
+        default=200, ge=0, description="supervised warm-start steps before RL (0: no SFT)"
+    )
+    sft_batch_size: int = Field(default=32, ge=1, description="examples per SFT step")
+    sft_learning_rate: float = Field(default=1e-3, gt=0, description="SFT learning rate")
+    eval_count: int = Field(
+        default=200,
+        ge=0,
+        description="held-out prompts of each greedy evaluation (0: no evaluation)",
+    )
+    eval_every: int = Field(default=10, ge=1, description="updates between evaluations")
+    num_samplers: int = Field(
+        default=1,
+        ge=1,
+        description="sampler services (inference engines) following the learner's weights",
+    )
+    num_drivers: int = Field(
+        default=1, ge=1, description="rollout drivers sending prompts to the samplers"
+    )
+    engine: Literal["vllm", "hf"] = Field(default="vllm", description="samplers' inference engine")
+    sampler: dict[str, Any] = Field(
+        default_factory=dict, description="extra sampler settings, passed to every sampler"
+    )
+    lora: dict[str, Any] | None = Field(
+        default=None,
+        description="LoRA adapters {r, alpha, dropout, target_modules} (null: full fine-tuning)",
+    )
+    checkpoint_every: int = Field(
+        default=10, ge=1, description="updates between learner checkpoints"
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="learner training precision"
+    )
+    zero_stage: int = Field(
+        default=0,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage of the learner (0: plain data parallel)",
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        default="auto", description="learner device (auto: cuda when available)"
+    )
+    seed: int = Field(default=1, ge=0, description="base seed (sampler i's engine gets seed + i)")
+    restarts: int = Field(
+        default=2, ge=0, description="restarts of each service before the run fails"
+    )
 
     @field_validator("algo")
     @classmethod
     def _valid_overrides(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "preset" not in info.data:  # the preset name failed already
             return overrides
+        from learner.algos.presets import Preset
+
+        for key in overrides:  # reported at job.algo.<key>'s own line
+            if key not in Preset.model_fields:
+                raise unknown_key(key, list(Preset.model_fields), _ALGO_ALIASES)
         return check_preset(info.data["preset"], overrides)
 
     @model_validator(mode="after")
@@ -94,6 +298,12 @@ class LMJobSettings(StrictModel):
         if not self.model_path.exists() and self.init_model is None:
             raise ValueError(f"model_path {self.model_path} does not exist and init_model is null")
         return self
+
+
+def _reward_service(s: LMJobSettings) -> dict[str, Any]:
+    """The reward service registers the functions the rewards name by reference."""
+    refs = list(dict.fromkeys(r.name for r in s.rewards if is_reference(r.name)))
+    return {"plugins": refs} if refs else {}
 
 
 def _resolved(s: LMJobSettings) -> Preset:
@@ -143,7 +353,12 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
     before samplers serve, and drivers wait for samplers and the reward service."""
     s = settings
     entries: list[dict[str, Any]] = [
-        {"name": "reward", "service": "reward_service", "restarts": s.restarts, "settings": {}},
+        {
+            "name": "reward",
+            "service": "reward_service",
+            "restarts": s.restarts,
+            "settings": _reward_service(s),
+        },
         {
             "name": "learner",
             "service": "lm_learner",
@@ -218,8 +433,10 @@ def _job(preset: str) -> JobSpec[LMJobSettings]:
     model = type(
         f"{preset.title().replace('_', '')}JobSettings",
         (LMJobSettings,),
-        {"__annotations__": {"preset": Literal[preset]}, "preset": preset,
-         "__doc__": f"The `{preset}` preset over LMJobSettings' knobs."},
+        {"__annotations__": {"preset": Literal[preset]},
+         "preset": Field(default=preset, description="algorithm preset (fixed by the job kind)"),
+         "__doc__": f"The `{preset}` preset: RL of a causal LM on a prompt dataset, "
+                    "warm-started by SFT."},
     )  # fmt: skip
     # type() makes a subclass of LMJobSettings, which mypy only sees as a `type`.
     settings = cast(type[LMJobSettings], model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import time
@@ -44,6 +45,7 @@ from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.workload import Envelope, Progress
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import Bus, events_subject
+from services.console import PROGRESS_EVENTS, progress_record
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 
@@ -52,6 +54,12 @@ __all__ = ["LMWorkload", "reward_metrics"]
 log = logging.getLogger(__name__)
 
 DROPPED_EVENTS = "dropped"  # GroupsDropped's event kind (the drivers' sampler/rollout/pacing.py)
+# The progress line `rlfleet up` shows (services.console): (label, metric) in display order.
+HEADLINE = (
+    ("reward", "reward/total"),
+    ("eval", "eval/accuracy"),
+    ("tok/s", "charts/train_tokens_per_s"),
+)
 
 
 class LMWorkload:
@@ -82,6 +90,7 @@ class LMWorkload:
         self._dropped: dict[tuple[str, str], list[str]] = {}
         self._announcing: asyncio.Task[None] | None = None
         self._tokens_this_run = 0  # completion tokens since consuming began: tokens/s
+        self._resumed = False  # restored from a checkpoint: announced by begin
 
     # ------------------------------------------------------------------ set-up and state
 
@@ -112,6 +121,7 @@ class LMWorkload:
     def restore(self, state: dict[str, Any]) -> None:
         self.sft_done = bool(state.get("sft_done"))
         self.evals = list(state.get("evals", []))
+        self._resumed = True
 
     def state(self) -> dict[str, Any]:
         return {"sft_done": self.sft_done, "evals": self.evals}
@@ -143,6 +153,16 @@ class LMWorkload:
     async def begin(self, run: LearnerLoop) -> None:
         """Evaluate version 0 (the warm-started baseline) unless a restored run already did."""
         self._bus, self._progress = run.bus, run.progress
+        if self._resumed and run.bus is not None:
+            status = events_pb2.RunStatus(
+                run=self.ctx.run_name,
+                state=events_pb2.RUN_STATE_RUNNING,
+                message=f"resumed from checkpoint at update {run.progress.updates}",
+                source=self.ctx.name,
+                time=now(),
+            )
+            with contextlib.suppress(RlfleetError):  # the console's notice: best effort
+                await run.bus.publish_event(events_subject(self.ctx.run_name, "status"), status)
         if not self.evals:
             await self.evaluate(run)
 
@@ -261,6 +281,23 @@ class LMWorkload:
         cfg = self.settings.eval
         if cfg is not None and run.progress.updates % cfg.every == 0:
             await self.evaluate(run)
+        await self._publish_progress(run)
+
+    async def _publish_progress(self, run: LearnerLoop) -> None:
+        """The progress record of `rlfleet up`'s progress line (updates of total_updates)."""
+        assert run.bus is not None
+        p = run.progress
+        values = {**(self.evals[-1] if self.evals else {}), **run.metrics}
+        record = progress_record(
+            self.ctx.name,
+            unit="update",
+            done=p.updates,
+            total=self.settings.total_updates,
+            version=p.version,
+            headline=[(label, values[key]) for label, key in HEADLINE if key in values],
+        )
+        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
+            await run.bus.publish_event(events_subject(self.ctx.run_name, PROGRESS_EVENTS), record)
 
     async def evaluate(self, run: LearnerLoop) -> None:
         """Held-out greedy accuracy of the current weights (logged as eval/accuracy)."""
@@ -313,6 +350,7 @@ class LMWorkload:
             not self.evals or self.evals[-1]["eval/version"] != version
         ):
             await self.evaluate(run)
+            await self._publish_progress(run)  # the line ends on the final evaluation
 
     def save_final(self, final_dir: Path, progress: Progress) -> None:
         """``final/``: a Hugging Face folder (LoRA merged) that from_pretrained and vLLM load,

@@ -10,10 +10,18 @@ plain callable (its description is its docstring; the keywords it takes come fro
 the optional attributes ``extra_keys`` and ``default_timeout_s`` say the rest) or a ready
 `RewardFunction`. A name registered twice, by anyone, is an error naming both sources: picking
 one silently would depend on install order.
+
+A run file may also name a function directly, by reference: ``module:function`` (an importable
+module) or ``path/to/file.py:function`` (a file, relative to the current directory, imported
+under a module name of its own). The reference itself is the reward's name, in requests and
+metrics alike; `check_reference` imports and checks one when the config is validated and
+`load_reference` makes its record when the service starts (beside the entry points: the same
+name twice is an error there too).
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
 import inspect
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +30,7 @@ from importlib import metadata
 from typing import Any
 
 from services.errors import ConfigError
+from services.references import import_reference_module, is_reference, split_reference
 
 __all__ = [
     "BATCH_KEYS",
@@ -29,7 +38,10 @@ __all__ = [
     "Kind",
     "RewardFunction",
     "RewardRegistry",
+    "check_reference",
     "from_callable",
+    "is_reference",
+    "load_reference",
     "load_registry",
 ]
 
@@ -197,16 +209,105 @@ def load_plugin(ep: metadata.EntryPoint) -> RewardFunction:
     return from_callable(ep.name, obj, kind=Kind.PLUGIN, source=source)
 
 
+# --- references from the run file --------------------------------------------------------------
+
+REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
+# Keywords the service passes by name to a function that names them (see runner.py): the batch
+# columns besides the completions, which go first and positionally.
+_PASSED = frozenset(BATCH_KEYS) - {"completions"}
+
+
+def _resolve(ref: str) -> tuple[Any, str]:
+    """The object a reference names and where it was found; ValueError saying what is wrong."""
+    where, attr = split_reference(ref, REFERENCE_FORMS)
+    if not attr.isidentifier():
+        raise ValueError(f"expected {REFERENCE_FORMS}")
+    module, label, origin = import_reference_module(where)
+    if not hasattr(module, attr):
+        names = [n for n in vars(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(attr, names, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(f"module {label} has no attribute '{attr}'{hint}")
+    return getattr(module, attr), origin
+
+
+def _check_signature(fn: Callable[..., Any], kwargs: Iterable[str] | None) -> None:
+    """ValueError unless the service can call ``fn(completions, **passed)``: a first positional
+    parameter ``completions`` and, when ``kwargs`` (the hyperparameters a run sets) is known,
+    no other required parameter it cannot fill."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check
+    params = list(sig.parameters.values())
+    call = "the service calls f(completions, **kwargs)"
+    if not params:
+        raise ValueError(f"takes no arguments; {call}")
+    first = params[0]
+    if first.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD):
+        raise ValueError(f"has no positional first parameter for the completions; {call}")
+    if first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and first.name != "completions":
+        raise ValueError(f"first parameter is '{first.name}', not 'completions'; {call}")
+    if kwargs is None:
+        return
+    fillable = _PASSED | set(getattr(fn, "extra_keys", ())) | set(kwargs)
+    for p in params[1:]:
+        required = p.default is inspect.Parameter.empty
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and required:
+            raise ValueError(f"parameter '{p.name}' is positional-only with no default; {call}")
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        if p.kind in named and required and p.name not in fillable:
+            raise ValueError(
+                f"parameter '{p.name}' has no default and nothing passes it: set it in kwargs, "
+                "or list it in the function's extra_keys if the items carry it"
+            )
+
+
+def _reference_record(ref: str, obj: Any, origin: str) -> RewardFunction:
+    source = f"run-file reference '{ref}' ({origin})"
+    if isinstance(obj, RewardFunction):
+        return replace(obj, name=ref, kind=Kind.PLUGIN, source=source)
+    if not callable(obj):
+        raise ValueError(f"is a {type(obj).__name__}, not a function")
+    return from_callable(ref, obj, kind=Kind.PLUGIN, source=source)
+
+
+def check_reference(ref: str, kwargs: Mapping[str, Any] | None = None) -> RewardFunction:
+    """Import and check a reference at config-load time; ValueError ``'<ref>' — <reason>``.
+
+    ``kwargs``: the hyperparameters the run passes it (checked against its signature), or None
+    where they are not known yet (they come with each request)."""
+    try:
+        record = _reference_record(ref, *_resolve(ref))
+        _check_signature(record.fn, None if kwargs is None else list(kwargs))
+        for key in kwargs or ():
+            if key in BATCH_KEYS or (record.kwargs is not None and key not in record.kwargs):
+                takes = ", ".join(sorted(record.kwargs or ())) or "none"
+                raise ValueError(f"takes no keyword '{key}' (takes: {takes})")
+    except (ValueError, ConfigError) as exc:
+        raise ValueError(f"'{ref}' — {exc}") from None
+    return record
+
+
+def load_reference(ref: str) -> RewardFunction:
+    """The PLUGIN record of a reference, for the service's start; ConfigError naming it."""
+    try:
+        return check_reference(ref)
+    except ValueError as exc:
+        raise ConfigError(f"reward {exc}") from None
+
+
 def load_registry(
     *,
     builtins: Iterable[RewardFunction] | None = None,
     entry_points: Iterable[metadata.EntryPoint] | None = None,
     extra_entry_points: Iterable[metadata.EntryPoint] = (),
     models: Iterable[RewardFunction] = (),
+    references: Iterable[str] = (),
 ) -> RewardRegistry:
     """Built-ins, then plugins (installed ones unless ``entry_points`` is given, plus
-    ``extra_entry_points``), then reward models, all loaded now so a broken plugin fails the
-    service's start rather than a request."""
+    ``extra_entry_points``), then reward models, then the run file's ``references``, all loaded
+    now so a broken plugin fails the service's start rather than a request."""
     if builtins is None:
         from reward_service.rewards import BUILTINS
 
@@ -219,4 +320,6 @@ def load_registry(
         registry.add(load_plugin(ep))
     for model in models:
         registry.add(model)
+    for ref in references:
+        registry.add(load_reference(ref))
     return registry

@@ -7,6 +7,10 @@ that process; it never talks the NATS protocol.
 
 The server's log goes to a file in the store directory, not to a pipe: nobody reads a pipe after
 start-up, and a full pipe would block the server. The file is also what a crash report quotes.
+
+A server that died can be started again on the same port and store (``start()`` after a crash
+reuses both), so clients reconnecting to the old URL find it with their JetStream data intact;
+``die_with_parent`` ties the server's life to its owner's, even when the owner is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import ctypes
 import importlib.metadata
 import os
 import shutil
@@ -22,17 +27,42 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
 
-__all__ = ["BINARY_ENV", "EmbeddedNats", "find_nats_server"]
+__all__ = ["BINARY_ENV", "EmbeddedNats", "find_nats_server", "parent_death_signal"]
 
 BINARY_ENV = "RLFLEET_NATS_SERVER"  # explicit path to a nats-server binary (overrides the search)
 _READY_LINE = "Server is ready"
 _ADDR_IN_USE = "address already in use"
 _MAX_PAYLOAD_LIMIT = 64 << 20  # nats-server refuses max_payload above 64 MiB
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def parent_death_signal(sig: signal.Signals) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get ``sig`` when this process dies, even by SIGKILL
+    (Linux ``prctl(PR_SET_PDEATHSIG)``); None where that does not exist.
+
+    The kernel sends it when the *thread* that forked the child exits, so spawn from a thread
+    that lives as long as the owner (the main thread, the event loop's thread), not a worker.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before the fork, not in it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def find_nats_server() -> Path:
@@ -93,9 +123,11 @@ class EmbeddedNats:
     """A nats-server child process with JetStream, storing under ``store_dir``.
 
     Usable as ``with EmbeddedNats(d) as server:`` or ``async with``, or by ``start()``/``stop()``.
-    ``port=0`` picks a free loopback port (and retries with another one if it was taken meanwhile).
-    An atexit hook stops the server if the owner forgets to, so no orphan outlives the interpreter
-    (short of a SIGKILL of the parent).
+    ``port=0`` picks a free loopback port (and retries with another one if it was taken meanwhile);
+    ``start()`` after the server died (without ``stop()``) restarts it on the same port and store.
+    An atexit hook stops the server if the owner forgets to, so no orphan outlives the interpreter;
+    with ``die_with_parent`` the server is SIGKILLed when its owner dies, SIGKILL included (see
+    `parent_death_signal`: start it from a long-lived thread, e.g. with ``start_async``).
     """
 
     def __init__(
@@ -107,6 +139,7 @@ class EmbeddedNats:
         max_payload: int | None = None,
         binary: Path | str | None = None,
         ready_timeout_s: float = 10.0,
+        die_with_parent: bool = False,
     ) -> None:
         if max_payload is not None and not 0 < max_payload <= _MAX_PAYLOAD_LIMIT:
             raise InvalidArgument(
@@ -117,6 +150,7 @@ class EmbeddedNats:
         self.host = host
         self.max_payload = max_payload
         self.ready_timeout_s = ready_timeout_s
+        self.die_with_parent = die_with_parent
         self._requested_port = port
         self._port: int | None = port or None
         self._binary = Path(binary) if binary is not None else None
@@ -147,7 +181,14 @@ class EmbeddedNats:
 
     @property
     def running(self) -> bool:
+        """Whether the server process is alive (checking also reaps one that has exited)."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of the last server process (negative: killed by that signal), None
+        while it runs or before any start."""
+        return self._proc.poll() if self._proc is not None else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,28 +200,59 @@ class EmbeddedNats:
         """
         if self.running:
             return self
+        binary, ports = self._prepare()
+        for attempt, port in enumerate(ports):
+            try:
+                self._spawn(binary, port)
+                self._wait_ready(port)
+            except Unavailable as exc:
+                if not self._failed_attempt(exc, attempt, len(ports)):
+                    raise
+                continue
+            return self._started(port)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def start_async(self) -> EmbeddedNats:
+        """``start()`` for an event loop: the process is spawned from the calling thread (so
+        ``die_with_parent`` follows the loop's thread, not a worker's) and the wait for
+        readiness runs in a worker thread."""
+        if self.running:
+            return self
+        binary, ports = self._prepare()
+        for attempt, port in enumerate(ports):
+            try:
+                self._spawn(binary, port)
+                await asyncio.to_thread(self._wait_ready, port)
+            except Unavailable as exc:
+                if not self._failed_attempt(exc, attempt, len(ports)):
+                    raise
+                continue
+            return self._started(port)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _prepare(self) -> tuple[Path, list[int]]:
+        """The binary and the ports to try: the fixed or previous port (a restart after a crash
+        keeps the URL clients know), else up to three free ones."""
         binary = (
             _check_binary(self._binary, source="binary=")
             if self._binary is not None
             else find_nats_server()
         )
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        attempts = 3 if self._requested_port == 0 else 1
-        for attempt in range(attempts):
-            port = self._requested_port or _free_port(self.host)
-            try:
-                self._spawn(binary, port)
-                self._wait_ready(port)
-            except Unavailable as exc:
-                self._kill()
-                retry = attempt + 1 < attempts and _ADDR_IN_USE in str(exc)
-                if not retry:
-                    raise
-                continue
-            self._port = port
-            atexit.register(self.stop)
-            return self
-        raise AssertionError("unreachable")  # pragma: no cover
+        fixed = self._requested_port or self._port
+        if fixed:
+            return binary, [fixed]
+        return binary, [_free_port(self.host) for _ in range(3)]
+
+    def _failed_attempt(self, exc: Unavailable, attempt: int, attempts: int) -> bool:
+        """Clean up a failed start; True when another port should be tried."""
+        self._kill()
+        return attempt + 1 < attempts and _ADDR_IN_USE in str(exc)
+
+    def _started(self, port: int) -> EmbeddedNats:
+        self._port = port
+        atexit.register(self.stop)
+        return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, wait up to ``timeout_s`` (JetStream flushes its store), then SIGKILL.
@@ -223,6 +295,7 @@ class EmbeddedNats:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=parent_death_signal(signal.SIGKILL) if self.die_with_parent else None,
             )
 
     def _wait_ready(self, port: int) -> None:

@@ -464,7 +464,7 @@ async def test_remote_vector_env_final_obs_rows_for_nested_spaces(address: str) 
     """RemoteVectorEnv (sync, on its own loop) in a worker thread while this loop serves."""
 
     def run() -> dict:
-        envs = RemoteVectorEnv(address, NESTED_ID, 2)
+        envs = RemoteVectorEnv(address, NESTED_ID, 2, autoreset_mode="SameStep")
         try:
             envs.reset(seed=0)
             moves = np.zeros((2, 2), np.float32)
@@ -503,3 +503,235 @@ async def test_server_shutdown_ends_sessions_with_unavailable() -> None:
     finally:
         assert await s.close() == 0
         await s.close()  # idempotent
+
+
+# --------------------------------------------------------------------------- bounded inputs
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+def violated_field(status) -> str:
+    bad = error_details_pb2.BadRequest()
+    for detail in status.details:
+        if detail.Unpack(bad):
+            return bad.field_violations[0].field
+    return ""
+
+
+async def exchange(
+    address: str, requests: list[env_pb2.SessionRequest]
+) -> list[env_pb2.SessionResponse]:
+    """Send each request on one raw stream, reading its answer before the next; then close."""
+    async with channel(address) as ch:
+        call = env_pb2_grpc.EnvServiceStub(ch).Session()
+        answers = []
+        for i, request in enumerate(requests, 1):
+            request.request_id = i
+            await call.write(request)
+            answers.append(await call.read())
+        await call.done_writing()
+        assert [a.request_id for a in answers] == list(range(1, len(requests) + 1))
+        assert await call.code() == grpc.StatusCode.OK
+        return answers
+
+
+def create(**kwargs) -> env_pb2.SessionRequest:
+    kwargs.setdefault("env_id", "CartPole-v1")
+    kwargs.setdefault("num_envs", 2)
+    request = env_pb2.SessionRequest(create=env_pb2.CreateRequest(**kwargs))
+    return request
+
+
+def reset(**kwargs) -> env_pb2.SessionRequest:
+    return env_pb2.SessionRequest(reset=env_pb2.ResetRequest(**kwargs))
+
+
+def with_struct(request: env_pb2.SessionRequest, field: str, value: dict) -> env_pb2.SessionRequest:
+    kind = request.WhichOneof("request")
+    getattr(getattr(request, kind), field).update(value)
+    return request
+
+
+def step(actions: np.ndarray) -> env_pb2.SessionRequest:
+    return env_pb2.SessionRequest(step=env_pb2.StepRequest(actions=tensor.encode_tree(actions)))
+
+
+async def test_bad_create_requests_are_invalid_argument_naming_the_field(address: str) -> None:
+    """Each used to be accepted, or INTERNAL ("KeyError: 77", "ValueError: ... Infinity")."""
+    bad = [
+        (create(autoreset_mode=77), "create.autoreset_mode"),
+        (create(seed=-1), "create.seed"),
+        (create(render_mode="human3d"), "create.render_mode"),
+        (create(render_mode="human"), "create.render_mode"),
+        (with_struct(create(), "kwargs", {"x": float("nan")}), "create.kwargs.x"),
+        (
+            with_struct(create(), "kwargs", {"a": {"b": [1.0, float("inf")]}}),
+            "create.kwargs.a.b[1]",
+        ),
+        (with_struct(create(), "kwargs", {"render_mode": "human"}), "create.kwargs.render_mode"),
+    ]
+    answers = await exchange(address, [r for r, _ in bad] + [create(seed=3), reset()])
+    for (request, field), answer in zip(bad, answers, strict=False):
+        assert answer.error.code == INVALID, request
+        assert violated_field(answer.error) == field, answer.error.message
+        assert not answer.HasField("create")
+    assert answers[-2].error.code == 0 and answers[-2].create.num_envs == 2  # still serving
+    assert answers[-1].error.code == 0 and answers[-1].reset.observations.tensor.shape == [2, 4]
+    await wait_active(0)
+
+
+async def test_bad_resets_are_invalid_argument_and_the_pool_keeps_serving(address: str) -> None:
+    bad = [
+        (reset(seed=-1), "reset.seed"),
+        (with_struct(reset(), "options", {"low": float("nan")}), "reset.options.low"),
+        (with_struct(reset(), "options", {"low": "x"}), "reset.options"),  # CartPole: ValueError
+        (with_struct(reset(), "options", {"low": 1, "high": 0}), "reset.options"),
+        (reset(env_indices=[0, 0]), "reset.env_indices"),
+        (reset(env_indices=[0, 1, 0]), "reset.env_indices"),
+        (reset(env_indices=[2]), "reset.env_indices"),
+    ]
+    requests = [create(seed=0), reset(seed=0)] + [r for r, _ in bad]
+    # An env that raised on its options may be half reset: the pool wants a full reset again.
+    requests += [reset(seed=1), reset(env_indices=[1]), step(np.zeros(2, np.int64))]
+    answers = await exchange(address, requests)
+    for (request, field), answer in zip(bad, answers[2:], strict=False):
+        assert answer.error.code == INVALID, request
+        assert violated_field(answer.error) == field, answer.error.message
+    assert answers[-3].error.code == 0 and answers[-2].error.code == 0
+    assert answers[-2].reset.observations.tensor.shape == [2, 4]
+    assert answers[-1].error.code == 0 and answers[-1].step.rewards.shape == [2]
+
+
+async def test_huge_duplicate_env_indices_are_rejected_before_any_work(address: str) -> None:
+    """300,000 copies of index 0 used to reset env 0 300,000 times (2.9 s, loop blocked)."""
+    many = reset(env_indices=[0] * 300_000)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answers = await exchange(address, [create(), reset(), many, step(np.zeros(2, np.int64))])
+    assert loop.time() - started < 2.0
+    assert answers[2].error.code == INVALID
+    assert violated_field(answers[2].error) == "reset.env_indices"
+    assert "300000 env indices for a pool of 2" in answers[2].error.message
+    assert answers[3].error.code == 0  # still serving
+
+
+async def test_overflowing_action_shape_is_invalid_argument(address: str) -> None:
+    actions = tensor_pb2_tree([0, 2**62, 2**62])
+    answers = await exchange(address, [create(), reset(), actions, step(np.zeros(2, np.int64))])
+    assert answers[2].error.code == INVALID  # was INTERNAL ("ValueError: array is too big")
+    assert "too large" in answers[2].error.message
+    assert answers[3].error.code == 0
+
+
+def tensor_pb2_tree(shape: list[int]) -> env_pb2.SessionRequest:
+    request = step(np.zeros(2, np.int64))
+    request.step.actions.tensor.ClearField("shape")
+    request.step.actions.tensor.shape.extend(shape)
+    request.step.actions.tensor.data = b""
+    return request
+
+
+async def test_render_rejects_duplicates(address: str) -> None:
+    """120 copies of one index used to build 86 MB and kill the stream (message too large)."""
+    render = env_pb2.SessionRequest(render=env_pb2.RenderRequest(env_indices=[0] * 120))
+    again = env_pb2.SessionRequest(render=env_pb2.RenderRequest(env_indices=[1, 0]))
+    answers = await exchange(address, [create(render_mode="rgb_array"), reset(), render, again])
+    assert answers[2].error.code == INVALID
+    assert violated_field(answers[2].error) == "render.env_indices"
+    assert answers[3].error.code == 0 and list(answers[3].render.frames.shape) == [2, 400, 600, 3]
+
+
+@contextlib.asynccontextmanager
+async def env_server(name: str, **settings) -> AsyncIterator[str]:
+    """One more env server (service.main) with its own settings."""
+    ctx = ServiceContext(
+        name=name, kind="env_server", settings=EnvServerSettings(**settings), port=free_port()
+    )
+    serving = asyncio.create_task(main(ctx))
+    address = f"127.0.0.1:{ctx.port}"
+    try:
+        async with channel(address) as ch:
+            stub = env_pb2_grpc.EnvServiceStub(ch)
+            await stub.ListEnvs(
+                env_pb2.ListEnvsRequest(filter="x"), wait_for_ready=True, timeout=30
+            )
+        yield address
+    finally:
+        ctx.stop_event.set()
+        await asyncio.wait_for(serving, 30)
+
+
+async def test_render_over_the_message_limit_is_resource_exhausted_in_band() -> None:
+    # Two CartPole frames are 1.44 MB, over a 1 MiB server limit; one (720 KB) fits.
+    async with env_server("env-render-limit", max_message_bytes=1 << 20) as address:
+        answers = await exchange(
+            address,
+            [
+                create(render_mode="rgb_array"),
+                reset(),
+                env_pb2.SessionRequest(render=env_pb2.RenderRequest(env_indices=[0, 1])),
+                env_pb2.SessionRequest(render=env_pb2.RenderRequest(env_indices=[1])),
+            ],
+        )
+    assert answers[2].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert violated_field(answers[2].error) == "render.env_indices"
+    assert "render fewer envs" in answers[2].error.message
+    assert answers[3].error.code == 0 and list(answers[3].render.frames.shape) == [1, 400, 600, 3]
+
+
+async def test_idle_sessions_are_ended_with_unavailable_and_free_their_slot() -> None:
+    name = "env-idle"
+
+    def active() -> float:
+        return REGISTRY.get_sample_value("rlfleet_env_sessions_active", {"server": name}) or 0.0
+
+    async with env_server(name, max_sessions=1, session_idle_timeout_s=0.3) as address:
+        idle = await cartpole(address, 2)
+        try:
+            assert active() == 1
+            async with asyncio.timeout(10):
+                while active():  # freed by the server, without any word from the client
+                    await asyncio.sleep(0.02)
+            with pytest.raises(Unavailable, match="session_idle_timeout_s") as err:
+                await idle.step(np.zeros(2, np.int64))
+            assert "no request for 0.3s" in str(err.value)
+        finally:
+            await idle.close()
+        busy = await cartpole(address, 2)  # the slot is free again; a busy session lives on
+        try:
+            for _ in range(4):
+                await asyncio.sleep(0.15)
+                await assert_still_serving(busy, 2)
+        finally:
+            await busy.close()
+        async with channel(address) as ch:  # raw: the stream ends with the status
+            call = env_pb2_grpc.EnvServiceStub(ch).Session()
+            await call.write(create())
+            assert (await call.read()).error.code == 0
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "session_idle_timeout_s" in (info.value.details() or "")
+
+
+async def test_float64_rewards_render_metadata_and_per_env_seeds(address: str) -> None:
+    """CreateRequest.float64_rewards, CreateResponse.render_modes/render_fps, ResetRequest.seeds."""
+    local = gym.make("Pendulum-v1")
+    async with session(address) as s:
+        info = await s.create("Pendulum-v1", 3, float64_rewards=True)
+        assert info.render_modes == ("rgb_array",) and info.render_fps == 30
+        obs, _ = await s.reset(seed=[4, None, 9])
+        np.testing.assert_array_equal(obs[2], local.reset(seed=9)[0])
+        np.testing.assert_array_equal(obs[0], local.reset(seed=4)[0])
+        result = await s.step(np.full((3, 1), 0.5, np.float32))
+        want = local.step(np.array([0.5], np.float32))[1]
+        assert result.rewards.dtype == np.float64 and result.rewards[0] == want
+        with pytest.raises(InvalidArgument, match="2 seeds for 3 environments") as err:
+            await s.reset(seed=[1, 2])
+        assert err.value.field == "reset.seeds"
+        obs, _ = await s.reset(seed=[7], env_indices=[1])
+        np.testing.assert_array_equal(obs[1], local.reset(seed=7)[0])
+    async with session(address) as s:
+        await s.create("Pendulum-v1", 2)
+        await s.reset(seed=0)
+        assert (await s.step(np.zeros((2, 1), np.float32))).rewards.dtype == np.float32

@@ -4,7 +4,8 @@ The server runs in this process, on the test loop, with the test plugins of
 tests/plugins/rewards_plugin.py added as entry points (nothing installed). The reward-model test
 builds a tiny Qwen2 classifier and a character-level tokenizer in a temporary folder and serves
 it through the real from_pretrained path; it has its own server, so the other tests do not pay
-for importing transformers.
+for importing transformers. The plugins that try to take the server down (SystemExit, blocking
+calls, ...) have a server of their own too, with a small worker pool.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import grpc
 import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from reward_service.client import RewardClient
+from reward_service.client import SERVICE_NAME, RewardClient
 from reward_service.service import RewardSettings, serve
 from reward_service.settings import RewardModelSettings
 from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
@@ -341,6 +343,137 @@ async def test_list_rewards(client: RewardClient) -> None:
     assert infos["slow"].kind == "plugin" and infos["slow"].default_timeout_s == 0.3
     assert infos["ratio"].extra_keys == ("target",)
     assert infos["soft_overlong"].default_timeout_s == 10.0
+
+
+# --------------------------------------------------------------------------- unruly plugins
+
+UNRULY = [
+    "exits",
+    "interrupts",
+    "generator_exit",
+    "async_exits",
+    "async_interrupts",
+    "async_cancels_itself",
+    "sleeps",
+    "async_sleeps",
+    "hangs",
+    "async_hangs",
+]
+BLOCK_S = 3.0  # tests/plugins/rewards_plugin.py:BLOCK_S, how long sleeps and async_sleeps block
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def unruly() -> AsyncIterator[str]:
+    settings = RewardSettings(
+        worker_threads=8, max_threads_per_function=4, max_stuck_calls=2, max_concurrent_requests=8
+    )
+    extra = [
+        EntryPoint(name, f"tests.plugins.rewards_plugin:{name}", "rlfleet.rewards")
+        for name in UNRULY
+    ]
+    address, ctx, serving = await start(settings, extra_entry_points=extra)
+    yield address
+    ctx.stop_event.set()
+    await asyncio.wait_for(serving, 30)
+
+
+async def health(address: str) -> int:
+    async with channel(address) as ch:
+        answer = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5
+        )
+    return answer.status
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "message"),
+    [
+        ("exits", grpc.StatusCode.INTERNAL, "reward 'exits' raised SystemExit: 3"),
+        ("interrupts", grpc.StatusCode.INTERNAL, "reward 'interrupts' raised KeyboardInterrupt"),
+        ("generator_exit", grpc.StatusCode.INTERNAL, "raised GeneratorExit"),
+        ("async_exits", grpc.StatusCode.INTERNAL, "reward 'async_exits' raised SystemExit: 4"),
+        ("async_interrupts", grpc.StatusCode.INTERNAL, "raised KeyboardInterrupt"),
+        ("async_cancels_itself", grpc.StatusCode.INTERNAL, "raised CancelledError: plugin's own"),
+        ("sleeps", grpc.StatusCode.DEADLINE_EXCEEDED, "reward 'sleeps' ran out of its 0.3s"),
+        ("async_sleeps", grpc.StatusCode.DEADLINE_EXCEEDED, "'async_sleeps' ran out of its 0.3s"),
+    ],
+)
+async def test_a_plugin_cannot_stop_or_stall_the_server(
+    unruly: str, name: str, code: grpc.StatusCode, message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    items = [{"completion": GOOD}, {"completion": "x"}]
+    async with RewardClient(unruly) as first, RewardClient(unruly) as other:
+        started = time.monotonic()
+        unruly_call = asyncio.create_task(
+            first.score(items, [(name, 1.0, None, 0.3), ("format", 1.0)], timeout_s=10)
+        )
+        await asyncio.sleep(0.1)  # the plugin is running (blocking, for the sleepers) by now
+        asked = time.monotonic()
+        [answer] = await other.score([{"completion": GOOD}], [("format", 1.0)], timeout_s=10)
+        other_latency = time.monotonic() - asked
+        results = await unruly_call
+        elapsed = time.monotonic() - started
+    # Another client is answered at once, not after the plugin's BLOCK_S.
+    assert other_latency < BLOCK_S / 6
+    assert answer.scores["format"].score == 1.0
+    # The call itself answers within its budget, with the plugin's failure in-band.
+    assert elapsed < 0.3 + 1.2 < BLOCK_S
+    for r in results:
+        score = r.scores[name]
+        assert score.status == "error" and score.error.code == code
+        assert message in score.error.message
+        assert r.scores["format"].status == "ok"  # the other function is unaffected
+    assert [r.total for r in results] == [1.0, 0.0]
+    assert await health(unruly) == health_pb2.HealthCheckResponse.SERVING
+    # Logged once, naming the plugin and what it did (the batch and each item raised: 3 calls).
+    logged = [
+        r for r in caplog.records if r.levelname == "WARNING" and f"reward '{name}'" in r.message
+    ]
+    assert len(logged) == 1, [r.message for r in logged]
+    what = "overran its 0.3s budget" if code == grpc.StatusCode.DEADLINE_EXCEEDED else message
+    assert what in logged[0].getMessage()
+
+
+@pytest.mark.parametrize("name", ["hangs", "async_hangs"])
+async def test_a_plugin_that_keeps_hanging_becomes_unavailable_then_recovers(
+    unruly: str, name: str
+) -> None:
+    """Its stuck calls hold at most max_stuck_calls=2 of the 8 workers; after that its items are
+    UNAVAILABLE without calling it, until a stuck call returns (each blocks 1.5 s)."""
+    rewards = [(name, 1.0, None, 0.2), ("format", 1.0)]
+    item = [{"completion": GOOD}]
+    async with RewardClient(unruly) as client:
+        started = time.monotonic()
+        for _ in range(2):
+            [r] = await client.score(item, rewards)
+            assert r.scores[name].error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        asked = time.monotonic()
+        [r] = await client.score(item, rewards)
+        assert time.monotonic() - asked < 0.15  # refused at once, not after its 0.2 s budget
+        refused = r.scores[name]
+        assert refused.status == "error" and refused.error.code == grpc.StatusCode.UNAVAILABLE
+        assert f"reward '{name}' is unavailable: 2 earlier calls overran" in refused.error.message
+        assert r.scores["format"].score == 1.0 and r.total == 1.0
+        assert await health(unruly) == health_pb2.HealthCheckResponse.SERVING
+        # Both stuck calls have returned 1.5 s after they started (for the async one, the
+        # second never started: it was cancelled as soon as the loop was free).
+        await asyncio.sleep(max(0.0, started + 2.0 - time.monotonic()))
+        [r] = await client.score(item, [(name, 1.0, None, 5.0)])
+        assert r.scores[name].status == "ok" and r.scores[name].score == 1.0
+
+
+async def test_cancelled_request_abandons_the_plugin_call(unruly: str) -> None:
+    """The caller's cancellation is the server's own: it propagates, and the server goes on."""
+    async with RewardClient(unruly) as client:
+        call = asyncio.create_task(client.score([{"completion": "x"}], [("async_sleeps", 1.0)]))
+        await asyncio.sleep(0.2)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        asked = time.monotonic()
+        [r] = await client.score([{"completion": GOOD}], [("format", 1.0)])
+        assert time.monotonic() - asked < BLOCK_S / 6 and r.total == 1.0
+    assert await health(unruly) == health_pb2.HealthCheckResponse.SERVING
 
 
 # --------------------------------------------------------------------------- reward model

@@ -89,6 +89,19 @@ async def chat(requests, context: grpc.aio.ServicerContext):
         yield act(request)
 
 
+async def decoded(request: health_pb2.HealthCheckRequest, context) -> bytes:
+    return request.service.encode()
+
+
+async def decoded_count(request: health_pb2.HealthCheckRequest, context):
+    yield request.service.encode()
+
+
+async def decoded_chat(requests, context):
+    async for request in requests:
+        yield request.service.encode()
+
+
 PROBE = grpc.method_handlers_generic_handler(
     SERVICE,
     {
@@ -97,6 +110,16 @@ PROBE = grpc.method_handlers_generic_handler(
         "CountWriter": grpc.unary_stream_rpc_method_handler(count_writer),
         "Join": grpc.stream_unary_rpc_method_handler(join),
         "Chat": grpc.stream_stream_rpc_method_handler(chat),
+        # Protobuf requests, to send undecodable bytes to.
+        "Decode": grpc.unary_unary_rpc_method_handler(
+            decoded, request_deserializer=health_pb2.HealthCheckRequest.FromString
+        ),
+        "DecodeCount": grpc.unary_stream_rpc_method_handler(
+            decoded_count, request_deserializer=health_pb2.HealthCheckRequest.FromString
+        ),
+        "DecodeChat": grpc.stream_stream_rpc_method_handler(
+            decoded_chat, request_deserializer=health_pb2.HealthCheckRequest.FromString
+        ),
     },
 )
 
@@ -229,6 +252,43 @@ async def test_plain_exception_arrives_as_internal_naming_the_type(chan):
     assert info.value.details() == "ValueError: negative length"
     status = rpc_status.from_call(info.value)
     assert status is not None and bad_request_fields(status) == []
+
+
+# Field 1 (service, length-delimited) claiming 127 bytes that never come: protobuf cannot parse it.
+GARBAGE = b"\x0a\x7fabc"
+
+
+async def test_undecodable_unary_request_is_invalid_argument_and_the_server_keeps_serving(chan):
+    before = health_pb2.HealthCheckRequest(service="cart").SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await chan.unary_unary(method("Decode"))(GARBAGE, timeout=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # grpc alone: UNKNOWN
+    assert "cannot be decoded" in info.value.details()
+    assert type(from_rpc_error(info.value)) is InvalidArgument
+    assert len(dict(info.value.trailing_metadata())["x-request-id"]) == 32
+    code = {"method": method("Decode"), "code": "INVALID_ARGUMENT"}
+    assert REGISTRY.get_sample_value("rlfleet_grpc_server_handled_total", code) >= 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await chan.unary_unary("/grpc.health.v1.Health/Check")(GARBAGE, timeout=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # services' own handlers too
+    assert await chan.unary_unary(method("Decode"))(before, timeout=2) == b"cart"
+
+
+async def test_undecodable_streamed_requests_are_invalid_argument(chan):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in chan.unary_stream(method("DecodeCount"))(GARBAGE, timeout=2):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    good = health_pb2.HealthCheckRequest(service="a").SerializeToString()
+    call = chan.stream_stream(method("DecodeChat"))(iter([good, GARBAGE]), timeout=2)
+    got = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in call:
+            got.append(response)
+    assert got == [b"a"]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot be decoded" in info.value.details()
+    assert [r async for r in chan.unary_stream(method("DecodeCount"))(good, timeout=2)] == [b"a"]
 
 
 async def test_handler_abort_is_left_alone(chan):

@@ -20,11 +20,24 @@ import torch
 
 from common.weights import Chunk, WeightsCorrupted, encode_chunk, parse_chunk
 from learner.client import fetch_weights
-from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service, announce
+from learner.weights import (
+    MIN_CHUNK_BYTES,
+    SERVICE_NAME,
+    WeightServicer,
+    WeightStore,
+    add_weight_service,
+    announce,
+)
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import weights_pb2, weights_pb2_grpc
 from services.bus import MSG_ID_HEADER, Bus, events_subject
-from services.errors import FailedPrecondition, NotFound, Unavailable
+from services.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    from_rpc_error,
+)
 from services.server import GrpcServer, channel
 
 MiB = 1 << 20
@@ -253,6 +266,27 @@ async def test_bad_ranges_are_invalid_argument() -> None:
                 async for _ in stub.FetchWeights(request, timeout=5):
                     pass
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+
+
+@pytest.mark.parametrize("size", [1, 4096, MIN_CHUNK_BYTES - 1])
+async def test_tiny_chunks_are_invalid_argument_and_the_minimum_is_served(size: int) -> None:
+    """max_chunk_bytes=1 used to stream one message per byte (36,620 for a 36 KB policy)."""
+    store = WeightStore("demo")
+    store.publish(policy().state_dict())
+    payload = bytes(store.get(0).payload)
+    async with serving(WeightServicer(store)) as address, channel(address) as chan:
+        stub = weights_pb2_grpc.WeightServiceStub(chan)
+        request = weights_pb2.FetchWeightsRequest(version=0, max_chunk_bytes=size)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.FetchWeights(request, timeout=5):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(MIN_CHUNK_BYTES) in info.value.details()
+        assert type(from_rpc_error(info.value)) is InvalidArgument
+        request = weights_pb2.FetchWeightsRequest(version=0, max_chunk_bytes=MIN_CHUNK_BYTES)
+        chunks = [c async for c in stub.FetchWeights(request, timeout=5)]  # still serving
+    assert all(len(c.data) <= MIN_CHUNK_BYTES for c in chunks)
+    assert b"".join(c.data for c in chunks) == payload
 
 
 async def test_latest_before_any_publish_is_unavailable() -> None:

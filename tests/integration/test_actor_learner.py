@@ -26,7 +26,7 @@ from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service, announce
 from rlfleet.bus.v1 import trajectory_pb2
-from sampler.actors.service import GameActor
+from sampler.actors.actor import GameActor
 from sampler.actors.settings import GameActorSettings
 from services.bus import Bus, stream_name, traj_subject
 from services.ports import free_port

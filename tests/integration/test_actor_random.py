@@ -26,7 +26,7 @@ from common import tensor
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
-from sampler.actors.service import GameActor
+from sampler.actors.actor import GameActor
 from sampler.actors.settings import GameActorSettings
 from services.bus import MSG_ID_HEADER, Bus, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument

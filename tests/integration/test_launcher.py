@@ -7,14 +7,20 @@ the embedded nats-server gets its store dir inside it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
+import itertools
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,9 +182,12 @@ def test_services_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
         while service_pid in pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert service_pid not in pids_mentioning(str(run_dir))
-        assert "launcher (pid" in (run_dir / "logs" / "hb-a.log").read_text()
+        # The parent-death SIGTERM usually wins the race with the orphan poll; both stop it.
+        log = (run_dir / "logs" / "hb-a.log").read_text()
+        assert "received SIGTERM: stopping" in log or "launcher (pid" in log, log
+        assert_nothing_left(run_dir)  # nats-server too (parent-death SIGKILL)
     finally:
-        for pid in pids_mentioning(str(run_dir)):  # the orphaned nats-server, started by this test
+        for pid in pids_mentioning(str(run_dir)):  # whatever is left, started by this test
             os.kill(pid, signal.SIGKILL)
 
 
@@ -209,3 +218,148 @@ def test_event_lines_per_message_type() -> None:
     assert format_event("rlfleet.v1.events.r.metrics", b"xy", unknown) == (
         "[metrics] <other.Thing: 2 bytes>"
     )
+
+
+# --- the console: progress line, --verbose, metrics.jsonl --------------------------------------
+
+
+class TimedUp(Up):
+    """`Up` that also notes when each output line arrived."""
+
+    def _read(self) -> None:
+        self.stamps: list[float] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stamps.append(time.monotonic())
+            self.lines.append(line.rstrip("\n"))
+
+
+def publish_like_a_learner(url: str, run: str, seconds: float, stop: threading.Event) -> None:
+    """What a learner sends the console, 10 times a second: Metrics (one long line each in
+    verbose mode) and a progress record; once, the resume notice."""
+    from rlfleet.bus.v1 import events_pb2
+    from services.bus import Bus, events_subject
+    from services.console import PROGRESS_EVENTS, progress_record
+
+    async def main() -> None:
+        bus = await Bus.connect(url, name="fake-learner")
+        try:
+            resumed = events_pb2.RunStatus(
+                run=run,
+                state=events_pb2.RUN_STATE_RUNNING,
+                source="learner",
+                message="resumed from checkpoint at update 84",
+            )
+            deadline = time.monotonic() + seconds
+            update = 84
+            while time.monotonic() < deadline and not stop.is_set():
+                update += 1
+                if update % 10 == 5:  # until the launcher's monitor is surely subscribed
+                    await bus.publish_event(events_subject(run, "status"), resumed)
+                scalars = {"charts/episodic_return": 475.0, "losses/approx_kl": 0.01}
+                metrics = events_pb2.Metrics(
+                    run=run, source="learner", step=update, scalars=scalars, policy_version=update
+                )
+                await bus.publish_event(events_subject(run, "metrics"), metrics)
+                record = progress_record(
+                    "learner",
+                    unit="update",
+                    done=update,
+                    total=1000,
+                    version=update,
+                    headline=[("reward", 0.41), ("tok/s", 6100.0)],
+                )
+                await bus.publish_event(events_subject(run, PROGRESS_EVENTS), record)
+                await asyncio.sleep(0.1)
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def fake_learner(url: str, run: str, seconds: float) -> Iterator[None]:
+    stop = threading.Event()
+    thread = threading.Thread(target=publish_like_a_learner, args=(url, run, seconds, stop))
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def console_config(tmp_path: Path, url: str) -> tuple[Path, Path]:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: hb-main
+          service: heartbeat
+          main: true
+          settings: {interval_s: 0.5, exit_after_s: 5}
+        """,
+    )
+    config.write_text(
+        config.read_text().replace("services:\n", f"nats: {{url: '{url}'}}\nservices:\n")
+    )
+    return config, run_dir
+
+
+PROGRESS_LINE = re.compile(
+    r"^itest  update (\d+)/1k  \d+%  reward 0\.41  tok/s 6\.1k  v\d+(  ETA \S+)?$"
+)
+
+
+def test_progress_line_once_per_interval_and_metrics_jsonl(
+    tmp_path: Path, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLFLEET_PROGRESS_INTERVAL_S", "1")
+    monkeypatch.delenv("RLFLEET_VERBOSE", raising=False)
+    config, run_dir = console_config(tmp_path, nats_url)
+    with fake_learner(nats_url, "itest", 9):
+        up = TimedUp(config)
+        assert up.wait() == 0, up.output
+    out = up.output
+    progress = [
+        (stamp, line)
+        for stamp, line in zip(up.stamps, up.lines, strict=True)
+        if PROGRESS_LINE.match(line)
+    ]
+    # ~4 s of 10 records a second: a line a second, not one a record (the last comes at the end).
+    assert 2 <= len(progress) <= 7, out
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(progress[:-1])]
+    assert all(gap >= 0.8 for gap in gaps), (gaps, out)
+    assert any("ETA " in line for _, line in progress), out
+    assert "[metrics] learner" not in out  # summarised by the progress line
+    assert re.search(r"\[metrics\] service=hb-main seq=\d+", out), out  # no progress record
+    assert "learner: resumed from checkpoint at update 84" in out
+    assert "main service hb-main finished" in out
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    services = {row["service"] for row in rows}
+    assert services == {"learner", "hb-main"}, services
+    learner = [row for row in rows if row["service"] == "learner"]
+    assert len(learner) > len(progress)  # every event, not one per interval
+    assert learner[0]["kind"] == "metrics" and learner[0]["values"]["losses/approx_kl"] == 0.01
+    assert all(isinstance(row["time"], float) for row in rows)
+    assert_nothing_left(run_dir)
+
+
+def test_verbose_prints_every_metrics_event(tmp_path: Path, nats_url: str) -> None:
+    config, run_dir = console_config(tmp_path, nats_url)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_PROGRESS_INTERVAL_S": "1"}
+    with fake_learner(nats_url, "itest", 9):
+        result = subprocess.run(
+            [sys.executable, "-m", "services.cli", "up", "--verbose", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    lines = re.findall(r"\[metrics\] learner step=\d+ version=\d+ .*losses/approx_kl=0\.01", out)
+    assert len(lines) >= 10, out  # one per event (10 a second)
+    assert any(PROGRESS_LINE.match(line) for line in out.splitlines()), out
+    assert_nothing_left(run_dir)

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from learner.lm.jobs import PRESET_NAMES
+from rlfleet.bus.v1 import events_pb2
+from services.bus import Bus, events_subject
 from services.ports import free_ports
 from services.registry import ServiceContext, get_job, get_service
 
@@ -26,13 +28,29 @@ pytestmark = pytest.mark.slow  # vLLM and whole runs: not in `make test-fast`
 RUN_TIMEOUT_S = 240.0
 
 
-async def run_job(kind: str, knobs: dict[str, Any], run_dir: Path, nats_url: str) -> dict[str, Any]:
-    """Expand ``kind`` with ``knobs`` and run every service until the main one returns."""
+async def run_job(
+    kind: str,
+    knobs: dict[str, Any],
+    run_dir: Path,
+    nats_url: str,
+    dropped: list[events_pb2.GroupsDropped] | None = None,
+) -> dict[str, Any]:
+    """Expand ``kind`` with ``knobs`` and run every service until the main one returns;
+    ``dropped`` collects the learner's GroupsDropped events."""
     spec = get_job(kind)
     settings = spec.settings.model_validate(knobs)
     assert spec.prepare is not None
     spec.prepare(settings, run_dir)
     run_name = f"{kind.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+    if dropped is not None:
+        bus = await Bus.connect(nats_url, name="test-drops")
+        sub = await bus.subscribe(events_subject(run_name, "dropped"), events_pb2.GroupsDropped)
+
+        async def collect() -> None:
+            async for delivery in sub:
+                dropped.append(delivery.message)
+
+        collecting = asyncio.create_task(collect())
     entries = spec.expand(settings, run_name)
     ports = free_ports(len(entries))
     endpoints = {e["name"]: f"127.0.0.1:{p}" for e, p in zip(entries, ports, strict=True)}
@@ -73,6 +91,12 @@ async def run_job(kind: str, knobs: dict[str, Any], run_dir: Path, nats_url: str
             name: r for name, r in zip(tasks, results, strict=True) if isinstance(r, Exception)
         }
         assert not failed, f"services failed: {failed}"
+        if dropped is not None:
+            await asyncio.sleep(0.5)  # the last events in flight
+            collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+            await sub.aclose()
+            await bus.close()
     return json.loads((run_dir / "final" / "rlfleet_run.json").read_text())
 
 
@@ -106,7 +130,8 @@ async def test_preset_runs_end_to_end(preset, tiny_model_dir, nats_server, tmp_p
         eval_every=1,
         checkpoint_every=1,
     )
-    summary = await run_job(preset, knobs, tmp_path / "run", nats_server.url)
+    dropped: list[events_pb2.GroupsDropped] = []
+    summary = await run_job(preset, knobs, tmp_path / "run", nats_server.url, dropped)
     assert summary["updates"] == 2
     assert summary["groups"] == 4  # groups_per_update x updates, none twice
     assert [e["eval/update"] for e in summary["evals"]] == [0.0, 1.0, 2.0]
@@ -118,6 +143,12 @@ async def test_preset_runs_end_to_end(preset, tiny_model_dir, nats_server, tmp_p
     ]
     applied = [e["id"] for e in ledger if e["status"] == "applied"]
     assert len(applied) == len(set(applied)) == 4
+    # Every group filtered out (or invalid) is announced to its driver as credit for another
+    # (DAPO's dynamic sampling would stall the drivers otherwise), and only those.
+    untrained = sorted(e["id"] for e in ledger if e["status"] in ("filtered", "invalid"))
+    announced = sorted(i for event in dropped for i in event.group_ids)
+    assert announced == untrained
+    assert all(e.producer == "rollout-0" and e.count == len(e.group_ids) for e in dropped)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)

@@ -35,15 +35,17 @@ def test_learner_final_policy_plays(tmp_path: Path) -> None:
     config = PolicyConfig(hidden_sizes=(16, 16))
     net = build_policy(*spaces, config)
     run = tmp_path / "runs" / "cartpole"
-    workload = SimpleNamespace(
-        engine=SimpleNamespace(named_weights=lambda dtype: net.state_dict()),
-        spaces=spaces,
-        settings=SimpleNamespace(env_id="CartPole-v1", env_kwargs={}, policy=config, algo="ppo"),
+    workload = GameWorkload.__new__(GameWorkload)  # no engine or bus: only what saving reads
+    workload.engine = SimpleNamespace(named_weights=lambda dtype: net.state_dict())  # type: ignore[assignment]
+    workload.spaces = spaces
+    workload.settings = SimpleNamespace(  # type: ignore[assignment]
+        env_id="CartPole-v1", env_kwargs={}, policy=config, algo="ppo"
     )
     progress = SimpleNamespace(version=7, samples=4096, updates=7)
-    GameWorkload.save_final(workload, run / "final", progress)  # type: ignore[arg-type]
+    workload.save_final(run / "final", progress)  # type: ignore[arg-type]
     description = json.loads((run / "final" / DESCRIPTION_FILE).read_text())
     assert description["env_id"] == "CartPole-v1" and description["version"] == 7
+    assert description["complete"] is True and "stopped_at_update" not in description
     assert description["global_step"] == 4096 and description["algo"] == "ppo"
     result = play(run, episodes=4)
     assert len(result.episodes) == 4 and all(e.length > 0 for e in result.episodes)

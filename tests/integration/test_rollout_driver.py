@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -134,3 +135,85 @@ async def test_driver_publishes_scored_groups_until_the_run_is_over(
         assert {c.reward for c in group.completions} <= {0.0, 1.0}
     calls = [fake.calls - b for (_, fake), b in zip(samplers, before, strict=True)]
     assert min(calls) >= 1 and max(calls) - min(calls) <= 1  # in turn over both samplers
+
+
+async def test_a_paced_driver_starts_another_group_for_each_one_the_learner_drops(
+    peers: tuple[list[tuple[str, FakeSampler]], str], nats_server: EmbeddedNats
+) -> None:
+    """No new version comes; the learner's GroupsDropped for this driver's own groups (not
+    another driver's) is what lets it start more."""
+    samplers, rewards = peers
+    run = f"t{uuid.uuid4().hex[:10]}"
+    settings = RolloutSettings(
+        sampler=[samplers[0][0]],
+        reward_service=rewards,
+        dataset={"generator": "arith", "seed": 4},
+        feed=True,
+        group_size=2,
+        prompts_per_call=1,
+        concurrency=1,
+        rewards=[RewardSpec(name="accuracy")],
+        groups_per_version=2,
+        max_policy_lag=0,
+        startup_timeout_s=30,
+    )
+    ctx = ServiceContext(
+        name="rollout-0", kind="rollout", settings=settings, run_name=run, nats_url=nats_server.url
+    )
+    running = asyncio.create_task(RolloutDriver(ctx, settings).run())
+    subject = events_subject(run, "dropped")
+
+    def dropped(producer: str, groups: list[trajectory_pb2.TrajectoryGroup]) -> Any:
+        return events_pb2.GroupsDropped(
+            run=run,
+            source="learner",
+            producer=producer,
+            count=len(groups),
+            reason="uniform",
+            group_ids=[g.group_id for g in groups],
+        )
+
+    async with Bus.connect(nats_server.url, name="test-learner") as bus:
+        for _ in range(100):
+            try:
+                await bus.js.stream_info(stream_name(run))
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        pulled = bus.pull(
+            stream_name(run), "learner", traj_subject(run), trajectory_pb2.TrajectoryGroup
+        )
+        arrived: asyncio.Queue[trajectory_pb2.TrajectoryGroup] = asyncio.Queue()
+
+        async def collect() -> None:  # a timed-out anext() would close the pull iterator
+            async for delivery in pulled:
+                await delivery.ack()
+                await arrived.put(delivery.message)
+
+        collecting = asyncio.create_task(collect())
+
+        async def next_group(timeout_s: float) -> trajectory_pb2.TrajectoryGroup | None:
+            try:
+                return await asyncio.wait_for(arrived.get(), timeout_s)
+            except TimeoutError:
+                return None
+
+        first = []
+        for _ in range(2):  # the credit of version 0
+            group = await next_group(20)
+            assert group is not None and group.source == "rollout-0"
+            first.append(group)
+        assert await next_group(1.5) is None  # waits for version 1
+        await bus.publish_event(subject, dropped("rollout-1", first))  # not this driver's
+        assert await next_group(1.5) is None
+        await bus.publish_event(subject, dropped("rollout-0", first[:1]))
+        third = await next_group(20)
+        assert third is not None and third.group_id not in {g.group_id for g in first}
+        assert await next_group(1.5) is None  # one group per credit
+        collecting.cancel()
+        await asyncio.gather(collecting, return_exceptions=True)
+        await pulled.aclose()
+        assert not running.done()
+        done = events_pb2.RunStatus(run=run, state=events_pb2.RUN_STATE_DONE, source="test")
+        await bus.publish_event(events_subject(run, "status"), done)
+        await asyncio.wait_for(running, 20)

@@ -48,3 +48,63 @@ async def async_echo(completions: list[str], prompts: list[str], **kwargs: Any) 
 
 
 NOT_CALLABLE = 42  # an entry point naming this is a start-up error
+
+
+# Plugins that try to take the server down with them (tests/contract/test_reward_service.py
+# serves them on a server of their own).
+BLOCK_S = 3.0  # how long the blocking ones block: far over their budget in the tests
+
+
+def exits(completions: list[str], **kwargs: Any) -> list[float]:
+    """Calls sys.exit, as a script-minded plugin might."""
+    raise SystemExit(3)
+
+
+def interrupts(completions: list[str], **kwargs: Any) -> list[float]:
+    """Raises KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
+def generator_exit(completions: list[str], **kwargs: Any) -> list[float]:
+    """Raises GeneratorExit outside any generator."""
+    raise GeneratorExit
+
+
+async def async_exits(completions: list[str], **kwargs: Any) -> list[float]:
+    """Async: calls sys.exit (a task raising SystemExit stops the loop that runs it)."""
+    await asyncio.sleep(0)
+    raise SystemExit(4)
+
+
+async def async_interrupts(completions: list[str], **kwargs: Any) -> list[float]:
+    """Async: raises KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
+async def async_cancels_itself(completions: list[str], **kwargs: Any) -> list[float]:
+    """Async: raises a CancelledError of its own (not the server cancelling it)."""
+    raise asyncio.CancelledError("plugin's own")
+
+
+def sleeps(completions: list[str], **kwargs: Any) -> list[float]:
+    """Blocks its thread for BLOCK_S."""
+    time.sleep(BLOCK_S)
+    return [1.0] * len(completions)
+
+
+async def async_sleeps(completions: list[str], **kwargs: Any) -> list[float]:
+    """Async, but blocks with time.sleep for BLOCK_S: freezes the loop it runs on."""
+    time.sleep(BLOCK_S)
+    return [1.0] * len(completions)
+
+
+def hangs(completions: list[str], **kwargs: Any) -> list[float]:
+    """Blocks its thread for 1.5 s each call (a function that keeps timing out)."""
+    time.sleep(1.5)
+    return [1.0] * len(completions)
+
+
+async def async_hangs(completions: list[str], **kwargs: Any) -> list[float]:
+    """Async, blocking its loop for 1.5 s each call."""
+    time.sleep(1.5)
+    return [1.0] * len(completions)

@@ -240,3 +240,37 @@ def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     bad = write(tmp_path, GOOD.replace("interval_s: 0.5", "interval_s: -1"), "bad.yaml")
     assert main(["validate", str(bad)]) == 2
     assert f"{bad}:7: services[0].settings.interval_s: Input should be" in capsys.readouterr().err
+
+
+def test_non_utf8_file_is_a_config_error_naming_file_line_and_offset(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(GOOD.encode().replace(b"  name: demo\n", b"  name: demo  # caf\xe9\n"))
+    offset = path.read_bytes().index(b"\xe9")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, environ={})
+    message = str(err.value)
+    assert message.startswith(f"{path}:2: not UTF-8 text: byte 0xe9 at offset {offset}")
+    assert "\n" not in message
+
+
+def test_validate_command_reports_non_utf8_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"run:\n  name: demo\n\xff\xfe\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"rlfleet: error: {path}:3: not UTF-8 text: byte 0xff at offset 18 " + (
+        "(invalid start byte); save the file as UTF-8\n"
+    )
+
+
+def test_embedded_nats_restarts_are_bounded_in_config(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD.replace("run:\n", "nats:\n  restarts: -1\nrun:\n", 1))
+    with pytest.raises(ConfigError, match=r"run.yaml:2: nats.restarts: Input should be greater"):
+        load_run_config(path, environ={})
+    assert RunConfig.model_validate({"run": {"name": "r"}, "services": [
+        {"name": "a", "service": "heartbeat"}]}).nats.restarts == 5  # fmt: skip

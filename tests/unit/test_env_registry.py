@@ -1,4 +1,5 @@
-"""env_server.registry: gymnasium ids, `rlfleet.envs` plugins of each kind, and clashes.
+"""env_server.registry: gymnasium ids, `rlfleet.envs` plugins of each kind, envs named by
+reference (module or file), and clashes.
 
 Plugin entry points are faked through services.registry's `_entry_points` seam; their targets
 are real objects in this module.
@@ -6,12 +7,15 @@ are real objects in this module.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from env_server import registry
 from services import registry as service_registry
@@ -111,3 +115,110 @@ def test_preload_checks_ids_at_start() -> None:
     registry.preload(["CartPole-v1", "flappy_bird_gymnasium:FlappyBird-v0"])
     with pytest.raises(ConfigError, match="preload: cannot create 'NoSuchEnv-v0'"):
         registry.preload(["NoSuchEnv-v0"])
+
+
+# --- envs named by reference in a run file ----------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "tests.plugins.envs_plugin"
+
+
+@pytest.fixture
+def references(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """A registry of references of this test's own (they are process-wide otherwise)."""
+    fresh: dict[str, object] = {}
+    monkeypatch.setattr(registry, "_REFERENCES", fresh)
+    return fresh
+
+
+def test_module_references_register_and_make_each_kind(references: dict[str, object]) -> None:
+    entry = registry.register(f"{MODULE}:Coin")
+    assert entry == registry.EnvEntry(f"{MODULE}:Coin", f"reference:module {MODULE}")
+    env = registry.make_env(f"{MODULE}:Coin", kwargs={"value": 0.25}, render_mode="ansi")
+    assert env.reset()[0].tolist() == [0.25] and env.render_mode == "ansi"
+    registry.register(f"{MODULE}:make_coin")
+    assert registry.make_env(f"{MODULE}:make_coin").step(1)[1] == 1.0
+    # An id the module registers on import, aliased by "module:Id" (and listed with its spec).
+    alias = registry.register(f"{MODULE}:RlfleetTestsCoin-v0")
+    assert alias.max_episode_steps == 7
+    assert registry.make_env(f"{MODULE}:RlfleetTestsCoin-v0").spec.id == "RlfleetTestsCoin-v0"
+    listed = [e.env_id for e in registry.list_local_envs("envs_plugin")]
+    assert listed == sorted(f"{MODULE}:{n}" for n in ("Coin", "make_coin", "RlfleetTestsCoin-v0"))
+    # Only registered references are served: a client cannot make a server import a module.
+    with pytest.raises(NotFound, match="unknown env id"):
+        registry.find_env(f"{MODULE}:NotRegistered")
+
+
+def test_a_file_reference_runs_through_preload_make_and_steps(
+    references: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # relative paths are from the current directory
+    ref = "examples/custom_env.py:Corridor"
+    registry.check_reference(ref)
+    registry.preload([ref])  # what the env server does at its start
+    assert registry.find_env(ref).source == f"reference:file {ROOT / 'examples/custom_env.py'}"
+    env = registry.make_env(ref, kwargs={"length": 3})
+    obs, _ = env.reset(seed=0)
+    assert obs.tolist() == [0.0]
+    steps = [env.step(1) for _ in range(2)]
+    assert [s[0].tolist() for s in steps] == [[0.5], [1.0]]
+    assert [s[1] for s in steps] == [-0.01, 1.0] and steps[-1][2]  # terminated at the exit
+    registry.preload(["examples/custom_env.py:make"])
+    assert registry.make_env("examples/custom_env.py:make").render() == "A......."
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        (f"{MODULE}:Con", f"module {MODULE} has no attribute 'Con' and registers no gymnasium id"),
+        (f"{MODULE}:Cion", "(did you mean 'Coin'?)"),
+        (f"{MODULE}:NotAnEnv", "class NotAnEnv is not a gymnasium.Env subclass"),
+        (f"{MODULE}:NUMBER", "NUMBER is a int, not a gymnasium.Env subclass, a callable"),
+        ("no_such_module_xyz:Env", "cannot import module no_such_module_xyz: ModuleNotFound"),
+        ("missing/envs.py:Env", "envs.py not found (relative paths are from the current"),
+        (":Env", "expected 'module:Name' or 'path/to/file.py:Name'"),
+    ],
+)
+def test_bad_references_fail_the_check_naming_them(ref: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        registry.check_reference(ref)
+    assert str(err.value).startswith(f"'{ref}' — ")
+
+
+def test_a_file_that_fails_to_import_and_a_factory_of_no_env(
+    references: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ValueError, match=r"importing .*broken.py failed: RuntimeError: boom"):
+        registry.check_reference("broken.py:Env")
+    with pytest.raises(ConfigError, match=r"preload: env 'broken.py:Env' — importing"):
+        registry.preload(["broken.py:Env"])
+    with pytest.raises(ConfigError, match=r"the factory returned int, not a gymnasium\.Env"):
+        registry.preload([f"{MODULE}:make_nothing"])
+
+
+def test_two_files_of_one_name_are_two_modules(tmp_path: Path) -> None:
+    for folder, value in (("a", 0.1), ("b", 0.2)):
+        (tmp_path / folder).mkdir()
+        body = f"from {MODULE} import Coin\n\ndef make():\n    return Coin({value})\n"
+        (tmp_path / folder / "envs.py").write_text(body)
+    makes = [registry._resolve(f"{tmp_path}/{f}/envs.py:make").target for f in ("a", "b")]
+    assert [m().value for m in makes] == [0.1, 0.2]
+    assert makes[0].__module__ != makes[1].__module__
+
+
+def test_a_reference_named_like_an_entry_point_is_an_error(
+    plugins: list[EntryPoint], references: dict[str, object]
+) -> None:
+    plugins.append(EntryPoint(f"{MODULE}:Coin", f"{HERE}:Constant", GROUP))
+    with pytest.raises(ConfigError, match=rf"'{MODULE}:Coin' is registered twice: as plugin:"):
+        registry.register(f"{MODULE}:Coin")
+
+
+def test_env_server_settings_check_references_at_validation() -> None:
+    from env_server.service import EnvServerSettings
+
+    EnvServerSettings(preload=[f"{MODULE}:Coin", "flappy_bird_gymnasium:FlappyBird-v0"])
+    with pytest.raises(ValidationError, match=rf"'{MODULE}:Coi' — module .* \(did you mean"):
+        EnvServerSettings(preload=[f"{MODULE}:Coi"])

@@ -114,3 +114,274 @@ def test_every_lm_job_kind_is_a_preset() -> None:
     from learner.lm.jobs import PRESET_NAMES
 
     assert set(PRESET_NAMES) <= set(PRESETS.names())
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (
+            "  num_actors: 100000\n",
+            "run.yaml:5: job.num_actors: Input should be less than or equal",
+        ),
+        ("  num_envs: 100000\n", "run.yaml:5: job.num_envs: Input should be less than or equal"),
+        ("  env_servers: 5000\n  num_envs: 5000\n", "env_servers=5000 is more than the 256"),
+        (
+            "  num_actors: 1000\n  num_envs: 1000\n",
+            "num_actors x num_envs = 1000 x 1000 = 1000000 envs, more than the 65536 allowed",
+        ),
+    ],
+)
+def test_counts_have_upper_bounds(tmp_path: Path, knobs: str, message: str) -> None:
+    body = "run: {name: r}\njob:\n  kind: ppo\n  env_id: CartPole-v1\n" + knobs
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert message in str(err.value)
+
+
+def test_largest_allowed_counts_still_validate() -> None:
+    from learner.jobs import MAX_ACTORS, GameJobSettings
+
+    settings = GameJobSettings(env_id="CartPole-v1", num_actors=MAX_ACTORS, num_envs=64)
+    assert settings.num_actors == MAX_ACTORS
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.settings
+
+    monkeypatch.delenv(learner.settings.SKIP_DEVICE_CHECK_ENV, raising=False)
+    monkeypatch.setattr(learner.settings, "_cuda_available", lambda: False)
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_cuda_device_without_cuda_fails_validation(tmp_path: Path) -> None:
+    body = "run: {name: r}\njob:\n  kind: ppo\n  env_id: CartPole-v1\n  device: cuda\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert "run.yaml:5: job.device: device 'cuda' but this host has no usable CUDA" in str(
+        err.value
+    )
+    # The learner's own settings check it too (a hand-written learner entry, no job).
+    from learner.settings import DeepSpeedSettings, LearnerSettings
+
+    with pytest.raises(ValueError, match="no usable CUDA device"):
+        LearnerSettings(device="cuda")
+    with pytest.raises(ValueError, match="no usable CUDA device"):
+        DeepSpeedSettings(device="cuda")
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_auto_and_cpu_devices_need_no_cuda_and_the_check_can_be_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from learner.settings import SKIP_DEVICE_CHECK_ENV, LearnerSettings
+
+    for device in ("auto", "cpu"):
+        body = f"run: {{name: r}}\njob:\n  kind: ppo\n  env_id: CartPole-v1\n  device: {device}\n"
+        config = load_run_config(_write(tmp_path, body), environ={})
+        assert config.service("learner").settings.device == device
+    monkeypatch.setenv(SKIP_DEVICE_CHECK_ENV, "1")  # validating for another (GPU) host
+    assert LearnerSettings(device="cuda").device == "cuda"
+
+
+def test_cuda_device_validates_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.settings
+
+    monkeypatch.setattr(learner.settings, "_cuda_available", lambda: True)
+    assert learner.settings.LearnerSettings(device="cuda").device == "cuda"
+
+
+# --- rewards and envs named by reference (module:name, path/to/file.py:name) -----------------
+
+BREVITY = "examples/custom_reward.py:brevity"
+CORRIDOR = "examples/custom_env.py:Corridor"
+
+
+@pytest.mark.parametrize("example", ["grpo_custom_reward.yaml", "ppo_custom_env.yaml"])
+def test_the_custom_reward_and_env_examples_validate(
+    example: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    monkeypatch.chdir(ROOT)  # the examples' file references are relative to the current directory
+    assert main(["validate", f"examples/{example}"]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: examples/{example}")
+
+
+def test_a_reward_reference_reaches_the_reward_service_and_the_drivers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(ROOT)
+    config = load_run_config("examples/grpo_custom_reward.yaml", environ={})
+    assert config.service("reward").settings.plugins == [BREVITY]  # registered at its start
+    driver = config.service("rollout-0").settings
+    assert [(r.name, r.kwargs) for r in driver.rewards] == [
+        ("accuracy", {}),
+        (BREVITY, {"max_chars": 16}),
+    ]
+
+
+def test_an_env_reference_is_preloaded_by_the_env_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    config = load_run_config("examples/ppo_custom_env.yaml", environ={})
+    assert config.service("env-0").settings.preload == [CORRIDOR]
+    assert config.service("actor-0").settings.env_id == CORRIDOR
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (
+            "{name: 'examples/custom_reward.py:brevty'}",
+            "run.yaml:7: job.rewards[1].name: 'examples/custom_reward.py:brevty' — module "
+            "custom_reward has no attribute 'brevty' (did you mean 'brevity'?)",
+        ),
+        (
+            "{name: 'tests.plugins.reference_rewards:scaled', kwargs: {scael: 2}}",
+            "run.yaml:7: job.rewards[1].kwargs: 'tests.plugins.reference_rewards:scaled' — "
+            "takes no keyword 'scael' (takes: scale)",
+        ),
+        (
+            "{name: 'tests.plugins.reference_rewards:needs_level'}",
+            "run.yaml:7: job.rewards[1].kwargs: 'tests.plugins.reference_rewards:needs_level' — "
+            "parameter 'level' has no default and nothing passes it",
+        ),
+        (
+            "{name: 'no/such/file.py:f'}",
+            "run.yaml:7: job.rewards[1].name: 'no/such/file.py:f' — file ",
+        ),
+    ],
+)
+def test_a_bad_reward_reference_fails_at_load_naming_key_and_line(
+    reward: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    body = (
+        "run: {name: r}\njob:\n  kind: grpo\n  model_path: m\n  rewards:\n"
+        f"  - {{name: accuracy}}\n  - {reward}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert message in str(err.value)
+
+
+def test_a_bad_env_reference_fails_at_load_naming_key_and_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    body = "run: {name: r}\njob:\n  kind: ppo\n  env_id: examples/custom_env.py:Coridor\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert (
+        "run.yaml:4: job.env_id: 'examples/custom_env.py:Coridor' — module custom_env has no "
+        "attribute 'Coridor' and registers no gymnasium id 'Coridor' (did you mean 'Corridor'?)"
+    ) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("knob", "message"),
+    [
+        (
+            "env_name: CartPole-v1",
+            "job.env_name: unknown key 'env_name' (rlfleet calls it 'env_id')",
+        ),
+        ("n_envs: 4", "job.n_envs: unknown key 'n_envs' (rlfleet calls it 'num_envs')"),
+        ("num_workers: 4", "job.num_workers: unknown key 'num_workers': use num_actors"),
+        ("n_timesteps: 10", "job.n_timesteps: unknown key 'n_timesteps' (rlfleet calls it "),
+        ("lr: 0.1", "job.lr: unknown key 'lr' (rlfleet calls it 'learning_rate')"),
+        ("ppo_epochs: 2", "job.ppo_epochs: unknown key 'ppo_epochs' (rlfleet calls it 'update_"),
+        ("gpu_ids: [0]", "job.gpu_ids: unknown key 'gpu_ids' (rlfleet calls it 'device')"),
+        ("batch_size: 64", "job.batch_size: unknown key 'batch_size': rlfleet's minibatch_size is"),
+        ("beta: 0.1", "job.beta: unknown key 'beta': game jobs have no KL penalty"),
+    ],
+)
+def test_game_job_aliases_point_at_the_rlfleet_knob(
+    tmp_path: Path, knob: str, message: str
+) -> None:
+    body = f"run: {{name: r}}\njob:\n  kind: ppo\n  env_id: CartPole-v1\n  {knob}\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert f"run.yaml:5: {message}" in str(err.value)
+    assert "did you mean" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("knob", "line", "message"),
+    [
+        ("beta: 0.1", 5, "job.beta: unknown key 'beta': use algo: {kl_beta: ...} (TRL/ms-swift"),
+        (
+            "num_generations: 4",
+            5,
+            "job.num_generations: unknown key 'num_generations' (rlfleet calls it 'group_size')",
+        ),
+        ("batch_size: 8", 5, "the rollout batch per update is groups_per_update x group_size"),
+        ("algo: {kl_bta: 0.1}", 5, "job.algo.kl_bta: unknown key 'kl_bta' (did you mean 'kl_beta'"),
+    ],
+)
+def test_lm_job_aliases_and_nested_keys(tmp_path: Path, knob: str, line: int, message: str) -> None:
+    body = f"run: {{name: r}}\njob:\n  kind: grpo\n  model_path: m\n  {knob}\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert f"run.yaml:{line}: job." in str(err.value) and message in str(err.value)
+
+
+def test_nested_algo_key_names_its_own_line(tmp_path: Path) -> None:
+    body = "run: {name: r}\njob:\n  kind: grpo\n  model_path: m\n  algo:\n    kl_beta: 0\n"
+    body += "    beta: 1\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert str(err.value).endswith(
+        "run.yaml:7: job.algo.beta: unknown key 'beta' (rlfleet calls it 'kl_beta')"
+    )
+
+
+def test_serve_job_alias(tmp_path: Path) -> None:
+    body = "run: {name: r}\njob:\n  kind: serve\n  model: m\n  api_key: k\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    assert "run.yaml:5: job.api_key: unknown key 'api_key': use api_keys: [{key: ...}]" in str(
+        err.value
+    )
+
+
+def test_aliases_point_at_real_knobs() -> None:
+    from gateway.jobs import ServeJobSettings
+    from learner.jobs import GameJobSettings
+    from learner.lm.jobs import LMJobSettings, RewardKnob
+
+    for model in (GameJobSettings, LMJobSettings, RewardKnob, ServeJobSettings):
+        assert model.aliases
+        for alias, hint in model.aliases.items():
+            assert alias not in model.model_fields, alias  # an alias never shadows a knob
+            assert hint in model.model_fields or " " in hint, (alias, hint)  # a knob or a line
+
+
+def test_flat_job_without_job_section_says_so(tmp_path: Path) -> None:
+    path = _write(tmp_path, "run: {name: r}\nkind: ppo\nenv_id: CartPole-v1\nnum_envs: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, environ={})
+    assert str(err.value) == (
+        f"{path}:2: kind: this looks like a job's knobs at the top level (kind, env_id, "
+        "num_envs); put them under `job:` (job: {kind: ppo, env_id: ...})"
+    )
+
+
+def test_flat_job_without_run_keeps_the_run_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "env_id: CartPole-v1\nkind: ppo\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, environ={})
+    message = str(err.value)
+    assert f"{path}:1: env_id: this looks like a job's knobs at the top level" in message
+    assert "run: Field required" in message and "services" not in message
+
+
+def test_job_knob_at_the_top_level_points_under_job(tmp_path: Path) -> None:
+    body = "run: {name: r}\ndevice: cpu\nlr: 0.1\njob:\n  kind: ppo\n  env_id: CartPole-v1\n"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, body), environ={})
+    message = str(err.value)
+    assert "run.yaml:2: device: unknown key 'device': a job knob at the top level; put it " \
+        "under `job:` (job.device)" in message  # fmt: skip
+    assert "run.yaml:3: lr: unknown key 'lr': job knobs go under `job:`, and rlfleet calls it " \
+        "job.learning_rate" in message  # fmt: skip
+    assert "services" not in message

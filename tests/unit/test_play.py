@@ -15,9 +15,11 @@ import torch
 
 from common.artifacts import (
     DESCRIPTION_FILE,
+    POLICY_STATE_KEY,
     WEIGHTS_FILE,
     LoadedPolicy,
     load_policy,
+    policy_description,
     resolve_policy_dir,
     save_policy,
 )
@@ -25,7 +27,7 @@ from common.policies import build_policy
 from common.policy_config import PolicyConfig
 from env_server.play import _FrameDir, play
 from services import cli
-from services.errors import ConfigError
+from services.errors import ConfigError, InvalidArgument
 
 CARTPOLE_OBS = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
 CARTPOLE_ACT = gym.spaces.Discrete(2)
@@ -113,8 +115,100 @@ def test_run_without_final_policy(run_dir: Path) -> None:
     for path in (run_dir / "final").iterdir():
         path.unlink()
     (run_dir / "final").rmdir()
-    with pytest.raises(ConfigError, match="run has no final policy"):
+    with pytest.raises(ConfigError, match=r"run has no final policy .* and no checkpoint"):
         resolve_policy_dir(run_dir)
+    (run_dir / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        resolve_policy_dir(run_dir)
+
+
+# ---------------------------------------------------------------- a run without final/: checkpoints
+
+
+def checkpoint(run: Path, tag: str, net: torch.nn.Module, described: bool = True) -> Path:
+    """A DeepSpeed ZeRO 0-2 checkpoint tag as the game learner leaves it: the rank-0 model
+    states file with ``module`` and the client state (``policy_description`` when described)."""
+    folder = run / "checkpoints" / tag
+    folder.mkdir(parents=True)
+    state = {
+        "module": net.state_dict(),
+        "ds_config": {"zero_optimization": {"stage": 2}},
+        "updates": 5,
+        "samples": 640,
+        "version": 5,
+        "returns": [10.0],
+    }
+    if described:
+        state[POLICY_STATE_KEY] = policy_description(
+            env_id="CartPole-v1", env_kwargs={}, observation_space=CARTPOLE_OBS,
+            action_space=CARTPOLE_ACT, policy=PolicyConfig(hidden_sizes=(8,)), algo="ppo",
+        )  # fmt: skip
+    torch.save(state, folder / "mp_rank_00_model_states.pt")
+    (run / "checkpoints" / "latest").write_text(tag)
+    return folder
+
+
+def without_final(run: Path) -> torch.nn.Module:
+    net = save(run / "final")
+    for path in (run / "final").iterdir():
+        path.unlink()
+    (run / "final").rmdir()
+    with torch.no_grad():
+        for tensor in net.parameters():
+            tensor.add_(0.5)  # differs from the policy save() builds
+    return net
+
+
+def assert_same_weights(loaded: LoadedPolicy, net: torch.nn.Module) -> None:
+    for name, tensor in net.state_dict().items():
+        torch.testing.assert_close(loaded.net.state_dict()[name], tensor)
+
+
+def test_run_without_final_plays_its_latest_checkpoint(run_dir: Path) -> None:
+    net = without_final(run_dir)
+    older = checkpoint(run_dir, "update-00000003", save(run_dir / "x"))
+    tag = checkpoint(run_dir, "update-00000005", net)
+    assert (
+        resolve_policy_dir(run_dir) == tag
+        and resolve_policy_dir("cartpole-ppo", run_dir.parent) == tag
+    )
+    for source in (run_dir, run_dir / "checkpoints", tag, tag / "mp_rank_00_model_states.pt"):
+        policy = load_policy(source)
+        assert policy.directory == tag and not policy.complete
+        assert policy.description["source"] == "checkpoint"
+        assert (policy.description["updates"], policy.description["global_step"]) == (5, 640)
+        assert policy.observation_space == CARTPOLE_OBS and policy.action_space == CARTPOLE_ACT
+        assert_same_weights(policy, net)
+    assert load_policy(older).directory == older
+    result = play(run_dir, episodes=2)
+    assert result.policy_note is not None and "update-00000005" in result.policy_note
+
+
+def test_checkpoint_without_description_rebuilds_from_the_run_config(run_dir: Path) -> None:
+    net = without_final(run_dir)
+    tag = checkpoint(run_dir, "update-00000005", net, described=False)
+    (run_dir / "config.yaml").write_text(
+        "run: {name: cartpole-ppo}\njob: {kind: ppo, env_id: CartPole-v1, hidden_sizes: [8]}\n"
+    )
+    policy = load_policy(run_dir)
+    assert policy.env_id == "CartPole-v1" and policy.directory == tag
+    assert policy.description["algo"] == "ppo"
+    assert_same_weights(policy, net)
+    (run_dir / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=r"does not describe its policy.*no run config"):
+        load_policy(run_dir)
+
+
+def test_stopped_final_gives_way_to_a_newer_checkpoint(run_dir: Path) -> None:
+    net = without_final(run_dir)
+    save(run_dir / "final", updates=3, complete=False, stopped_at_update=3)
+    tag = checkpoint(run_dir, "update-00000005", net)
+    assert resolve_policy_dir(run_dir) == tag  # killed after a later checkpoint than the stop
+    save(run_dir / "final", updates=5, complete=False, stopped_at_update=5)
+    assert resolve_policy_dir(run_dir) == run_dir / "final"
+    policy = load_policy(run_dir)
+    assert not policy.complete
+    assert "stopped at update 5" in (play(run_dir, episodes=1).policy_note or "")
 
 
 def test_folder_that_is_not_a_run(tmp_path: Path) -> None:
@@ -189,6 +283,42 @@ def test_multidiscrete_and_box_actions() -> None:
     np.testing.assert_allclose(mean, 0.0, atol=0.05)  # head gain 0.01, zero bias
     samples = np.stack([cont.act(np.zeros(4, np.float32)) for _ in range(200)])
     assert box.contains(samples[0]) and samples.std() > 0.3  # clipped to the bounds
+
+
+def test_predict_takes_one_observation_or_a_batch() -> None:
+    policy = loaded(CARTPOLE_OBS, CARTPOLE_ACT, hidden_sizes=(8,))
+    batch = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    actions = policy.predict(batch, deterministic=True)
+    assert actions.shape == (5,) and actions.dtype == np.int64
+    singles = [policy.predict(o, deterministic=True) for o in batch]
+    assert list(actions) == singles == [policy.act(o, deterministic=True) for o in batch]
+    assert np.ndim(singles[0]) == 0 and CARTPOLE_ACT.contains(int(singles[0]))
+    assert policy.predict(batch.tolist()).shape == (5,)  # lists too; sampled
+    box = loaded(CARTPOLE_OBS, gym.spaces.MultiDiscrete([2, 3]))
+    assert box.predict(batch).shape == (5, 2) and box.predict(batch[0]).shape == (2,)
+    with pytest.raises(InvalidArgument, match=r"observation of shape \(3,\)"):
+        policy.predict(np.zeros(3, np.float32))
+
+
+def readme_snippet() -> str:
+    """The README's "Use the trained policy from Python" code block, as written."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Use the trained policy from Python", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_snippet_evaluates_and_renders(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(run_dir.parent.parent)  # where runs/cartpole-ppo is
+    code = readme_snippet()
+    assert 'load_policy("runs/cartpole-ppo")' in code and "policy.predict(obs" in code
+    scope: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert capsys.readouterr().out.startswith("return ")
+    frame = scope["frame"]
+    assert isinstance(frame, np.ndarray) and frame.ndim == 3 and frame.shape[2] == 3
+    assert float(scope["total"]) >= 1.0 and scope["done"]
 
 
 # --------------------------------------------------------------------------------- recording

@@ -1,10 +1,13 @@
-"""The reward registry (built-ins, entry-point plugins, duplicate names, inferred records), the
-settings checked against it, and how return values become per-item outcomes."""
+"""The reward registry (built-ins, entry-point plugins, functions named by reference, duplicate
+names, inferred records), the settings checked against it, and how return values become per-item
+outcomes."""
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ from reward_service.runner import check_scores
 from reward_service.service import RewardSettings, build_registry
 from rlfleet.reward.v1 import reward_pb2
 from services.errors import ConfigError
-from tests.plugins import rewards_plugin
+from tests.plugins import reference_rewards, rewards_plugin
 
 GROUP = reward_registry.REWARDS_GROUP
 PLUGIN = "tests.plugins.rewards_plugin"
@@ -128,3 +131,101 @@ def test_reward_service_is_an_installed_service_kind() -> None:
 
     assert get_service("reward_service") is SPEC
     assert SPEC.settings is RewardSettings and SPEC.grpc
+
+
+def test_worker_limits_must_nest() -> None:
+    """A function's stuck calls fit in its share of the pool, and its share in the pool."""
+    RewardSettings(worker_threads=4, max_threads_per_function=4, max_stuck_calls=4)
+    for bad in (
+        {"worker_threads": 4, "max_threads_per_function": 8},
+        {"max_threads_per_function": 2, "max_stuck_calls": 3},
+    ):
+        with pytest.raises(ValidationError, match="max_stuck_calls <= max_threads_per_function"):
+            RewardSettings(**bad)
+
+
+# --- rewards named by reference in a run file -------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+BREVITY = "examples/custom_reward.py:brevity"
+REFS = "tests.plugins.reference_rewards"
+
+
+def test_a_file_reference_is_registered_and_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # relative paths are from the current directory
+    settings = RewardSettings(plugins=[BREVITY], reward_kwargs={BREVITY: {"max_chars": 4}})
+    registry, _ = build_registry(settings, entry_points=[])
+    reward = registry[BREVITY]
+    assert reward.kind is Kind.PLUGIN and reward.name == BREVITY
+    assert reward.source.endswith(f"(file {ROOT / 'examples/custom_reward.py'})")
+    assert reward.description.startswith("1 for a completion of at most")
+    completions = ["1234", "123456", "12345678", "1234567890"]
+    kwargs = reward.call_kwargs({"prompts": ["p"] * 4, **settings.reward_kwargs[BREVITY]})
+    outcomes = check_scores(BREVITY, reward.fn(completions, **kwargs), len(completions))
+    assert [o.score for o in outcomes] == [1.0, 0.5, 0.0, 0.0]
+    # Extras the function lists in extra_keys reach it; it abstains without them.
+    exact = registry_with("examples/custom_reward.py:exact_answer")
+    assert exact.extra_keys == ("answer",)
+    assert exact.fn([" <answer>4</answer>", "5"], answer=["4", "4"]) == [1.0, 0.0]
+
+
+def registry_with(ref: str) -> reward_registry.RewardFunction:
+    return build_registry(RewardSettings(rewards={ref: 1.0}), entry_points=[])[0][ref]
+
+
+def test_module_references_and_references_named_only_in_the_default_set() -> None:
+    ref = f"{REFS}:scaled"
+    settings = RewardSettings(rewards={ref: 1.0}, timeouts={f"{PLUGIN}:nan_reward": 2.0})
+    assert settings.references == [ref, f"{PLUGIN}:nan_reward"]
+    registry, _ = build_registry(settings, entry_points=[])
+    assert registry[ref].fn is reference_rewards.scaled and registry[ref].kwargs == {"scale"}
+    # The settings check a reference's keyword arguments already, before any registry is built.
+    with pytest.raises(ValidationError, match=rf"'{ref}' — takes no keyword 'size'"):
+        RewardSettings(reward_kwargs={ref: {"size": 1}})
+
+
+@pytest.mark.parametrize(
+    ("ref", "kwargs", "message"),
+    [
+        (f"{PLUGIN}:lenght_ratio", None, "(did you mean 'length_ratio'?)"),
+        (f"{REFS}:NOT_CALLABLE", None, "is a int, not a function"),
+        ("no_such_module_xyz:f", None, "cannot import module no_such_module_xyz: ModuleNotFound"),
+        ("missing/rewards.py:f", None, "rewards.py not found (relative paths are from the"),
+        ("rewards.py:", None, "expected 'module:function' or 'path/to/file.py:function'"),
+        (f"{REFS}:misnamed", None, "first parameter is 'texts', not 'completions'"),
+        (f"{REFS}:scaled", {"scael": 2}, "takes no keyword 'scael' (takes: scale)"),
+        (f"{REFS}:scaled", {"prompts": 2}, "takes no keyword 'prompts'"),
+        (f"{REFS}:needs_level", {}, "parameter 'level' has no default and nothing passes it"),
+        (f"{REFS}:keyword_only", None, "has no positional first parameter"),
+    ],
+)
+def test_bad_references_fail_the_check_naming_them(
+    ref: str, kwargs: dict[str, int] | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        reward_registry.check_reference(ref, kwargs)
+    assert str(err.value).startswith(f"'{ref}' — ")
+
+
+def test_required_parameters_may_be_batch_keys_extras_or_given_kwargs() -> None:
+    check = reward_registry.check_reference
+    assert check(f"{REFS}:needs_level", {"level": 1}).kwargs == {"level"}
+    check(f"{REFS}:needs_prompts_and_target", {})  # a batch key and a listed extra key
+
+
+def test_reference_settings_fail_validation_and_a_clash_fails_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValidationError, match=r"'accuracy' is not a reference"):
+        RewardSettings(plugins=["accuracy"])
+    with pytest.raises(ValidationError, match=r"listed more than once"):
+        RewardSettings(plugins=[f"{PLUGIN}:nan_reward"] * 2)
+    with pytest.raises(ValidationError, match=rf"module {PLUGIN} has no attribute 'nan'"):
+        RewardSettings(rewards={f"{PLUGIN}:nan": 1.0})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.py").write_text("import no_such_module_xyz\n")
+    with pytest.raises(ValidationError, match=r"importing .*broken.py failed: ModuleNotFound"):
+        RewardSettings(plugins=["broken.py:f"])
+    ref = f"{PLUGIN}:length_ratio"
+    with pytest.raises(ConfigError, match=rf"'{ref}' is registered twice: entry point .*run-file"):
+        build_registry(RewardSettings(plugins=[ref]), entry_points=[ep(ref, "length_ratio")])

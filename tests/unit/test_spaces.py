@@ -172,3 +172,47 @@ def test_text_errors() -> None:
 
 def test_non_array_leaf() -> None:
     _raises(spaces.Discrete(2), [0, 1], 2, "expected an array, got list")
+
+
+def _box(shape: list[int], bound_shape: list[int] | None = None) -> space_pb2.Space:
+    bound = np.zeros(shape if bound_shape is None else bound_shape, np.float32)
+    return space_pb2.Space(
+        box=space_pb2.BoxSpace(
+            dtype=tensor_pb2.DType.D_TYPE_FLOAT32,
+            shape=shape,
+            low=tensor.encode(bound),
+            high=tensor.encode(bound + 1),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("msg", "field", "match"),
+    [
+        (
+            space_pb2.Space(multi_binary=space_pb2.MultiBinarySpace(shape=[0, 2**62, 2**62])),
+            "space.shape",
+            "too large",
+        ),
+        (
+            space_pb2.Space(multi_binary=space_pb2.MultiBinarySpace(shape=[0, 3])),
+            "space",
+            "positive",
+        ),
+        (space_pb2.Space(discrete=space_pb2.DiscreteSpace(n=0)), "space", "positive"),
+        (_box([0, 2**62, 2**62], [0]), "space.shape", "too large"),
+        (_box([2**20, 2**20], []), "space.low", "sample shape"),  # would allocate 4 TiB
+        (_box([3], [2]), "space.low", "sample shape"),
+        (
+            space_pb2.Space(dict=space_pb2.DictSpace(spaces=[space_pb2.NamedSpace(name="k")])),
+            "space.k",
+            "empty Space",
+        ),
+    ],
+)
+def test_bad_space_messages_are_invalid_argument(msg, field: str, match: str) -> None:
+    """gymnasium's and numpy's ValueErrors (n <= 0, overflowing shapes) used to escape."""
+    with pytest.raises(InvalidArgument, match=match) as err:
+        wire.from_proto(msg)
+    assert err.value.field == field
+    assert wire.from_proto(_box([3])) == spaces.Box(0.0, 1.0, (3,), np.float32)

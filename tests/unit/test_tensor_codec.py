@@ -339,3 +339,22 @@ def test_tree_errors_name_the_path():
     with pytest.raises(InvalidArgument, match="empty TensorTree") as info:
         codec.decode_tree(tensor_pb2.TensorTree(), name="actions")
     assert info.value.field == "actions"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[0, 2**62, 2**62], [2**62, 2**62, 0], [0, 2**63 - 1], [2**61, 0], [1] * 33],
+)
+def test_shapes_numpy_cannot_hold_are_invalid_argument(shape):
+    """Zero elements, so the (empty) data matched; numpy's reshape raised ValueError (INTERNAL)."""
+    msg = tensor_pb2.Tensor(dtype=DType.D_TYPE_FLOAT32, shape=shape, data=b"")
+    with pytest.raises(InvalidArgument, match=r"too large|dimensions") as err:
+        codec.decode(msg, name="actions")
+    assert err.value.field == "actions"
+
+
+def test_big_empty_shapes_that_fit_still_decode():
+    msg = tensor_pb2.Tensor(dtype=DType.D_TYPE_UINT8, shape=[0, 2**40, 2**20], data=b"")
+    assert codec.decode(msg).shape == (0, 2**40, 2**20)
+    assert codec.check_shape([2, 3], 8) == (2, 3)
+    assert codec.decode(codec.encode(np.zeros([1] * 32, np.int8))).ndim == 32

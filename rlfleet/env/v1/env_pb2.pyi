@@ -82,46 +82,54 @@ class SessionResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create: _Optional[_Union[CreateResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ..., render: _Optional[_Union[RenderResponse, _Mapping]] = ..., close: _Optional[_Union[CloseResponse, _Mapping]] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("env_id", "num_envs", "seed", "kwargs", "autoreset_mode", "render_mode")
+    __slots__ = ("env_id", "num_envs", "seed", "kwargs", "autoreset_mode", "render_mode", "float64_rewards")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
     AUTORESET_MODE_FIELD_NUMBER: _ClassVar[int]
     RENDER_MODE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT64_REWARDS_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     num_envs: int
     seed: int
     kwargs: _struct_pb2.Struct
     autoreset_mode: AutoresetMode
     render_mode: str
-    def __init__(self, env_id: _Optional[str] = ..., num_envs: _Optional[int] = ..., seed: _Optional[int] = ..., kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., render_mode: _Optional[str] = ...) -> None: ...
+    float64_rewards: bool
+    def __init__(self, env_id: _Optional[str] = ..., num_envs: _Optional[int] = ..., seed: _Optional[int] = ..., kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., render_mode: _Optional[str] = ..., float64_rewards: _Optional[bool] = ...) -> None: ...
 
 class CreateResponse(_message.Message):
-    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "autoreset_mode", "env")
+    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "autoreset_mode", "env", "render_modes", "render_fps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     AUTORESET_MODE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    RENDER_MODES_FIELD_NUMBER: _ClassVar[int]
+    RENDER_FPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     observation_space: _space_pb2.Space
     action_space: _space_pb2.Space
     num_envs: int
     autoreset_mode: AutoresetMode
     env: EnvInfo
-    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., action_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., env: _Optional[_Union[EnvInfo, _Mapping]] = ...) -> None: ...
+    render_modes: _containers.RepeatedScalarFieldContainer[str]
+    render_fps: float
+    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., action_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., env: _Optional[_Union[EnvInfo, _Mapping]] = ..., render_modes: _Optional[_Iterable[str]] = ..., render_fps: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("seed", "env_indices", "options")
+    __slots__ = ("seed", "env_indices", "options", "seeds")
     SEED_FIELD_NUMBER: _ClassVar[int]
     ENV_INDICES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
     seed: int
     env_indices: _containers.RepeatedScalarFieldContainer[int]
     options: _struct_pb2.Struct
-    def __init__(self, seed: _Optional[int] = ..., env_indices: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seed: _Optional[int] = ..., env_indices: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("observations", "infos")

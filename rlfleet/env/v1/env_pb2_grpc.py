@@ -70,8 +70,10 @@ class EnvServiceServicer:
         Reset/Step/Render, then Close (or just ends the stream). The server answers every request
         with exactly one SessionResponse, in order, with the same `request_id`. A request that fails
         (bad action shape, step before create, ...) gets a response whose `error` is set; the stream
-        and the pool stay usable. Fatal problems (the server is shutting down) end the stream with a
-        gRPC status. When the stream ends for any reason the pool is closed and its resources freed.
+        and the pool stay usable. Fatal problems (the server is shutting down, or no request came for
+        the server's session_idle_timeout_s, 600 s by default) end the stream with a gRPC status
+        (UNAVAILABLE: open a new session). When the stream ends for any reason the pool is closed and
+        its resources freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

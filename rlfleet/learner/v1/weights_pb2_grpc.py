@@ -95,7 +95,7 @@ class WeightServiceServicer:
         increasing, contiguous offset order; the stream ends with OK after the chunk flagged `last`
         (at once, with no chunk, when the requested range is empty).
         Errors end the stream with a status: NOT_FOUND (version not kept), INVALID_ARGUMENT
-        (offsets outside [0, total_bytes], end before start, max_chunk_bytes above 2 MiB),
+        (offsets outside [0, total_bytes], end before start, max_chunk_bytes outside 64 KiB..2 MiB),
         FAILED_PRECONDITION (expected_digest given and different), UNAVAILABLE (the learner is
         shutting down: resume elsewhere or later from the next offset).
         """

@@ -1,0 +1,249 @@
+"""GameActor: the `game_actor` service kind's batched actor over remote environments.
+
+One tick = one policy forward over all N envs + one concurrent step on every env server. Every
+`rollout_length` ticks the fragment goes to the run's trajectory stream (when publishing), and
+in `learner` mode the newest fetched weight version is swapped in. The actor ends when it has
+taken `total_steps` env steps (exit 0, the demo's end), when the run's status says it is over,
+or on SIGTERM/SIGINT; it always closes its env sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from sampler.actors.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
+from sampler.actors.envs import EnvGroup
+from sampler.actors.rollout import FragmentMeta, Rollout
+from sampler.actors.settings import GameActorSettings
+from sampler.actors.stats import ActorStats
+from sampler.weights import WeightFollower
+from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
+from services.errors import ConfigError, InvalidArgument
+from services.registry import ServiceContext
+
+__all__ = ["GameActor"]
+
+log = logging.getLogger(__name__)
+
+PUBLISH_ATTEMPTS = 5
+
+
+class GameActor:
+    """One actor incarnation; `run()` returns when done or stopped."""
+
+    def __init__(self, ctx: ServiceContext[GameActorSettings], settings: GameActorSettings) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.stop = ctx.stop_event
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.bus: Bus | None = None
+        self.envs = EnvGroup(
+            [ctx.resolve(name) for name in settings.env_servers],
+            settings.env_split(),
+            settings.env_id,
+            env_kwargs=settings.env_kwargs,
+            seed=settings.env_seed(),
+            request_timeout_s=settings.request_timeout_s,
+            reconnect_timeout_s=settings.reconnect_timeout_s,
+            stop_event=self.stop,
+        )
+        self.follower: WeightFollower | None = None
+        self._publishing: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._paced_base, self._paced_count = -1, 0  # see _pace
+
+    async def run(self) -> None:
+        settings = self.settings
+        if self.ctx.nats_url:
+            self.bus = await Bus.connect(self.ctx.nats_url, name=f"{self.ctx.name}-actor")
+        elif settings.publishes or settings.policy == "learner":
+            raise ConfigError(f"game actor {self.ctx.name}: needs a NATS url (RLFLEET_NATS_URL)")
+        try:
+            await self._prepare_bus()
+            await self._run()
+        finally:
+            await self._shutdown()
+
+    async def _prepare_bus(self) -> None:
+        bus, run = self.bus, self.ctx.run_name
+        if bus is None:
+            return
+        if self.settings.publishes:
+            await bus.ensure_stream(stream_name(run), [traj_subject(run)])
+        self._tasks.append(await stop_when_run_over(bus, run, self.stop))
+        if self.settings.policy == "learner":
+            address = self.ctx.resolve(self.settings.learner or "")
+            self.follower = WeightFollower(bus, run, address)
+            await self.follower.start()
+
+    async def _make_policy(self) -> Behaviour | None:
+        settings, envs = self.settings, self.envs
+        seed = settings.env_seed()
+        if settings.policy == "random":
+            return RandomBehaviour(envs.action_space, envs.num_envs, seed)
+        policy = TorchBehaviour(
+            envs.observation_space,
+            envs.action_space,
+            settings.policy_config,
+            device=settings.device,
+            seed=seed,
+        )
+        assert self.follower is not None
+        first = await self.follower.first(self.stop, settings.weights_timeout_s)
+        if first is None:
+            return None
+        policy.load(first[1], first[0])
+        log.info("loaded weights v%d", first[0])
+        return policy
+
+    async def _run(self) -> None:
+        settings, envs, ctx = self.settings, self.envs, self.ctx
+        obs = await envs.open()
+        if obs is None:
+            return
+        policy = await self._make_policy()
+        if policy is None:
+            return
+        rollout = Rollout(
+            settings.rollout_length,
+            envs.num_envs,
+            envs.observation_space,
+            envs.action_space,
+            has_values=policy.has_values,
+        )
+        rollout.begin(obs)
+        self._check_fragment_size(rollout)
+        stats = ActorStats(
+            self.bus, ctx.run_name, ctx.name, settings.env_id, settings.stats_interval_s
+        )
+        meta = FragmentMeta(
+            ctx.run_name, ctx.name, self.incarnation, settings.env_id, envs.addresses, ""
+        )
+        log.info(
+            "actor %s: %d x %s over %s, policy %s, T=%d, fragments %s",
+            ctx.name,
+            envs.num_envs,
+            settings.env_id,
+            envs.addresses,
+            settings.policy,
+            settings.rollout_length,
+            "on" if settings.publishes else "off",
+        )
+        total, n = settings.total_steps, envs.num_envs
+        stop = self.stop
+        while not stop.is_set():
+            # The hot loop: one decision and one concurrent env step per tick.
+            decision = policy.act(rollout.current_obs)
+            out = rollout.record(decision)
+            events = await envs.step(decision.env_actions, rollout.current_obs, out)
+            rollout.finish(events)
+            stats.steps += n
+            if events.episodes:
+                await stats.episodes_ended(events.episodes, policy.version)
+            if time.monotonic() >= stats.next_report:
+                await stats.report(policy.version)
+            if rollout.full:
+                if settings.publishes:
+                    meta = dataclasses.replace(meta, env_session_id=envs.session_ids)
+                    await self._publish(rollout.build(policy, meta))
+                rollout.restart()
+                await self._pace(policy)
+                self._swap_weights(policy)
+            if total and stats.steps >= total:
+                break
+        await stats.report(policy.version)
+        log.info(
+            "actor %s done: %d env steps in %.1fs (%.0f steps/s), %d episodes%s",
+            ctx.name,
+            stats.steps,
+            time.monotonic() - stats.started,
+            stats.mean_sps(),
+            stats.episodes,
+            f", {rollout.sequence} fragments" if settings.publishes else "",
+        )
+
+    def _check_fragment_size(self, rollout: Rollout) -> None:
+        """Fail at start, not at the first publish, when a fragment cannot fit one message
+        (fragments by reference, bus.v1.PayloadRef, are not implemented yet)."""
+        if self.bus is None or not self.settings.publishes:
+            return
+        limit = self.bus.max_payload
+        if rollout.nbytes > limit * 0.9:  # headroom for finals, headers, protobuf framing
+            raise InvalidArgument(
+                f"a fragment of {rollout.num_steps} steps x {rollout.num_envs} envs of "
+                f"{self.settings.env_id} takes about {rollout.nbytes} bytes, over the bus's "
+                f"max payload of {limit}; lower rollout_length or num_envs",
+                field="rollout_length",
+            )
+
+    async def _pace(self, policy: Behaviour) -> None:
+        """Credit-based pacing: the learner turns `fragments_per_version` fragments of each actor
+        into one new version, so after `k` fragments this actor waits for version
+        `base + ceil(k / fragments_per_version) - 1`. It thus collects one update ahead
+        (overlapping the learner's training) but never more: an actor that outruns the learner
+        only makes fragments the learner drops as too stale."""
+        per_version = self.settings.fragments_per_version
+        if not per_version or self.follower is None:
+            return
+        if self._paced_base < 0:
+            self._paced_base = policy.version
+        self._paced_count += 1
+        wanted = self._paced_base + -(-self._paced_count // per_version) - 1
+        if self.follower.version >= wanted:
+            return
+        waited = time.monotonic()
+        fresh = await self.follower.wait_newer(wanted - 1, self.stop, self.settings.version_wait_s)
+        if not fresh and not self.stop.is_set():
+            # The learner is slower than the credit assumes (an actor fewer, a restart):
+            # start counting again from the version at hand rather than wait every time.
+            log.warning(
+                "no weights v%d after %.0fs: pacing restarts from v%d",
+                wanted,
+                time.monotonic() - waited,
+                self.follower.version,
+            )
+            self._paced_base, self._paced_count = self.follower.version, 0
+
+    def _swap_weights(self, policy: Behaviour) -> None:
+        pending = self.follower.take() if self.follower is not None else None
+        if pending is not None and isinstance(policy, TorchBehaviour):
+            policy.load(pending[1], pending[0])
+            log.info("swapped to weights v%d", pending[0])
+
+    async def _publish(self, fragment: Any) -> None:
+        """Send the fragment in the background; wait for the previous one first (one in flight
+        keeps order and bounds memory)."""
+        if self._publishing is not None:
+            await self._publishing
+        self._publishing = asyncio.create_task(self._send(fragment))
+
+    async def _send(self, fragment: Any) -> None:
+        assert self.bus is not None
+        await self.bus.publish_with_retry(
+            traj_subject(self.ctx.run_name),
+            fragment,
+            msg_id=fragment.fragment_id,
+            attempts=PUBLISH_ATTEMPTS,
+        )
+
+    async def _shutdown(self) -> None:
+        """Finish the fragment in flight, close sessions, the weight follower and the bus."""
+        try:
+            if self._publishing is not None:
+                await self._publishing
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.envs.close()
+            if self.follower is not None:
+                await self.follower.close()
+            if self.bus is not None:
+                with contextlib.suppress(Exception):
+                    await self.bus.close()
