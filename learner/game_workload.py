@@ -45,7 +45,6 @@ from learner.settings import LearnerSettings
 from learner.workload import Envelope, Progress
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
-from services.console import PROGRESS_EVENTS, progress_record
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 
@@ -233,18 +232,10 @@ class GameWorkload:
 
     async def after_update(self, run: LearnerLoop) -> None:
         """The progress record of `rlfleet up`'s progress line (env steps of total_timesteps)."""
-        assert run.bus is not None
-        p, m = run.progress, run.metrics
-        record = progress_record(
-            self.ctx.name,
-            unit="step",
-            done=p.samples,
-            total=self.settings.total_timesteps,
-            version=p.version,
-            headline=[(label, m[key]) for label, key in HEADLINE if key in m],
+        p = run.progress
+        await run.publish_progress(
+            "step", p.samples, self.settings.total_timesteps, HEADLINE, run.metrics
         )
-        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
-            await run.bus.publish_event(events_subject(self.ctx.run_name, PROGRESS_EVENTS), record)
 
     # ------------------------------------------------------------------ the end
 

@@ -31,6 +31,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ from learner.workload import Envelope, Progress, Workload
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.bus import Bus, events_subject, stream_name, traj_subject
+from services.console import PROGRESS_EVENTS, progress_record
 from services.errors import InvalidArgument, RlfleetError
 from services.grpc_names import service_name
 from services.registry import ServiceContext
@@ -336,6 +338,28 @@ class LearnerLoop:
             p.samples,
             " ".join(f"{k}={v:.4g}" for k, v in sorted(clean.items())),
         )
+
+    async def publish_progress(
+        self,
+        unit: str,
+        done: int,
+        total: int,
+        headline: Sequence[tuple[str, str]],
+        values: Mapping[str, float],
+    ) -> None:
+        """The record behind `rlfleet up`'s progress line: ``done`` of ``total`` ``unit``s and
+        the ``headline`` (label, metric key) pairs found in ``values``. Best effort."""
+        assert self.bus is not None
+        record = progress_record(
+            self.ctx.name,
+            unit=unit,
+            done=done,
+            total=total,
+            version=self.progress.version,
+            headline=[(label, values[key]) for label, key in headline if key in values],
+        )
+        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
+            await self.bus.publish_event(events_subject(self.run_name, PROGRESS_EVENTS), record)
 
     # ------------------------------------------------------------------ checkpoints and the end
 

@@ -45,7 +45,6 @@ from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.workload import Envelope, Progress
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import Bus, events_subject
-from services.console import PROGRESS_EVENTS, progress_record
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 
@@ -285,19 +284,9 @@ class LMWorkload:
 
     async def _publish_progress(self, run: LearnerLoop) -> None:
         """The progress record of `rlfleet up`'s progress line (updates of total_updates)."""
-        assert run.bus is not None
-        p = run.progress
         values = {**(self.evals[-1] if self.evals else {}), **run.metrics}
-        record = progress_record(
-            self.ctx.name,
-            unit="update",
-            done=p.updates,
-            total=self.settings.total_updates,
-            version=p.version,
-            headline=[(label, values[key]) for label, key in HEADLINE if key in values],
-        )
-        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
-            await run.bus.publish_event(events_subject(self.ctx.run_name, PROGRESS_EVENTS), record)
+        total = self.settings.total_updates
+        await run.publish_progress("update", run.progress.updates, total, HEADLINE, values)
 
     async def evaluate(self, run: LearnerLoop) -> None:
         """Held-out greedy accuracy of the current weights (logged as eval/accuracy)."""

@@ -8,6 +8,7 @@ One pair of sampler processes for the whole module (vLLM takes 15-60 s to start 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -68,7 +69,16 @@ def samplers(
         procs.append(
             (
                 f"127.0.0.1:{port}",
-                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+                # Own process group: vLLM's engine processes go down with their sampler, as
+                # they do when the launcher (or a container runtime) stops a replica.
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
             )
         )
     try:
@@ -76,18 +86,21 @@ def samplers(
             try:
                 wait_for_health(address, timeout_s=240, service=SERVICE_NAME)
             except TimeoutError:
-                proc.kill()
+                _kill_group(proc, signal.SIGKILL)
                 raise
         yield procs
     finally:
         for _, proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            _kill_group(proc, signal.SIGTERM)
         for _, proc in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _kill_group(proc, signal.SIGKILL)  # whatever of the group is left
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +324,7 @@ def test_replica_killed_mid_run(
             loop = asyncio.get_running_loop()
             tasks = [asyncio.ensure_future(one(i, i % 2 == 0)) for i in range(8)]
             await asyncio.sleep(0.3)
-            await loop.run_in_executor(None, victim.send_signal, signal.SIGKILL)
+            await loop.run_in_executor(None, _kill_group, victim, signal.SIGKILL)
             tasks += [asyncio.ensure_future(one(i, i % 2 == 0)) for i in range(8, 24)]
             await asyncio.gather(*tasks)
         return statuses

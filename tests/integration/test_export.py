@@ -44,21 +44,18 @@ PROMPTS = ["Q: 3+4=?\nA:", "Q: 9-2=?\nA:", "Q: 5+5=?\nA:", "Q: 8-6=?\nA:"]
 
 
 def _game_run(root: Path) -> Path:
-    """A finished CartPole PPO run's final/ as the learner writes it (GameWorkload.save_final)."""
-    from learner.game_workload import GameWorkload
-
+    """A finished CartPole PPO run's final/, written by the learner's writer (save_policy) with
+    the fields GameWorkload.save_final gives it."""
     spaces = (gym.spaces.Box(-np.inf, np.inf, (4,), np.float32), gym.spaces.Discrete(2))
     config = PolicyConfig(hidden_sizes=(16, 16))
     torch.manual_seed(0)
     net = build_policy(*spaces, config)
     run = root / "runs" / "cartpole-ppo"
-    workload = SimpleNamespace(
-        engine=SimpleNamespace(named_weights=lambda dtype: net.state_dict()),
-        spaces=spaces,
-        settings=SimpleNamespace(env_id="CartPole-v1", env_kwargs={}, policy=config, algo="ppo"),
-    )
-    progress = SimpleNamespace(version=7, samples=4096, updates=7)
-    GameWorkload.save_final(workload, run / "final", progress)  # type: ignore[arg-type]
+    save_policy(
+        run / "final", net.state_dict(), env_id="CartPole-v1", env_kwargs={},
+        observation_space=spaces[0], action_space=spaces[1], policy=config, algo="ppo",
+        version=7, global_step=4096, updates=7, complete=True,
+    )  # fmt: skip
     (run / "checkpoints").mkdir()
     return run
 
