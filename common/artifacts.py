@@ -20,6 +20,9 @@ else the run's ``config.yaml`` with the spaces of a local ``gymnasium.make``.
 constructor actors and learner use); ``LoadedPolicy.predict(obs)`` (one observation or a batch)
 is the way to use a trained policy from Python. `rlfleet play` (env_server/play.py) runs it in
 local envs. Module import is cheap (stdlib only); torch loads when a policy is saved or loaded.
+
+About 460 lines because the one artifact has several sources (final/, a stopped run's final/,
+a checkpoint tag, a run dir, a run config) that must resolve and fail the same way.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Delivery guarantees (docs/design.md, "at-least-once delivery plus idempotent con
 - versions never repeat: ``<run_dir>/learner/state.json`` remembers the last one published, and a
   restarted learner continues after it (clients holding a newer version than the checkpoint's
   would otherwise ignore the repeated numbers).
+
+Just over 400 lines: it is the one loop both workloads run, and the guarantees above are easiest
+to check when every step that touches the ledger, the acks and the versions is in one file.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ imports (torch, vLLM) belong inside the handler. Exit codes: 0 ok, 1 runtime fai
 config or usage (message on stderr naming the key); ``serve`` also exits ``EXIT_PERMANENT`` (3)
 with a one-line reason on stderr when the service fails for good (a ConfigError or
 InvalidArgument: restarting it would fail the same way), which the launcher does not restart.
+
+Just over 400 lines: the runtime's own commands (up, validate, serve, jobs) and the plugin
+command machinery; the jobs listing is generated from the settings models and shares the table
+printer with the plugin commands.
 """
 
 from __future__ import annotations

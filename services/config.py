@@ -7,7 +7,7 @@ every key path to its line), the run structure is validated by pydantic, and eve
 ``settings`` are validated against the settings model its kind registers, with environment
 overrides applied, all at load time.
 
-One file (about 550 lines) on purpose: line tracking, error rendering, env overrides and job
+One file (about 650 lines) on purpose: line tracking, error rendering, env overrides and job
 expansion all serve the one promise above (a bad key reported with its file line), and splitting
 them would scatter the ``YamlSource``/``_Issue`` plumbing they share across modules.
 """

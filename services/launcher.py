@@ -14,7 +14,7 @@ left behind. Every child also gets a parent-death signal (PR_SET_PDEATHSIG: SIGT
 services, SIGKILL for nats-server), so none outlives a SIGKILLed launcher. Services run exactly
 as a container would run them; only the env differs.
 
-About 500 lines: the supervisor (start order, health waits, restarts, ordered stop) is one state
+About 650 lines: the supervisor (start order, health waits, restarts, ordered stop) is one state
 machine over the same process table, and reads best in one place; event formatting is the only
 part that could live elsewhere, and it is short.
 """

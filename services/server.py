@@ -17,7 +17,7 @@ raised message limits on both ends, graceful stop, and three always-on intercept
 ``channel()`` builds the matching client side: same limits, keepalive, retries of UNAVAILABLE,
 and interceptors that forward the request id and the trace context.
 
-About 500 lines because server and channel are two halves of one contract (limits, retries,
+About 570 lines because server and channel are two halves of one contract (limits, retries,
 request ids, error mapping) that must change together.
 """
 

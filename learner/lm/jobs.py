@@ -6,6 +6,9 @@ main service), samplers (vLLM engines following the learner's versions) and roll
 (driver 0 feeds the prompt queue). ``prepare`` creates the local model with ``init-model`` when
 ``model_path`` does not exist yet. Pure pydantic: importing this does not import torch; validating
 the preset and its ``algo`` overrides imports ``learner.algos`` (the typed registries), lazily.
+
+About 450 lines, most of them the knobs themselves: every field carries its description (what
+`rlfleet jobs grpo` prints) and the alias table maps other tools' names to them.
 """
 
 from __future__ import annotations
