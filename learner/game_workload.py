@@ -313,7 +313,10 @@ class GameWorkload:
 
     def summary(self, progress: Progress) -> str:
         done = f"{progress.samples} env steps in {progress.updates} updates"
-        return f"{done}; {self._over_at_start}" if self._over_at_start else done
+        if self._over_at_start:
+            return f"{done}; {self._over_at_start}"
+        reason = self._end_reason(progress.samples, self.returns)
+        return f"{done}: {reason}" if reason else done
 
     async def close(self) -> None:
         if self._watcher is not None:
