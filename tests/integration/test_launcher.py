@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -27,19 +26,9 @@ import pytest
 
 from services.config import load_run_config
 from services.launcher import Launcher
-from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
+from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning, write_config
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
-
-
-def write_config(tmp_path: Path, services: str, name: str = "itest") -> tuple[Path, Path]:
-    run_dir = tmp_path / "run"
-    path = tmp_path / "run.yaml"
-    text = f"run:\n  name: {name}\n  dir: {run_dir}\nservices:\n" + textwrap.indent(
-        textwrap.dedent(services), "  "
-    )
-    path.write_text(text)
-    return path, run_dir
 
 
 def test_run_finishes_when_main_exits(tmp_path: Path) -> None:

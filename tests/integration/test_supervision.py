@@ -26,6 +26,7 @@ import yaml
 
 from services.errors import EXIT_PERMANENT
 from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
+from tests.fixtures.launch import write_config as launch_config
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
 
@@ -34,13 +35,7 @@ PPO_SERVICES = ("env-0", "learner", "actor-0", "actor-1")
 
 
 def write_config(tmp_path: Path, services: str) -> tuple[Path, Path]:
-    run_dir = tmp_path / "run"
-    path = tmp_path / "run.yaml"
-    text = f"run:\n  name: sup\n  dir: {run_dir}\nservices:\n" + textwrap.indent(
-        textwrap.dedent(services), "  "
-    )
-    path.write_text(text)
-    return path, run_dir
+    return launch_config(tmp_path, services, name="sup")
 
 
 def nats_pids(run_dir: Path) -> list[int]:
