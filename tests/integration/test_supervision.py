@@ -9,7 +9,6 @@ run (examples/cartpole_ppo.yaml shrunk) through the whole fleet.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import yaml
 from services.errors import EXIT_PERMANENT
 from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
 from tests.fixtures.launch import write_config as launch_config
+from tests.fixtures.runs import applied_updates, nats_pids, service_pids
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
 
@@ -36,15 +36,6 @@ PPO_SERVICES = ("env-0", "learner", "actor-0", "actor-1")
 
 def write_config(tmp_path: Path, services: str) -> tuple[Path, Path]:
     return launch_config(tmp_path, services, name="sup")
-
-
-def nats_pids(run_dir: Path) -> list[int]:
-    return pids_mentioning("nats-server", str(run_dir / "nats"))
-
-
-def service_pids(run_dir: Path, name: str) -> list[int]:
-    log = (run_dir / "logs" / f"{name}.log").read_text()
-    return [int(pid) for pid in re.findall(r"^=== \S+ \S+ start \d+ pid (\d+): ", log, re.M)]
 
 
 def wait_gone(run_dir: Path, pids: list[int], timeout_s: float) -> list[int]:
@@ -206,17 +197,6 @@ def ppo_config(tmp_path: Path, total_timesteps: int) -> tuple[Path, Path]:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, run_dir
-
-
-def applied_updates(run_dir: Path) -> int:
-    updates = 0
-    with contextlib.suppress(FileNotFoundError):
-        for line in (run_dir / "learner" / "applied.jsonl").read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                if entry.get("status") == "applied":
-                    updates = max(updates, int(entry["update"]))
-    return updates
 
 
 @pytest.mark.slow
