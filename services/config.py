@@ -96,6 +96,21 @@ class NatsSection(StrictModel):
     restarts: int = Field(default=5, ge=0)
 
 
+class SecuritySection(StrictModel):
+    """Transport security the launcher sets up for an embedded run (services/security.py).
+
+    ``tls``: mutual TLS on every gRPC hop and TLS on NATS, with certificates from
+    ``certs_dir`` (default ``<run dir>/certs``; a local CA and one certificate per service are
+    made there when missing, valid for loopback plus ``hosts``). ``nats_auth``: every service
+    connects to the embedded NATS with its own user and password and may touch only the run's
+    subjects (services/bus/subjects.py `service_permissions`)."""
+
+    tls: bool = False
+    nats_auth: bool = False
+    certs_dir: Path | None = None
+    hosts: list[str] = Field(default_factory=list, max_length=64)
+
+
 class _AtLoc(ValueError):
     """A validator error that points below the field it was raised for (e.g. one list item)."""
 
@@ -130,6 +145,7 @@ class RunConfig(StrictModel):
 
     run: RunSection
     nats: NatsSection = NatsSection()
+    security: SecuritySection = SecuritySection()
     # A job's knobs as written (kind + settings); already expanded into `services` on load.
     job: dict[str, Any] | None = None
     services: list[ServiceEntry] = Field(min_length=1)

@@ -47,6 +47,7 @@ from services.console import DEFAULT_INTERVAL_S, PROGRESS_EVENTS, Console
 from services.errors import EXIT_PERMANENT, RlfleetError
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
+from services.run_security import LAUNCHER, RunSecurity
 
 __all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter", "verbose_from_env"]
 
@@ -294,6 +295,7 @@ class Launcher:
         self.config_path = Path(config_path) if config_path is not None else None
         self.out = out or sys.stdout
         self.environ = dict(os.environ if environ is None else environ)
+        self._security = RunSecurity(self.config.run.name)  # made for real when the run starts
         self.health_timeout_s = health_timeout_s
         self.grace_s = grace_s
         self.backoff_s = backoff_s
@@ -368,12 +370,23 @@ class Launcher:
         monitor: asyncio.Task[None] | None = None
         supervisors: list[asyncio.Task[None]] = []
         code = 1
+        saved_environ = dict(os.environ)
         try:
+            self._security = RunSecurity.prepare(
+                self.config, self.run_dir, [e.name for e in self.config.services]
+            )
+            # The launcher's own health checks and monitor present the launcher's identity.
+            os.environ.update(self._security.env(LAUNCHER))
             if self.config.nats.url:
                 url = self.config.nats.url
             else:
                 # Started from the loop's thread: the parent-death signal follows that thread.
-                nats = EmbeddedNats(self.run_dir / "nats", die_with_parent=True)
+                nats = EmbeddedNats(
+                    self.run_dir / "nats",
+                    die_with_parent=True,
+                    tls=self._security.nats_server_tls(),
+                    users=self._security.nats_users(),
+                )
                 await nats.start_async()
                 url = nats.url
                 supervisors.append(asyncio.create_task(self._supervise_nats(nats)))
@@ -410,6 +423,8 @@ class Launcher:
             self.console.close()  # the last progress line, then plain lines again
             if nats is not None:
                 await asyncio.to_thread(nats.stop)
+            os.environ.clear()
+            os.environ.update(saved_environ)
             self._summary(code)
         return code
 
@@ -530,6 +545,7 @@ class Launcher:
         argv += ["--name", svc.name, "--port", str(svc.port), "--config", str(config_copy)]
         child_env = {
             **env,
+            **self._security.env(svc.name),  # its own certificate and NATS user, if any
             reg.ENV_METRICS_PORT: str(svc.metrics_port),
             ENV_EXIT_REASON: str(svc.reason_path),
         }

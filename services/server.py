@@ -40,7 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services import telemetry
+from services import security, telemetry
 from services.errors import (
     REQUEST_ID_KEY,
     InvalidArgument,
@@ -60,6 +60,7 @@ __all__ = [
     "channel",
     "current_request_id",
     "install_signal_handlers",
+    "sync_channel",
     "wait_for_health",
     "wrap_method_handler",
 ]
@@ -373,8 +374,12 @@ class GrpcServer:
             server,
         )
         address = f"{self.host}:{self.port}"
+        tls = security.tls_files()
         try:
-            bound = server.add_insecure_port(address)
+            if tls is None:
+                bound = server.add_insecure_port(address)
+            else:  # mutual TLS: clients without a certificate from the CA are refused
+                bound = server.add_secure_port(address, security.server_credentials(tls))
         except RuntimeError as exc:
             raise RuntimeError(f"{self.name}: cannot bind gRPC server to {address}: {exc}") from exc
         if not bound:
@@ -383,7 +388,13 @@ class GrpcServer:
         await self._apply_health(self._serving)
         await server.start()
         self._server = server
-        log.info("%s: gRPC listening on %s (%s)", self.name, self.address, self.service_names)
+        log.info(
+            "%s: gRPC listening on %s%s (%s)",
+            self.name,
+            self.address,
+            " with mutual TLS" if tls is not None else "",
+            self.service_names,
+        )
         return bound
 
     def set_serving(self, serving: bool = True) -> None:
@@ -499,7 +510,8 @@ def channel(
     options: Iterable[tuple[str, Any]] = (),
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to ``address`` with rlfleet's limits, retries and metadata.
+    """A grpc.aio channel to ``address`` with rlfleet's limits, retries and metadata; mutual
+    TLS when the environment names certificates (services/security.py), else plaintext.
 
     ``options`` and ``interceptors`` add to (and for options, override) the defaults.
     """
@@ -517,15 +529,30 @@ def channel(
         "grpc.max_reconnect_backoff_ms": 5_000,
     }
     defaults.update(dict(options))
-    return grpc.aio.insecure_channel(
+    chain = [
+        *telemetry.per_kind_interceptors(_send_request_id),
+        *telemetry.client_interceptors(),
+        *interceptors,
+    ]
+    tls = security.tls_files()
+    if tls is None:
+        return grpc.aio.insecure_channel(
+            address, options=list(defaults.items()), interceptors=chain
+        )
+    return grpc.aio.secure_channel(
         address,
+        security.channel_credentials(tls),
         options=list(defaults.items()),
-        interceptors=[
-            *telemetry.per_kind_interceptors(_send_request_id),
-            *telemetry.client_interceptors(),
-            *interceptors,
-        ],
+        interceptors=chain,
     )
+
+
+def sync_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A blocking channel (health checks, tools) with the same TLS choice as `channel`."""
+    tls = security.tls_files()
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, security.channel_credentials(tls), options=list(options))
 
 
 def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
@@ -539,8 +566,8 @@ def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
     last = "no answer"
     # Reconnect quickly: grpc's default backoff (1 s, growing) would add seconds to start-up.
     options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 500)]
-    with grpc.insecure_channel(address, options=options) as sync_channel:
-        stub = health_pb2_grpc.HealthStub(sync_channel)
+    with sync_channel(address, options) as health_channel:
+        stub = health_pb2_grpc.HealthStub(health_channel)
         # types-grpcio-health-checking declares HealthStub without the method attributes the
         # generated class sets in __init__; this is the type the generated code gives Check.
         check: grpc.UnaryUnaryMultiCallable[

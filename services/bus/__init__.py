@@ -5,11 +5,12 @@ See docs/internals.md ("services/bus/") for the contract and subjects.py for the
 
 from services.bus.client import Bus, PubAck
 from services.bus.messages import MSG_ID_HEADER, TYPE_HEADER, Delivery, Subscription
-from services.bus.nats_server import EmbeddedNats, find_nats_server
+from services.bus.nats_server import EmbeddedNats, NatsUser, find_nats_server
 from services.bus.runs import RUN_OVER, stop_when_run_over
 from services.bus.subjects import (
     events_subject,
     events_wildcard,
+    service_permissions,
     stream_name,
     traj_subject,
     validate_run_name,
@@ -24,11 +25,13 @@ __all__ = [
     "Bus",
     "Delivery",
     "EmbeddedNats",
+    "NatsUser",
     "PubAck",
     "Subscription",
     "events_subject",
     "events_wildcard",
     "find_nats_server",
+    "service_permissions",
     "stop_when_run_over",
     "stream_name",
     "traj_subject",

@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from services import security
 from services.bus.messages import (
     MSG_ID_HEADER,
     TYPE_HEADER,
@@ -201,24 +202,40 @@ class Bus:
             url = nc.connected_url
             log.info("nats client %r: reconnected to %s", name, url.netloc if url else "?")
 
+        # Credentials and TLS from the environment (services/security.py), as the launcher,
+        # compose and Kubernetes hand them to each service.
+        secure: dict[str, Any] = {}
+        if (creds := security.nats_credentials()) is not None:
+            secure.update(user=creds.user, password=creds.password)
+        if (tls := security.tls_files()) is not None:
+            secure["tls"] = security.ssl_context(tls)
         try:
             # nats-py annotates both timeouts as int but uses them as seconds in asyncio
             # (wait_for, sleep), which take floats: the annotations are too narrow.
-            await nc.connect(
-                servers=servers,
-                name=name,
-                connect_timeout=connect_timeout_s,  # type: ignore[arg-type]
-                reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
-                # nats-py treats this limit as "retries per server", also for the first connect.
-                max_reconnect_attempts=max(1, connect_attempts - 1),
-                ping_interval=20,
-                max_outstanding_pings=3,
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
+            # The overall bound also covers a TLS handshake that never completes (a client
+            # without certificates against a server that requires them), which nats-py's
+            # connect_timeout does not.
+            await asyncio.wait_for(
+                nc.connect(
+                    **secure,
+                    servers=servers,
+                    name=name,
+                    connect_timeout=connect_timeout_s,  # type: ignore[arg-type]
+                    reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
+                    # nats-py reads this as "retries per server", also for the first connect.
+                    max_reconnect_attempts=max(1, connect_attempts - 1),
+                    ping_interval=20,
+                    max_outstanding_pings=3,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                ),
+                timeout=connect_timeout_s * connect_attempts + 5.0,
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             cause = nc.last_error or exc
+            with contextlib.suppress(Exception):
+                await nc.close()  # stop a half-open attempt from retrying in the background
             raise Unavailable(
                 f"cannot connect to NATS at {', '.join(servers)} as {name!r}: "
                 f"{type(cause).__name__}: {cause}"

@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import ctypes
 import importlib.metadata
+import json
 import os
 import shutil
 import signal
@@ -27,13 +28,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+from services.security import TlsFiles
 
-__all__ = ["BINARY_ENV", "EmbeddedNats", "find_nats_server", "parent_death_signal"]
+__all__ = ["BINARY_ENV", "EmbeddedNats", "NatsUser", "find_nats_server", "parent_death_signal"]
 
 BINARY_ENV = "RLFLEET_NATS_SERVER"  # explicit path to a nats-server binary (overrides the search)
 _READY_LINE = "Server is ready"
@@ -119,6 +122,51 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class NatsUser:
+    """One NATS user and the subjects it may publish and subscribe to (nats-server
+    authorization; empty allow lists mean everything)."""
+
+    user: str
+    password: str
+    publish_allow: Sequence[str] = ()
+    publish_deny: Sequence[str] = ()
+    subscribe_allow: Sequence[str] = ()
+    subscribe_deny: Sequence[str] = field(default_factory=tuple)
+
+    def conf(self) -> dict[str, object]:
+        permissions: dict[str, dict[str, list[str]]] = {}
+        for kind, allow, deny in (
+            ("publish", self.publish_allow, self.publish_deny),
+            ("subscribe", self.subscribe_allow, self.subscribe_deny),
+        ):
+            rules = {k: list(v) for k, v in (("allow", allow), ("deny", deny)) if v}
+            if rules:
+                permissions[kind] = rules
+        entry: dict[str, object] = {"user": self.user, "password": self.password}
+        if permissions:
+            entry["permissions"] = permissions
+        return entry
+
+
+def _server_conf(max_payload: int | None, tls: TlsFiles | None, users: Sequence[NatsUser]) -> str:
+    """nats-server.conf text (JSON is valid nats-server configuration syntax)."""
+    conf: dict[str, object] = {}
+    if max_payload is not None:
+        conf["max_payload"] = max_payload
+    if tls is not None:  # clients must present a certificate from the CA too (verify)
+        conf["tls"] = {
+            "cert_file": str(tls.cert),
+            "key_file": str(tls.key),
+            "ca_file": str(tls.ca),
+            "verify": True,
+            "timeout": 5,
+        }
+    if users:
+        conf["authorization"] = {"users": [u.conf() for u in users]}
+    return json.dumps(conf, indent=2)
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream, storing under ``store_dir``.
 
@@ -140,6 +188,8 @@ class EmbeddedNats:
         binary: Path | str | None = None,
         ready_timeout_s: float = 10.0,
         die_with_parent: bool = False,
+        tls: TlsFiles | None = None,
+        users: Sequence[NatsUser] = (),
     ) -> None:
         if max_payload is not None and not 0 < max_payload <= _MAX_PAYLOAD_LIMIT:
             raise InvalidArgument(
@@ -151,6 +201,7 @@ class EmbeddedNats:
         self.max_payload = max_payload
         self.ready_timeout_s = ready_timeout_s
         self.die_with_parent = die_with_parent
+        self.tls, self.users = tls, tuple(users)
         self._requested_port = port
         self._port: int | None = port or None
         self._binary = Path(binary) if binary is not None else None
@@ -278,10 +329,12 @@ class EmbeddedNats:
 
     def _spawn(self, binary: Path, port: int) -> None:
         argv = [str(binary), "-a", self.host, "-p", str(port), "-js", "-sd", str(self.store_dir)]
-        if self.max_payload is not None:
-            # max_payload has no command-line flag; it must come from a config file.
+        if self.max_payload is not None or self.tls is not None or self.users:
+            # max_payload, TLS verification and authorization have no command-line flags.
             conf = self.store_dir / "nats-server.conf"
-            conf.write_text(f"max_payload: {self.max_payload}\n")
+            conf.touch(mode=0o600)  # it holds the users' passwords
+            os.chmod(conf, 0o600)
+            conf.write_text(_server_conf(self.max_payload, self.tls, self.users))
             argv += ["-c", str(conf)]
         with self.log_path.open("ab") as log:
             log.write(f"--- rlfleet: starting {' '.join(argv)}\n".encode())

@@ -20,6 +20,7 @@ __all__ = [
     "PREFIX",
     "events_subject",
     "events_wildcard",
+    "service_permissions",
     "stream_name",
     "traj_subject",
     "validate_run_name",
@@ -104,3 +105,21 @@ def work_queue_stream(run: str, queue: str) -> str:
     """
     queue = validate_token(queue, "queue name", underscore=False).upper().replace("-", "_")
     return f"{stream_name(run)}-WQ-{queue}"
+
+
+def service_permissions(run: str) -> dict[str, tuple[str, ...]]:
+    """What a service of ``run`` may do on NATS (the launcher's authorization, docs/internals.md):
+    publish and subscribe on the run's own subjects, reply inboxes, and the JetStream API it uses
+    (streams, consumers, acks, key-value), but never delete or purge a stream or a message, and
+    touch no other run's subjects. Keyword arguments for ``NatsUser``."""
+    own = (f"{PREFIX}.*.{validate_run_name(run)}", f"{PREFIX}.*.{run}.>")
+    return {
+        "publish_allow": (*own, "_INBOX.>", "$JS.API.>", "$JS.ACK.>", "$KV.>"),
+        "publish_deny": (
+            "$JS.API.STREAM.DELETE.>",
+            "$JS.API.STREAM.PURGE.>",
+            "$JS.API.STREAM.MSG.DELETE.>",
+            "$JS.API.ACCOUNT.>",
+        ),
+        "subscribe_allow": (*own, "_INBOX.>", "$KV.>"),
+    }
