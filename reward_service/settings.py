@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from reward_service.rewards.registry import REFERENCE_FORMS, check_reference, is_reference
+from reward_service.rewards.registry import (
+    REFERENCE_FORMS,
+    check_reference,
+    is_reference,
+    registered_names,
+)
 from services.config import StrictModel
 from services.server import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -43,6 +49,10 @@ class RewardSettings(StrictModel):
     # "module:function" or "path/to/file.py:function" (relative to the current directory).
     # References used as keys of rewards, reward_kwargs or timeouts are registered too.
     plugins: list[str] = Field(default_factory=list)
+    # Names the run's clients will ask for (a job lists its rewards here): each must be a
+    # built-in, an installed `rlfleet.rewards` plugin, a reward model above or a reference, so a
+    # typo fails `rlfleet validate` instead of every Score call.
+    expected: list[str] = Field(default_factory=list, max_length=256)
     # Per-reward default time budgets overriding the function's own (RewardInfo.default_timeout).
     timeouts: dict[str, Seconds] = Field(default_factory=dict)
     # A request's timeouts are clamped to this: a hung plugin must not hold a request slot for
@@ -95,6 +105,21 @@ class RewardSettings(StrictModel):
         for names in (self.rewards, self.reward_kwargs, self.timeouts):
             found.update(dict.fromkeys(n for n in names if is_reference(n)))
         return list(found)
+
+    @model_validator(mode="after")
+    def _expected_known(self) -> RewardSettings:
+        known = {*registered_names(), *(m.name for m in self.reward_models)}
+        for name in self.expected:
+            if is_reference(name):
+                check_reference(name)
+            elif name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(
+                    f"reward '{name}' is not registered{hint}; known: {', '.join(sorted(known))}"
+                    f", or name a function as {REFERENCE_FORMS}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _workers_nest(self) -> RewardSettings:

@@ -69,6 +69,8 @@ class RewardKnob(StrictModel):
     def _importable(cls, name: str) -> str:
         if is_reference(name):
             _check_reward({"plugins": [name]})  # its kwargs are checked with them, at their key
+        else:
+            _check_reward({"expected": [name]})  # a built-in or installed plugin
         return name
 
     @field_validator("kwargs")
@@ -305,8 +307,9 @@ class LMJobSettings(StrictModel):
 
 def _reward_service(s: LMJobSettings) -> dict[str, Any]:
     """The reward service registers the functions the rewards name by reference."""
-    refs = list(dict.fromkeys(r.name for r in s.rewards if is_reference(r.name)))
-    return {"plugins": refs} if refs else {}
+    names = list(dict.fromkeys(r.name for r in s.rewards))
+    refs = [name for name in names if is_reference(name)]
+    return {"plugins": refs, "expected": names} if refs else {"expected": names}
 
 
 def _resolved(s: LMJobSettings) -> Preset:

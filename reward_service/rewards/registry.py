@@ -43,6 +43,7 @@ __all__ = [
     "is_reference",
     "load_reference",
     "load_registry",
+    "registered_names",
 ]
 
 REWARDS_GROUP = "rlfleet.rewards"
@@ -295,6 +296,14 @@ def load_reference(ref: str) -> RewardFunction:
         return check_reference(ref)
     except ValueError as exc:
         raise ConfigError(f"reward {exc}") from None
+
+
+def registered_names() -> list[str]:
+    """Names a reward service registers without configuration: the built-ins and the installed
+    plugins' entry-point names (their code is not imported)."""
+    from reward_service.rewards import BUILTINS
+
+    return [r.name for r in BUILTINS] + [ep.name for ep in plugin_entry_points()]
 
 
 def load_registry(

@@ -229,3 +229,23 @@ def test_reference_settings_fail_validation_and_a_clash_fails_the_start(
     ref = f"{PLUGIN}:length_ratio"
     with pytest.raises(ConfigError, match=rf"'{ref}' is registered twice: entry point .*run-file"):
         build_registry(RewardSettings(plugins=[ref]), entry_points=[ep(ref, "length_ratio")])
+
+
+def test_expected_reward_names_are_checked_against_the_registry() -> None:
+    RewardSettings(expected=["accuracy", "format"])  # built-ins
+    with pytest.raises(ValidationError, match=r"'acuracy' is not registered \(did you mean"):
+        RewardSettings(expected=["acuracy"])
+    model = {"name": "judge", "path": "/nonexistent"}
+    RewardSettings(expected=["judge"], reward_models=[model])  # a reward model's name counts
+
+
+def test_a_job_naming_an_unknown_reward_fails_at_its_line(tmp_path: Path) -> None:
+    from services.config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "run: {name: badreward}\njob:\n  kind: grpo\n  model_path: m\n  init_model: tiny\n"
+        "  dataset: {generator: arith}\n  rewards:\n    - {name: acuracy}\n"
+    )
+    with pytest.raises(ConfigError, match=r"run.yaml:8: job.rewards\[0\].name: reward 'acuracy'"):
+        load_run_config(path)
