@@ -42,8 +42,10 @@ from services.bus.messages import (
     Delivery,
     Subscription,
     decode,
+    decode_payload_ref,
     header_bytes,
 )
+from services.bus.payloads import PAYLOAD_HEADER, PayloadStore
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -138,6 +140,7 @@ class Bus:
         self.name = name
         self.request_timeout_s = request_timeout_s
         self._kv: dict[str, KeyValue] = {}
+        self._payloads = PayloadStore(self._js)
         self._closing = False
 
     # ------------------------------------------------------------------ connection
@@ -400,17 +403,24 @@ class Bus:
         msg_id: str,
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        by_reference: bool = True,
     ) -> api.PubAck:
         """Store ``message`` in the JetStream stream capturing ``subject``; returns the PubAck.
 
         ``msg_id`` must be stable across retries of the same logical message: the server drops
         a repeat within the stream's duplicate window and answers ``ack.duplicate == True``.
+        A message over the server's max payload goes by reference (services/bus/payloads.py)
+        unless ``by_reference`` is False; then it is InvalidArgument.
         """
         if not msg_id:
             raise InvalidArgument(f"publish to {subject!r}: msg_id is required", field="msg_id")
         data = message.SerializeToString()
         hdrs = self._headers(message, headers)
         hdrs[MSG_ID_HEADER] = str(msg_id)
+        if by_reference and len(data) + header_bytes(hdrs) > self.max_payload:
+            ref = await self._payloads.put(subject, str(msg_id), data, hdrs[TYPE_HEADER])
+            data = ref.SerializeToString()
+            hdrs[PAYLOAD_HEADER] = "ref"
         self._check_size(subject, message, data, hdrs)
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
         what = f"publish to {subject!r}"
@@ -445,12 +455,14 @@ class Bus:
         first_delay_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        by_reference: bool = True,
     ) -> api.PubAck:
         """``publish``, tried up to ``attempts`` times while it fails with Unavailable (not
         acknowledged in time, connection being re-made), waiting ``first_delay_s`` and then
         twice as long before each next try. Every try sends the same ``msg_id``, so a message
         that did arrive the first time is stored once. The last Unavailable propagates; other
-        errors (InvalidArgument: over the max payload; NotFound: no stream) at once."""
+        errors (InvalidArgument: over the max payload without by_reference; NotFound: no stream)
+        at once."""
         if attempts < 1:
             raise InvalidArgument(
                 f"publish to {subject!r}: attempts must be >= 1, got {attempts}", field="attempts"
@@ -459,7 +471,12 @@ class Bus:
         for attempt in range(1, attempts + 1):
             try:
                 return await self.publish(
-                    subject, message, msg_id=msg_id, headers=headers, timeout_s=timeout_s
+                    subject,
+                    message,
+                    msg_id=msg_id,
+                    headers=headers,
+                    timeout_s=timeout_s,
+                    by_reference=by_reference,
                 )
             except Unavailable as exc:
                 if attempt == attempts:
@@ -569,8 +586,15 @@ class Bus:
                 msg = backlog.popleft()
                 meta = msg.metadata
                 where = f"{what}: seq {meta.sequence.stream} on {msg.subject!r}"
+                after_ack = None
                 try:
-                    message = decode(msg, message_type, where)
+                    if (msg.headers or {}).get(PAYLOAD_HEADER) == "ref":
+                        ref = decode_payload_ref(msg, where)
+                        data = await self._payloads.get(ref, where)
+                        message = decode(msg, message_type, where, data=data)
+                        after_ack = functools.partial(self._payloads.delete, ref)
+                    else:
+                        message = decode(msg, message_type, where)
                 except InvalidArgument as exc:
                     with contextlib.suppress(nats.errors.Error):
                         await msg.term()
@@ -585,6 +609,7 @@ class Bus:
                     num_delivered=meta.num_delivered,
                     _msg=msg,
                     _ack_timeout_s=self.request_timeout_s,
+                    _after_ack=after_ack,
                 )
         finally:
             for msg in backlog:

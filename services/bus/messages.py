@@ -9,7 +9,7 @@ every event kind of a run by looking the type up (``message_type=None``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -19,9 +19,18 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 
+from rlfleet.bus.v1 import trajectory_pb2
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable
 
-__all__ = ["MSG_ID_HEADER", "TYPE_HEADER", "Delivery", "Subscription", "decode", "header_bytes"]
+__all__ = [
+    "MSG_ID_HEADER",
+    "TYPE_HEADER",
+    "Delivery",
+    "Subscription",
+    "decode",
+    "decode_payload_ref",
+    "header_bytes",
+]
 
 TYPE_HEADER = "Rlfleet-Type"  # full protobuf name of the payload, e.g. rlfleet.bus.v1.Trajectory
 MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream drops a second message with the same id in the window
@@ -46,6 +55,8 @@ class Delivery(Generic[M]):
     _msg: Msg | None = field(default=None, repr=False)
     _ack_timeout_s: float = field(default=5.0, repr=False)
     _settled: str | None = field(default=None, repr=False)
+    # Runs once the ack is confirmed (deletes a by-reference payload); failures are ignored.
+    _after_ack: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
     @property
     def settled(self) -> bool:
@@ -69,6 +80,9 @@ class Delivery(Generic[M]):
                 f"{self._ack_timeout_s} s ({type(exc).__name__}); it will be redelivered"
             ) from exc
         self._settled = "ack"
+        if self._after_ack is not None:
+            with contextlib.suppress(Exception):
+                await self._after_ack()
 
     async def nak(self, delay_s: float | None = None) -> None:
         """Give the message back for redelivery, after ``delay_s`` seconds if given."""
@@ -117,12 +131,26 @@ def _class_for(full_name: str) -> type[Message]:
     return message_factory.GetMessageClass(descriptor)
 
 
-def decode(msg: Msg, message_type: type[M] | None, where: str) -> M:
-    """Parse the payload as ``message_type``; the type header must agree when present.
+def decode_payload_ref(msg: Msg, where: str) -> trajectory_pb2.PayloadRef:
+    """The PayloadRef a by-reference message carries (services/bus/payloads.py)."""
+    ref = trajectory_pb2.PayloadRef()
+    try:
+        ref.ParseFromString(msg.data)
+    except DecodeError as exc:
+        raise InvalidArgument(f"{where}: not a valid PayloadRef: {exc}", field="payload") from exc
+    if not ref.bucket or not ref.object or ref.size < 0:
+        raise InvalidArgument(f"{where}: incomplete PayloadRef {ref}", field="payload")
+    return ref
+
+
+def decode(msg: Msg, message_type: type[M] | None, where: str, *, data: bytes | None = None) -> M:
+    """Parse the payload (or ``data``, a by-reference payload's bytes) as ``message_type``; the
+    type header must agree when present.
 
     With ``message_type=None`` the class is looked up from the header, which lets one subscriber
     (the launcher's monitor) read every event kind of a run.
     """
+    payload = msg.data if data is None else data
     named = (msg.headers or {}).get(TYPE_HEADER)
     cls: type[Message]
     if message_type is None:
@@ -143,10 +171,10 @@ def decode(msg: Msg, message_type: type[M] | None, where: str) -> M:
             )
     decoded = cls()
     try:
-        decoded.ParseFromString(msg.data)
+        decoded.ParseFromString(payload)
     except DecodeError as exc:
         raise InvalidArgument(
-            f"{where}: {len(msg.data)} payload bytes are not a valid {cls.DESCRIPTOR.full_name}: "
+            f"{where}: {len(payload)} payload bytes are not a valid {cls.DESCRIPTOR.full_name}: "
             f"{exc}",
             field="message_type",
         ) from exc

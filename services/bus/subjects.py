@@ -108,18 +108,19 @@ def work_queue_stream(run: str, queue: str) -> str:
 
 
 def service_permissions(run: str) -> dict[str, tuple[str, ...]]:
-    """What a service of ``run`` may do on NATS (the launcher's authorization, docs/internals.md):
-    publish and subscribe on the run's own subjects, reply inboxes, and the JetStream API it uses
-    (streams, consumers, acks, key-value), but never delete or purge a stream or a message, and
-    touch no other run's subjects. Keyword arguments for ``NatsUser``."""
+    """What a service of ``run`` may do on NATS (the launcher's authorization): publish and
+    subscribe on the run's own subjects, reply inboxes, and the JetStream API it uses (streams,
+    consumers, acks, key-value, the object store of by-reference payloads), but never delete or
+    purge a stream or a message, and touch no other run's subjects. Keyword arguments for
+    ``NatsUser``."""
     own = (f"{PREFIX}.*.{validate_run_name(run)}", f"{PREFIX}.*.{run}.>")
     return {
-        "publish_allow": (*own, "_INBOX.>", "$JS.API.>", "$JS.ACK.>", "$KV.>"),
+        "publish_allow": (*own, "_INBOX.>", "$JS.API.>", "$JS.ACK.>", "$KV.>", "$O.>"),
         "publish_deny": (
             "$JS.API.STREAM.DELETE.>",
             "$JS.API.STREAM.PURGE.>",
             "$JS.API.STREAM.MSG.DELETE.>",
             "$JS.API.ACCOUNT.>",
         ),
-        "subscribe_allow": (*own, "_INBOX.>", "$KV.>"),
+        "subscribe_allow": (*own, "_INBOX.>", "$KV.>", "$O.>"),
     }

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import pytest
 from google.protobuf.struct_pb2 import Struct
 from google.rpc.status_pb2 import Status
@@ -281,10 +282,12 @@ async def test_oversize_message_is_refused_before_sending(bus: Bus) -> None:
     await bus.ensure_stream(stream, [subject])
     limit = bus.max_payload
     with pytest.raises(InvalidArgument, match=rf"over the server's max payload of {limit} bytes"):
-        await bus.publish(subject, _struct(blob="x" * limit), msg_id="big")
+        await bus.publish(subject, _struct(blob="x" * limit), msg_id="big", by_reference=False)
     # Payload alone fits, headers push it over: the server would drop the connection.
     with pytest.raises(InvalidArgument, match=r"\d+ payload \+ \d+ headers"):
-        await bus.publish(subject, _struct(blob="x" * (limit - 40)), msg_id="edge")
+        await bus.publish(
+            subject, _struct(blob="x" * (limit - 40)), msg_id="edge", by_reference=False
+        )
     with pytest.raises(InvalidArgument):
         await bus.publish_event(subject, _struct(blob="x" * limit))
     assert bus.nc.is_connected
@@ -300,7 +303,7 @@ async def test_max_payload_option_reaches_the_server(tmp_path: Path) -> None:
         stream, subject = _names()
         await bus.ensure_stream(stream, [subject])
         with pytest.raises(InvalidArgument, match="max payload of 4096 bytes"):
-            await bus.publish(subject, _struct(blob="x" * 5000), msg_id="big")
+            await bus.publish(subject, _struct(blob="x" * 5000), msg_id="big", by_reference=False)
 
 
 async def test_ensure_stream_is_idempotent_and_updates(bus: Bus) -> None:
@@ -372,7 +375,9 @@ async def test_publish_with_retry_gives_up_or_fails_at_once(
     # Not transient: raised by the first try.
     tries.clear()
     with pytest.raises(InvalidArgument, match="max payload"):
-        await bus.publish_with_retry(subject, _struct(blob="x" * bus.max_payload), msg_id="big")
+        await bus.publish_with_retry(
+            subject, _struct(blob="x" * bus.max_payload), msg_id="big", by_reference=False
+        )
     assert tries == []  # refused before sending
     monkeypatch.setattr(bus.js, "publish", real)
     with pytest.raises(NotFound, match="ensure_stream"):
@@ -506,3 +511,45 @@ def test_server_dying_at_start_reports_its_log(tmp_path: Path) -> None:
 def test_taken_port_reports_the_servers_words(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     with pytest.raises(Unavailable, match="address already in use"):
         EmbeddedNats(tmp_path, port=nats_server.port or 0).start()
+
+
+# ---------------------------------------------------------------------------- by reference
+
+
+async def test_oversize_messages_go_by_reference_and_are_deleted_after_ack(bus: Bus) -> None:
+    from services.bus.payloads import PAYLOAD_HEADER, bucket_for
+
+    stream, subject = _names()
+    await bus.ensure_stream(stream, [subject])
+    big = _struct(blob="y" * (3 * bus.max_payload), i=7)  # three times what one message holds
+    first = await bus.publish(subject, big, msg_id="frag-1")
+    again = await bus.publish(subject, big, msg_id="frag-1")  # a retry: stored once
+    assert not first.duplicate and again.duplicate
+    info = await bus.js.stream_info(stream)
+    assert info.state.messages == 1 and info.state.bytes < 4096  # only the reference
+    pulled = bus.pull(stream, "refs", subject, Struct, timeout_s=0.5)
+    delivery = await _next(pulled)
+    assert delivery.headers[PAYLOAD_HEADER] == "ref"
+    assert delivery.message == big
+    store = await bus.js.object_store(bucket_for(subject))
+    assert (await store.get("frag-1")).info.size == len(big.SerializeToString())
+    await delivery.ack()
+    with pytest.raises(nats.js.errors.ObjectNotFoundError):
+        await store.get("frag-1")  # deleted once acknowledged
+    await pulled.aclose()
+
+
+async def test_a_reference_to_a_corrupted_payload_is_terminated(bus: Bus) -> None:
+    from services.bus.payloads import bucket_for
+
+    stream, subject = _names()
+    await bus.ensure_stream(stream, [subject])
+    await bus.publish(subject, _struct(blob="z" * (2 * bus.max_payload)), msg_id="frag-2")
+    store = await bus.js.object_store(bucket_for(subject))
+    await store.put("frag-2", b"tampered")
+    pulled = bus.pull(stream, "refs-bad", subject, Struct, timeout_s=0.5)
+    with pytest.raises(InvalidArgument, match="another digest than its reference"):
+        await _next(pulled)
+    await pulled.aclose()
+    info = await bus.js.consumer_info(stream, "refs-bad")
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # terminated, not redelivered
