@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.export.sources import Source, lm_learner_settings, run_summary
+from learner.safe_load import safe_load, verify_checkpoint
 from services.errors import ConfigError
 
 __all__ = ["checkpoint_state", "export_lm"]
@@ -27,13 +28,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def checkpoint_state(tag_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(module state_dict in fp32 where the checkpoint has it, client state) of one tag."""
-    import torch
 
     names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
     rank0 = next((tag_dir / n for n in names if (tag_dir / n).is_file()), None)
     if rank0 is None:
         raise ConfigError(f"{tag_dir}: not a DeepSpeed checkpoint (no model states file)")
-    saved = torch.load(rank0, map_location="cpu", weights_only=False)
+    verify_checkpoint(tag_dir)  # before DeepSpeed's own loader below sees the shards
+    saved = safe_load(rank0)
     client = {
         k: v
         for k, v in saved.items()
