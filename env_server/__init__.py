@@ -6,5 +6,7 @@
 - service.py: the `env_server` service kind (`rlfleet serve env_server`);
 - client/: the client module other services import: EnvSession, RemoteVectorEnv, RemoteEnv and
   the plain types both sides share (client/types.py);
+- game_link/: GameLinkService, for games that own their loop (docs/game_link.md);
+  game_link_client.py: its Python SDK, importable by a game without the server;
 - play.py, commands.py: `rlfleet play` and `rlfleet envs`.
 """

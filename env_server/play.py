@@ -196,7 +196,9 @@ def _make_env(env_id: str, env_kwargs: dict[str, Any], render: bool) -> Any:
     try:
         return make_env(env_id, kwargs=env_kwargs, render_mode="rgb_array" if render else None)
     except (NotFound, FailedPrecondition, InvalidArgument) as exc:
-        raise ConfigError(f"cannot create the policy's env: {exc}") from exc
+        # A policy trained through GameLink names its game's env id, which no local env has.
+        hint = "; to play it in a local env with the same spaces, give --env ID"
+        raise ConfigError(f"cannot create the policy's env: {exc}{hint}") from exc
 
 
 def _check_spaces(policy: LoadedPolicy, env: Any) -> None:
@@ -224,10 +226,12 @@ def play(
     info_keys: Sequence[str] = DEFAULT_INFO_KEYS,
     runs_root: Path = RUNS_ROOT,
     on_episode: Any = None,
+    env_id: str | None = None,
 ) -> PlayResult:
     """Run ``episodes`` episodes of a saved policy (episode i reset with seed + i; sampling
     seeded with ``seed`` without touching torch's global generator) and record the first
-    ``record_episodes`` of them when ``video`` or ``frames`` is given."""
+    ``record_episodes`` of them when ``video`` or ``frames`` is given. ``env_id`` plays in
+    that env instead of the policy's own (e.g. Snake-v0 for a GameLink game's SnakeTS-v0)."""
     import numpy as np
     import torch
 
@@ -237,7 +241,9 @@ def play(
         raise ConfigError("give --video or --frames, not both")
     policy = load_policy(run_or_path, runs_root)
     recording = video is not None or frames is not None
-    env = _make_env(policy.env_id, policy.env_kwargs, render=recording)
+    env_id = env_id or policy.env_id
+    env_kwargs = policy.env_kwargs if env_id == policy.env_id else {}
+    env = _make_env(env_id, env_kwargs, render=recording)
     recorder = None
     try:
         _check_spaces(policy, env)
@@ -283,7 +289,7 @@ def play(
         with contextlib.suppress(Exception):
             env.close()
     return PlayResult(
-        policy.env_id, policy.directory, deterministic, results, wall_s, written, _note(policy)
+        env_id, policy.directory, deterministic, results, wall_s, written, _note(policy)
     )
 
 
@@ -338,6 +344,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report this final-info value per episode (repeatable; default: score)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the summary here")
+    parser.add_argument(
+        "--env", metavar="ID",
+        help="play in this local env instead of the policy's own (same spaces; e.g. Snake-v0 "
+        "for a policy trained through GameLink on the TypeScript SnakeTS-v0)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -359,6 +370,7 @@ def main(args: argparse.Namespace) -> int:
         record_episodes=args.record_episodes,
         info_keys=tuple(args.info or DEFAULT_INFO_KEYS),
         on_episode=report,
+        env_id=args.env,
     )
     summary = result.summary()
     if result.policy_note:

@@ -52,7 +52,7 @@ __all__ = [
 PLUGIN_GROUP = "rlfleet.envs"
 # Packages whose import registers gymnasium ids (gymnasium 1.x has no plugin discovery of its
 # own). Imported when installed; more can be named per server with the `preload` setting.
-GYMNASIUM_PLUGIN_MODULES = ("flappy_bird_gymnasium",)
+GYMNASIUM_PLUGIN_MODULES = ("flappy_bird_gymnasium", "env_server.envs")  # envs: Snake-v0
 
 
 @functools.cache

@@ -7,6 +7,8 @@ import logging
 from pydantic import Field, field_validator
 
 from env_server import registry
+from env_server.game_link.mount import GameLinkMount
+from env_server.game_link.settings import GameLinkSettings
 from env_server.servicer import EnvService
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.config import StrictModel
@@ -33,6 +35,8 @@ class EnvServerSettings(StrictModel):
     # References ("module:Name", "path/to/file.py:Name", relative to the current directory; a
     # gymnasium Env class, a factory, or an id the module registers) become ids of this server.
     preload: list[str] = Field(default_factory=list)
+    # GameLinkService on the same port: games that own their loop (env_server/game_link).
+    game_link: GameLinkSettings = GameLinkSettings()
 
     @field_validator("preload")
     @classmethod
@@ -51,25 +55,41 @@ class EnvServerSettings(StrictModel):
 
 
 async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
-    """Serve EnvService until ctx.stop_event is set."""
+    """Serve EnvService (and GameLinkService when enabled) until ctx.stop_event is set."""
     settings = ctx.settings
     registry.preload(settings.preload)
+    links = GameLinkMount(ctx, settings.game_link) if settings.game_link.enabled else None
     service = EnvService(
         name=ctx.name,
         max_sessions=settings.max_sessions,
         max_envs_per_session=settings.max_envs_per_session,
         max_message_bytes=settings.max_message_bytes,
         session_idle_timeout_s=settings.session_idle_timeout_s,
+        linked_spaces=links.spaces if links is not None else None,
     )
     server = GrpcServer(
         ctx.name, host=ctx.host, port=ctx.port, max_message_bytes=settings.max_message_bytes
     )
     server.add_service(env_pb2_grpc.add_EnvServiceServicer_to_server, service, SERVICE_NAME)
+    if links is not None:
+        links.add_to(server)
     await server.start()
-    server.set_serving()
-    log.info("env_server %s serving on %s", ctx.name, server.address)
-    await server.serve_until(ctx.stop_event)
+    try:
+        if links is not None:
+            await links.start(server.address)
+        server.set_serving()
+        log.info("env_server %s serving on %s", ctx.name, server.address)
+        await ctx.stop_event.wait()
+    finally:
+        if links is not None:
+            await links.stop()  # streams end UNAVAILABLE, links publish what they hold
+        await server.stop()
 
 
 SERVICE_NAME = service_name(env_pb2, "EnvService")
-SPEC = ServiceSpec(kind="env_server", settings=EnvServerSettings, main=main)
+SPEC = ServiceSpec(
+    kind="env_server",
+    settings=EnvServerSettings,
+    main=main,
+    uses_bus=lambda s: s.game_link.enabled,  # game links publish fragments; pools do not
+)

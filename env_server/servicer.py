@@ -30,7 +30,7 @@ import itertools
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -44,6 +44,7 @@ from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     RlfleetError,
     Unavailable,
@@ -89,8 +90,12 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         max_envs_per_session: int = 1024,
         max_message_bytes: int = 64 << 20,
         session_idle_timeout_s: float = 600.0,
+        linked_spaces: Callable[[str], tuple[Any, Any] | None] | None = None,
     ) -> None:
         self.name = name
+        # Game links (env_server/game_link): the spaces a game declared for an env id that the
+        # registry does not know, so a learner can ask for them like for any env (see _create).
+        self.linked_spaces = linked_spaces
         self.max_sessions = max_sessions
         self.max_envs_per_session = max_envs_per_session
         # The server's send limit: render answers must fit in it (with room for the envelope).
@@ -160,6 +165,7 @@ class _Session:
     def __init__(self, service: EnvService) -> None:
         self.service = service
         self.pool: EnvPool | None = None
+        self.linked_env: str | None = None  # a game link's env id: spaces only, no pool
         self.closed = False
         self._holds_slot = False
 
@@ -192,9 +198,40 @@ class _Session:
         return response
 
     def _require_pool(self, what: str) -> EnvPool:
+        if self.linked_env is not None:
+            raise FailedPrecondition(
+                f"{what}: {self.linked_env} is driven by a game over GameLinkService; this "
+                "session only reports its spaces"
+            )
         if self.pool is None:
             raise FailedPrecondition(f"{what} before create: send a CreateRequest first")
         return self.pool
+
+    def _create_linked(self, req: env_pb2.CreateRequest, out: env_pb2.CreateResponse) -> bool:
+        """A game link's env id: answer with the spaces its game declared in Hello (no pool).
+        Before any game has linked with an id the registry lacks, UNAVAILABLE: retry."""
+        linked = self.service.linked_spaces
+        if linked is None:
+            return False
+        found = linked(req.env_id)
+        if found is None:
+            try:
+                registry.find_env(req.env_id)
+            except NotFound:
+                raise Unavailable(
+                    f"env id '{req.env_id}' is neither in this server's registry nor linked by "
+                    "a game yet (GameLinkService): retry once the game has said Hello",
+                    field="create.env_id",
+                ) from None
+            return False
+        self.linked_env = req.env_id
+        out.session_id = f"{self.service.name}-link-env-{next(self.service._ids)}"
+        out.observation_space.CopyFrom(spaces.to_proto(found[0]))
+        out.action_space.CopyFrom(spaces.to_proto(found[1]))
+        out.num_envs = req.num_envs
+        out.autoreset_mode = env_pb2.AUTORESET_MODE_SAME_STEP
+        out.env.env_id, out.env.source = req.env_id, "game_link"
+        return True
 
     async def _create(self, req: env_pb2.CreateRequest, out: env_pb2.CreateResponse) -> None:
         from gymnasium.vector import AutoresetMode
@@ -228,6 +265,8 @@ class _Session:
                 "render_mode goes in CreateRequest.render_mode, not in kwargs",
                 field="create.kwargs.render_mode",
             )
+        if self._create_linked(req, out):
+            return
         entry = registry.find_env(req.env_id)
         mode = AutoresetMode[_MODES[req.autoreset_mode]]
         self.service._acquire()

@@ -67,4 +67,4 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-SPEC = ServiceSpec(kind="gateway", settings=GatewaySettings, main=main, grpc=True)
+SPEC = ServiceSpec(kind="gateway", settings=GatewaySettings, main=main, uses_bus=lambda s: False)

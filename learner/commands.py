@@ -8,17 +8,33 @@ import argparse
 from services.cli import Command
 
 
-def _dpo_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="DPO config YAML (top level: learner.lm.dpo.DPOSettings)")
+def _dpo_data_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", help="JSONL file to write (a job: {kind: dpo}'s data or eval_data)")
+    parser.add_argument("--count", type=int, default=1000, help="pairs to write (default 1000)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    parser.add_argument(
+        "--split", default="train", help="train, eval, ... (each split has different prompts)"
+    )
+    parser.add_argument("--digits", type=int, default=2, help="operand digits (default 2)")
 
 
-def _dpo(args: argparse.Namespace) -> int:
-    from learner.lm.dpo import run_config
+def _dpo_data(args: argparse.Namespace) -> int:
+    from learner.lm.dpo_data import arith_pairs, write_pairs
+    from services.errors import ConfigError
 
-    return run_config(args.config)
+    if args.count < 1 or args.digits < 1:
+        raise ConfigError("--count and --digits must be at least 1")
+    pairs = arith_pairs(args.count, seed=args.seed, split=args.split, digits=args.digits)
+    print(f"wrote {write_pairs(args.out, pairs)} pairs to {args.out}")
+    return 0
 
 
-DPO = Command("offline DPO on (prompt, chosen, rejected) JSONL pairs", _dpo_args, _dpo)
+DPO_DATA = Command(
+    "write arithmetic DPO preference pairs (prompt, correct answer chosen, a near miss "
+    "rejected) as JSONL for job: {kind: dpo}",
+    _dpo_data_args,
+    _dpo_data,
+)
 
 
 def _export_args(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from learner import safe_load
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 
 __all__ = ["Engine", "TrainEngine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
@@ -152,6 +153,11 @@ class Engine:
         self.init_s = init_s  # seconds deepspeed.initialize took (JIT build included)
         self.dtype = _DTYPES[settings.precision]  # parameter dtype
         self.device = torch.device(ds_engine.device)
+        # Data-parallel place: each rank trains on its shard of every minibatch (learner.game).
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.world_size = (
+            torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        )
         self._closed = False
 
     @property
@@ -224,6 +230,7 @@ class Engine:
         directory = Path(directory)
         if tag is None and not (directory / "latest").is_file():
             return None
+        safe_load.install(self.ds)  # weights_only=True: a checkpoint cannot run code
         path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
         if path is None:
             return None
@@ -280,11 +287,18 @@ def _prune(directory: Path, keep: int, current: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _skip_shm_op_when_alone() -> None:
-    """With one process there is nothing for the CPU shared-memory all-reduce op to speed up, yet
-    DeepSpeed builds it on every first init of a machine (40-50 s of g++, minutes on a loaded
-    host). Skip it then; DeepSpeed falls back to torch.distributed, as when the op is missing."""
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+def _shm_op_built() -> bool:
+    """The CPU shared-memory comm op is in the JIT cache already (``warm_up`` built it)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    return any(root.glob("deepspeed_shm_comm*/*.so"))
+
+
+def _skip_shm_op_unless_built() -> None:
+    """DeepSpeed builds the CPU shared-memory all-reduce op on every first init of a machine
+    (40-50 s of g++, minutes on a loaded host). With one process it has nothing to speed up, and
+    with several a first start should not wait for a compiler: skip it then (DeepSpeed falls back
+    to torch.distributed, as when the op is missing); ranks use it once ``warm_up`` built it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1 and _shm_op_built():
         return
     try:  # (`from deepspeed.comm import torch` would find the torch package re-exported there)
         ds_comm_torch: Any = importlib.import_module("deepspeed.comm.torch")  # patched below
@@ -303,7 +317,11 @@ def build_engine(
     device = _prepare_environment(ds_cfg)
     import deepspeed
 
-    _skip_shm_op_when_alone()
+    if ds_cfg.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Gathering ZeRO-3 weights is collective; the ranks' protocol (learner.ranks) does not
+        # run it on every rank, so several ranks train with stages 0-2 (full weights each).
+        raise ValueError("several learner ranks need zero_stage 0, 1 or 2 (not 3)")
+    _skip_shm_op_unless_built()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     optimizer = torch.optim.AdamW(
         model.parameters(),

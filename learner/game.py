@@ -19,11 +19,15 @@ The math is bench/ppo_baseline.py's (CleanRL's ``ppo.py`` with time-limit bootst
 
 The consumer's bookkeeping (``AppliedWindow``, ``triage``) is shared with the LM workload and
 lives in learner.consumer; the service around this (learner.game_workload) only adapts it.
+
+About 500 lines: the four steps above are one pipeline, each step's checks next to the shapes it
+reads, and splitting them would spread one tensor's story over several files.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +64,7 @@ __all__ = [
 ]
 
 ValueFn = Callable[[Tensor], Tensor]  # observations [B, ...] -> V [B]
+LogpFn = Callable[[Tensor, Tensor], Tensor]  # (observations [B, ...], actions [B, ...]) -> [B]
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -267,7 +272,8 @@ class Rollout:
     logprobs: Tensor  # [B] behaviour log-probabilities
     values: Tensor  # [B] V(s) used for GAE (anchor of value clipping)
     advantages: Tensor  # [B]
-    returns: Tensor  # [B] lambda-returns, the value targets
+    returns: Tensor  # [B] lambda-returns (V-trace: v_s), the value targets
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # of the estimator
 
     @property
     def size(self) -> int:
@@ -298,20 +304,35 @@ def prepare(
     cfg: LearnerSettings,
     value_fn: ValueFn | None = None,
     device: torch.device | str = "cpu",
+    logp_fn: LogpFn | None = None,
 ) -> Rollout:
-    """GAE per segment (``cfg.gamma``, ``cfg.gae_lambda``) and flatten to training rows.
+    """The preset's advantages per segment (``cfg.gamma``, ``cfg.gae_lambda``) and flatten to
+    training rows.
 
     Values come from ``value_fn`` (the learner's critic) when ``cfg.recompute_values`` or when a
-    fragment has none; otherwise from the fragments (the behaviour critic).
+    fragment has none; otherwise from the fragments (the behaviour critic). An off-policy
+    estimator (one that takes ``target_logp``: V-trace) also gets the fragments' behaviour
+    log-probs and ``logp_fn``'s, the learner's current policy.
     """
-    estimator = GAME_ADVANTAGES.get(cfg.game_preset.advantage)
+    preset = cfg.game_preset
+    estimator = GAME_ADVANTAGES.get(preset.advantage)
+    off_policy = "target_logp" in (GAME_ADVANTAGES.hyperparameters(preset.advantage) or ())
+    if off_policy and logp_fn is None:
+        raise InvalidArgument(f"advantage {preset.advantage!r} needs the learner's log-probs")
     rows: dict[str, list[Tensor]] = collections.defaultdict(list)
+    log_rhos: list[Tensor] = []
     for seg in batch.segments():
         T, N = seg.rewards.shape
         values, last_value, final_v = _segment_values(seg, value_fn, cfg.recompute_values)
         values, last_value = values.cpu().float(), last_value.cpu().float()
         final_values = torch.full((T, N), math.nan)
         final_values[seg.final_t, seg.final_n] = final_v.cpu().float()
+        extra = dict(preset.advantage_kwargs)
+        if off_policy:
+            assert logp_fn is not None
+            target = _segment_logp(seg, logp_fn)  # [T, N]
+            extra.update(behaviour_logp=seg.logprobs, target_logp=target)
+            log_rhos.append((target - seg.logprobs).reshape(-1))
         advantages, returns = estimator(
             seg.rewards,
             values,
@@ -322,6 +343,7 @@ def prepare(
             gamma=cfg.gamma,
             lam=cfg.gae_lambda,
             bootstrap_truncated=cfg.bootstrap_truncated,
+            **extra,
         )
         rows["obs"].append(seg.obs.reshape(T * N, *seg.obs.shape[2:]))
         rows["actions"].append(seg.actions.reshape(T * N, *seg.actions.shape[2:]))
@@ -329,7 +351,32 @@ def prepare(
         rows["values"].append(values.reshape(-1))
         rows["advantages"].append(advantages.reshape(-1))
         rows["returns"].append(returns.reshape(-1))
-    return Rollout(**{k: torch.cat(v).to(device) for k, v in rows.items()})
+    flat = {k: torch.cat(v).to(device) for k, v in rows.items()}
+    rollout = Rollout(
+        obs=flat["obs"],
+        actions=flat["actions"],
+        logprobs=flat["logprobs"],
+        values=flat["values"],
+        advantages=flat["advantages"],
+        returns=flat["returns"],
+    )
+    if log_rhos:  # how far off-policy the batch was, and how much the clips cut
+        rhos = torch.cat(log_rhos).exp()
+        rho_bar = float(extra.get("rho_bar", 1.0))
+        rollout.metrics = {
+            "vtrace_rho_mean": float(rhos.mean()),
+            "vtrace_rho_clipfrac": float((rhos > rho_bar).float().mean()),
+        }
+    return rollout
+
+
+@torch.no_grad()
+def _segment_logp(seg: Segment, logp_fn: LogpFn) -> Tensor:
+    """log pi(a_t|s_t) ``[T, N]`` under the learner's current policy."""
+    T, N = seg.rewards.shape
+    obs = seg.obs.reshape(T * N, *seg.obs.shape[2:])
+    actions = seg.actions.reshape(T * N, *seg.actions.shape[2:])
+    return logp_fn(obs, actions).cpu().float().reshape(T, N)
 
 
 # ---------------------------------------------------------------------------- update
@@ -348,9 +395,12 @@ def update(
     *,
     lr: float | None = None,
     generator: torch.Generator | None = None,
+    clip_grad: bool = False,
 ) -> dict[str, float]:
     """One update on ``batch``: epochs x shuffled minibatches; returns CleanRL-named metrics
-    (means over the minibatches run). ``lr`` sets the learning rate first (annealing)."""
+    (means over the minibatches run). ``lr`` sets the learning rate first (annealing).
+    ``clip_grad``: clip the gradients to ``cfg.max_grad_norm`` here (``clip_grad_norm``), for an
+    engine built without DeepSpeed's clipping (``learner.game_workload.engine_settings``)."""
     if lr is not None:
         engine.set_lr(lr)
     module: Any = engine.module
@@ -359,11 +409,17 @@ def update(
         with engine.autocast():
             return module.value(obs.to(engine.device))
 
-    rollout = prepare(batch, cfg, value_fn, engine.device)
+    def logp_fn(obs: Tensor, actions: Tensor) -> Tensor:
+        with engine.autocast():
+            return module.evaluate(obs.to(engine.device), actions.to(engine.device))[1]
+
+    rollout = prepare(batch, cfg, value_fn, engine.device, logp_fn)
     policy_loss = POLICY_LOSSES.get(cfg.game_preset.policy_loss)
     kwargs = cfg.policy_loss_kwargs()
     clip = cfg.clip_coef if cfg.clip_vloss else None
     B = rollout.size
+    world = int(getattr(engine, "world_size", 1))  # data-parallel ranks (learner.ranks)
+    clip_here = clip_grad and cfg.max_grad_norm is not None
     stats: dict[str, list[float]] = collections.defaultdict(list)
     epochs = 0
     for _epoch in range(cfg.update_epochs):
@@ -371,11 +427,14 @@ def update(
         perm = torch.randperm(B, generator=generator).to(rollout.obs.device)
         for lo in range(0, B, cfg.minibatch_size):
             mb = perm[lo : lo + cfg.minibatch_size]
+            adv = rollout.advantages[mb]
+            if cfg.norm_adv:  # over the whole minibatch, so ranks' shards match one rank's
+                adv = normalize_advantages(adv)
+            share = 1.0
+            if world > 1:
+                mb, adv, share = _rank_shard(mb, adv, engine.rank, world)
             _, logp, entropy, value = engine(rollout.obs[mb], rollout.actions[mb])
             logp, entropy, value = logp.float(), entropy.float(), value.float()
-            adv = rollout.advantages[mb]
-            if cfg.norm_adv:
-                adv = normalize_advantages(adv)
             pg, pg_metrics = policy_loss(
                 logp=logp, old_logp=rollout.logprobs[mb], adv=adv, **kwargs
             )
@@ -383,17 +442,61 @@ def update(
             ent, ent_metrics = entropy_loss(entropy)
             pg_loss, v_loss, ent_loss = aggregate(pg), aggregate(v), aggregate(ent)
             loss = pg_loss + cfg.vf_coef * v_loss + cfg.ent_coef * ent_loss
+            if world > 1:  # DeepSpeed averages the ranks' gradients: weigh by shard size
+                loss = loss * share
             engine.backward(loss)
+            if clip_here:
+                clip_grad_norm(module.parameters(), cfg.max_grad_norm)  # type: ignore[arg-type]
             engine.step()
             stats["policy_loss"].append(float(pg_loss.detach()))
             stats["value_loss"].append(float(v_loss.detach()))
             stats["loss"].append(float(loss.detach()))
             for key, val in {**pg_metrics, **ent_metrics}.items():
                 stats[key].append(float(val))
-        if cfg.target_kl is not None and stats["approx_kl"][-1] > cfg.target_kl:
-            break
+        if cfg.target_kl is not None:
+            # Every rank decides on the same (averaged) value, or they would part ways.
+            kl = _mean_over_ranks(stats["approx_kl"][-1], world, engine.device)
+            if kl > cfg.target_kl:
+                break
     metrics = {f"losses/{k}": float(np.mean(v)) for k, v in stats.items() if k != "logp_mean"}
     metrics["losses/explained_variance"] = explained_variance(rollout.values, rollout.returns)
+    metrics.update({f"losses/{k}": v for k, v in rollout.metrics.items()})
     metrics["losses/epochs"] = float(epochs)
     metrics["charts/learning_rate"] = engine.lr
     return metrics
+
+
+def clip_grad_norm(parameters: Any, max_norm: float) -> Tensor:
+    """DeepSpeed's ``clip_grad_norm_`` (deepspeed/runtime/utils.py) for one fp32 rank: the same
+    arithmetic in the same order, so the same bits (``bench/ppo_update_profile.py`` checks the
+    weights), without its all-reduce of the norm over the data-parallel group (a group of one
+    has nothing to reduce, and on a small model the call costs more than the rest) and with
+    the per-tensor loops as single ``_foreach`` calls. Returns the total norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.stack(torch._foreach_norm(grads, 2.0)).pow(2.0).sum().pow(0.5)  # [] L2 norm
+    # A tensor divided, as DeepSpeed does (a float over a tensor is a reciprocal times it).
+    coef = torch.tensor(float(max_norm), device=total.device) / (total + 1e-6)  # []
+    coef = coef.clamp(max=1.0)  # DeepSpeed's min(1, max_norm / norm)
+    torch._foreach_mul_(grads, coef)
+    return total
+
+
+def _rank_shard(mb: Tensor, adv: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor, float]:
+    """This rank's rows of a minibatch and the weight of its mean loss, ``rows x world / n``:
+    DeepSpeed averages gradients over ranks, so the weighted means add up to the mean over the
+    whole minibatch. A rank left without rows (a minibatch smaller than the world) runs the
+    whole minibatch with weight 0: it must still join the gradient all-reduce."""
+    rows = torch.arange(len(mb), device=mb.device).tensor_split(world)[rank]
+    if len(rows) == 0:
+        return mb, adv, 0.0
+    return mb[rows], adv[rows], len(rows) * world / len(mb)
+
+
+def _mean_over_ranks(value: float, world: int, device: torch.device) -> float:
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float32, device=device)  # (NCCL: on the GPU)
+    dist.all_reduce(total)  # the process group DeepSpeed set up
+    return float(total.item()) / world

@@ -11,6 +11,9 @@ every checkpoint carries the policy description (``common.artifacts.POLICY_STATE
 `load_policy` can read a run killed before either. A learner started on a run that is already
 over says so at once (the run, why, and how to start afresh or continue) and only re-announces
 the end.
+
+About 450 lines: the workload protocol's methods are short, but there are many of them, and the
+run's start, stop and end cases read best side by side.
 """
 
 from __future__ import annotations
@@ -41,14 +44,14 @@ from learner.consumer import now
 from learner.engine import Engine, build_engine
 from learner.game import Fragment, FragmentBatch, decode_fragment, update
 from learner.loop import LearnerLoop
-from learner.settings import LearnerSettings
+from learner.settings import DeepSpeedSettings, LearnerSettings
 from learner.workload import Envelope, Progress
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
-from services.errors import InvalidArgument, RlfleetError
+from services.errors import InvalidArgument, RlfleetError, Unavailable
 from services.registry import ServiceContext
 
-__all__ = ["GameWorkload"]
+__all__ = ["GameWorkload", "build_game_engine", "engine_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ class GameWorkload:
         s = self.settings
         policy = build_policy(self.spaces[0], self.spaces[1], s.policy)
         policy.forward = policy.evaluate  # type: ignore[method-assign]  # DeepSpeed calls forward
-        self.engine = build_engine(policy, s.optimizer(), s.deepspeed())
+        self.engine = build_game_engine(policy, s)
         return self.engine
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -209,7 +212,14 @@ class GameWorkload:
         lags = [progress.version - f.policy_version for f in items]
         batch = FragmentBatch(items)
         lr = self._lr(progress)
-        metrics = update(self.engine, batch, self.settings, lr=lr, generator=generator)
+        metrics = update(
+            self.engine,
+            batch,
+            self.settings,
+            lr=lr,
+            generator=generator,
+            clip_grad=_single_fp32_rank(self.settings),  # engine_settings: DeepSpeed does not
+        )
         metrics["charts/policy_lag"] = float(np.mean(lags))
         return metrics
 
@@ -348,6 +358,32 @@ class GameWorkload:
         )
 
 
+def build_game_engine(policy: torch.nn.Module, s: LearnerSettings) -> Engine:
+    """The learner's engine: ``engine_settings``, and AdamW's multi-tensor (``foreach``) step,
+    one call per operation for all parameters instead of one per parameter (the same
+    arithmetic: ``bench/ppo_update_profile.py`` checks the weights bit for bit)."""
+    engine = build_engine(policy, s.optimizer(), engine_settings(s))
+    if _single_fp32_rank(s):  # (what the bit-for-bit check covers)
+        for group in engine.ds.optimizer.param_groups:
+            group["foreach"] = True
+    return engine
+
+
+def _single_fp32_rank(s: LearnerSettings) -> bool:
+    return s.ranks == 1 and s.zero_stage == 0 and s.precision == "fp32"
+
+
+def engine_settings(s: LearnerSettings) -> DeepSpeedSettings:
+    """The DeepSpeed settings of the learner's engine. One fp32 rank without ZeRO: no DeepSpeed
+    gradient clipping, ``learner.game.update`` clips (``clip_grad_norm``: the same numbers,
+    without DeepSpeed's all-reduce of the norm over a group of one, ~0.7 ms of its ~2.6 ms step
+    on the CartPole MLP)."""
+    ds = s.deepspeed()
+    if _single_fp32_rank(s):
+        ds = ds.model_copy(update={"gradient_clipping": None})
+    return ds
+
+
 def _checkpoint_state(checkpoints: Path) -> dict[str, Any] | None:
     """The client state of the latest checkpoint, read without an engine (None: none, or not
     readable; the engine's restore is what counts)."""
@@ -374,7 +410,8 @@ async def _remote_spaces(
     addresses: list[str], env_id: str, env_kwargs: dict[str, Any], timeout_s: float
 ) -> tuple[Any, Any]:
     """The spaces an env server reports for ``env_id`` (a one-env session, closed at once);
-    tries each address in turn until ``timeout_s``."""
+    tries each address in turn until ``timeout_s``. A game-link env id is answered once a game
+    has said Hello with it (UNAVAILABLE before: retried)."""
     from google.protobuf import struct_pb2
 
     from common import spaces as space_codec
@@ -402,6 +439,8 @@ async def _remote_spaces(
                             space_codec.from_proto(info.observation_space),
                             space_codec.from_proto(info.action_space),
                         )
+            except Unavailable as exc:  # e.g. a game-link env id no game has linked yet
+                last = exc
             except RlfleetError:
                 raise
             except Exception as exc:  # not up yet: try the next one, then again

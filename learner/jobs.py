@@ -1,10 +1,16 @@
-"""Game-RL jobs (`job: {kind: ppo | a2c, ...}` in a run file).
+"""Game-RL jobs (`job: {kind: ppo | a2c | appo, ...}` in a run file).
 
 A job is the user's view of a training run: the flat knobs CleanRL users know (`num_envs`,
 `rollout_length`, `learning_rate`, ...) plus how many env servers and actors to spread them over.
 It expands into ordinary service entries (env servers, the learner as the run's `main` service,
-actors), which the run file could also spell out by hand. Pure pydantic: importing this does not
+actors), which the run file could also spell out by hand. With `game:` the envs are an external
+game's: the env servers host GameLink following the learner, and the game's command runs as
+`process` services that connect to them, instead of actors. Pure pydantic: importing this does not
 import torch; validating ``algo`` looks it up in ``learner.algos``' ``GAME_PRESETS``, lazily.
+
+Just under 500 lines: most of it is the one settings model (every knob with its help text, which
+`rlfleet jobs ppo` prints, and the 70-line table of other tools' names for them); the actor and
+the `game:` expansions share all of it.
 """
 
 from __future__ import annotations
@@ -15,17 +21,20 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from learner.settings import check_device, check_game_algo
-from services.config import StrictModel
+from services.config import StrictModel, error_at
 from services.registry import JobSpec, get_service
 
 __all__ = [
     "A2C_JOB",
+    "APPO_JOB",
     "MAX_ACTORS",
     "MAX_ENVS_PER_ACTOR",
     "MAX_ENV_SERVERS",
+    "MAX_GAME_INSTANCES",
     "MAX_TOTAL_ENVS",
     "PPO_JOB",
     "GameJobSettings",
+    "GameSettings",
 ]
 
 # Upper bounds on the counts a job expands into: one process per actor and env server, and
@@ -35,11 +44,38 @@ MAX_ACTORS = 1024
 MAX_ENV_SERVERS = 256
 MAX_ENVS_PER_ACTOR = 4096
 MAX_TOTAL_ENVS = 65_536  # num_actors x num_envs
+MAX_GAME_INSTANCES = 256  # game processes (each one GameLink link or more)
+
+
+class GameSettings(StrictModel):
+    """An external game that plays through GameLink: its command runs as `process` services
+    (game-0, game-1, ...), each told its env server by RLFLEET_GAME_LINK_ADDRESS."""
+
+    command: list[str] = Field(
+        min_length=1,
+        description="argv of the game, e.g. [node, dist/examples/snake/main.js, --boards, 8]",
+    )
+    cwd: str | None = Field(
+        default=None,
+        description="folder to run it in, relative to the run file's folder (the default)",
+    )
+    env: dict[str, str | int | float] = Field(
+        default_factory=dict,
+        description="extra environment beside RLFLEET_GAME_LINK_ADDRESS and RLFLEET_RUN "
+        "({address:<service>}, {run}, {run_dir} are replaced)",
+    )
+    instances: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_GAME_INSTANCES,
+        description="game processes to run, spread over the env servers",
+    )
 
 
 class GameJobSettings(StrictModel):
     """PPO/A2C over remote environment pools. Batch per update =
-    fragments_per_update x rollout_length x num_envs transitions."""
+    fragments_per_update x rollout_length x num_envs transitions (with `game:`, x the agents
+    of one game link instead of num_envs)."""
 
     aliases: ClassVar[Mapping[str, str]] = {
         "env": "env_id",
@@ -209,6 +245,9 @@ class GameJobSettings(StrictModel):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="learner training precision"
     )
+    learner_ranks: int = Field(
+        default=1, ge=1, description="data-parallel DeepSpeed ranks of the learner (processes)"
+    )
     device: Literal["cpu", "cuda", "auto"] = Field(
         default="auto", description="learner device (auto: cuda when available); actors run on cpu"
     )
@@ -221,6 +260,12 @@ class GameJobSettings(StrictModel):
     env_server: dict[str, Any] = Field(
         default_factory=dict,
         description="extra env_server settings, passed to every env server started",
+    )
+    game: GameSettings | None = Field(
+        default=None,
+        description="an external game (any language, through GameLink) instead of actors "
+        "stepping env_id; env_id is then the id the game declares; num_envs/num_actors do not "
+        "apply (the game's agents are the envs)",
     )
 
     @field_validator("algo")
@@ -249,24 +294,42 @@ class GameJobSettings(StrictModel):
                 raise ValueError(f"external env servers must be host:port, got {bad}")
         return value
 
-    @field_validator("env_id")
-    @classmethod
-    def _known_env(cls, env_id: str) -> str:
+    def _check_env_id(self) -> None:
         # Env servers run this same install, so an id unknown here is unknown to them too. The
         # env server's own settings model checks it (found by kind, through the rlfleet.services
         # entry points: the learner does not import the env server).
         # A reference (module:Name, path/to/file.py:Name) is imported and checked there too.
+        env_id = self.env_id
         try:
             get_service("env_server").settings.model_validate({"preload": [env_id]})
         except ValidationError as exc:
             reason = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
             if ":" in env_id:  # the reason names the reference already
-                raise ValueError(reason) from None
-            raise ValueError(f"no env server hosts env id '{env_id}': {reason}") from None
-        return env_id
+                raise error_at(reason, "env_id") from None
+            raise error_at(f"no env server hosts env id '{env_id}': {reason}", "env_id") from None
+
+    def _check_game(self) -> None:
+        """With ``game:`` the game brings the envs (its agents): actor knobs do not apply."""
+        for knob in ("num_envs", "num_actors"):
+            if knob in self.model_fields_set:
+                raise error_at(
+                    f"{knob} does not apply with `game:`: the game's agents are the envs (each "
+                    "game process declares how many it steps); remove it, or set game.instances",
+                    knob,
+                )
+        if not isinstance(self.env_servers, int):
+            raise error_at(
+                "with `game:` the run starts its env servers (a count): their GameLink follows "
+                "this run's learner, which external env servers cannot",
+                "env_servers",
+            )
 
     @model_validator(mode="after")
     def _batch(self) -> GameJobSettings:
+        if self.game is not None:
+            self._check_game()
+            return self  # the env id is the game's; the batch depends on its agents
+        self._check_env_id()
         servers = self.env_servers if isinstance(self.env_servers, int) else len(self.env_servers)
         total = self.num_actors * self.num_envs
         if total > MAX_TOTAL_ENVS:
@@ -289,7 +352,21 @@ class GameJobSettings(StrictModel):
 
     @property
     def batch_size(self) -> int:
-        return (self.fragments_per_update or self.num_actors) * self.rollout_length * self.num_envs
+        """Transitions per update (with ``game:``, per agent of a game process)."""
+        return self.default_fragments * self.rollout_length * self.num_envs
+
+    @property
+    def versions_ahead(self) -> int:
+        """Updates ahead of the learner an actor may collect: one (PPO, A2C)."""
+        return 1
+
+    @property
+    def default_fragments(self) -> int:
+        """Fragments per update: as set, else one per actor (or per game process: GameLink
+        publishes one T x agents fragment per link)."""
+        if self.fragments_per_update is not None:
+            return self.fragments_per_update
+        return self.game.instances if self.game is not None else self.num_actors
 
 
 def _env_server_names(settings: GameJobSettings) -> list[str]:
@@ -298,19 +375,61 @@ def _env_server_names(settings: GameJobSettings) -> list[str]:
     return [f"env-{i}" for i in range(settings.env_servers)]
 
 
+def _game_entries(
+    s: GameJobSettings, servers: list[str], policy: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env servers hosting GameLink for the learner, the game's process services)."""
+    assert s.game is not None
+    given = s.env_server.get("game_link", {})
+    game_link: Any = {
+        "enabled": True,
+        "policy": "learner",
+        "learner": "learner",
+        "rollout_length": s.rollout_length,
+        "policy_config": policy,
+        "seed": s.seed,
+        **(given if isinstance(given, Mapping) else {}),
+    }
+    if not isinstance(given, Mapping):
+        game_link = given  # the env server's settings model says what is wrong with it
+    env_servers = [
+        {"name": name, "service": "env_server", "restarts": s.restarts,
+         "settings": {**s.env_server, "game_link": game_link}}
+        for name in servers
+    ]  # fmt: skip
+    games = []
+    for i in range(s.game.instances):
+        env = {
+            "RLFLEET_GAME_LINK_ADDRESS": f"{{address:{servers[i % len(servers)]}}}",
+            "RLFLEET_RUN": "{run}",
+            **{k: str(v) for k, v in s.game.env.items()},
+        }
+        process = {"command": list(s.game.command), "cwd": s.game.cwd, "env": env}
+        games.append(
+            {"name": f"game-{i}", "service": "process", "restarts": s.restarts,
+             "settings": process}
+        )  # fmt: skip
+    return env_servers, games
+
+
 def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
     """Env servers first (actors and the learner need them healthy), then the learner (its
-    WeightService must be up before actors ask for version 0), then the actors."""
+    WeightService must be up before actors ask for version 0), then the actors. With ``game:``:
+    the env servers, the game's processes (the learner takes its spaces from the game that
+    connected), then the learner; no actors."""
     s = settings
     servers = _env_server_names(s)
+    policy = {"hidden_sizes": list(s.hidden_sizes), "activation": s.activation}
     entries: list[dict[str, Any]] = []
-    if isinstance(s.env_servers, int):
+    if s.game is not None:
+        env_servers, games = _game_entries(s, servers, policy)
+        entries += env_servers + games
+    elif isinstance(s.env_servers, int):
         for name in servers:
             env = {"preload": [s.env_id], **s.env_server}
             entry = {"name": name, "service": "env_server", "restarts": s.restarts}
             entries.append({**entry, "settings": env})
-    policy = {"hidden_sizes": list(s.hidden_sizes), "activation": s.activation}
-    fragments_per_update = s.fragments_per_update or s.num_actors
+    fragments_per_update = s.default_fragments
     learner: dict[str, Any] = {
         "algo": s.algo,
         "env_id": s.env_id,
@@ -336,6 +455,7 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
         "max_policy_lag": s.max_policy_lag,
         "checkpoint_every": s.checkpoint_every,
         "zero_stage": s.zero_stage,
+        "ranks": s.learner_ranks,
         "precision": s.precision,
         "device": s.device,
         "seed": s.seed,
@@ -344,6 +464,8 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
         {"name": "learner", "service": "learner", "main": True, "restarts": s.restarts,
          "settings": learner}
     )  # fmt: skip
+    if s.game is not None:
+        return entries
     for i in range(s.num_actors):
         # Actor i uses every server (its envs split over them), so load spreads evenly.
         actor = {
@@ -356,8 +478,9 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
             "rollout_length": s.rollout_length,
             "policy": "learner",
             "learner": "learner",
-            # Each actor's share of an update: paces the actor to one update ahead.
+            # Each actor's share of an update: paces the actor to `versions_ahead` updates ahead.
             "fragments_per_version": -(-fragments_per_update // s.num_actors),
+            "versions_ahead": s.versions_ahead,
             "policy_config": policy,
             "device": "cpu",
         }
@@ -379,3 +502,25 @@ class A2CJobSettings(GameJobSettings):
 
 
 A2C_JOB = JobSpec(kind="a2c", settings=A2CJobSettings, expand=expand)
+
+
+class APPOJobSettings(GameJobSettings):
+    """Asynchronous PPO (the ``appo`` preset: the clipped surrogate on V-trace advantages, V-trace
+    value targets): fragments up to ``max_policy_lag`` versions old are corrected by V-trace
+    instead of dropped. Each actor may collect up to ``max_policy_lag`` updates ahead of the
+    learner (the PPO job's credit pacing with that bound instead of one)."""
+
+    @property
+    def versions_ahead(self) -> int:
+        return self.max_policy_lag
+
+    algo: str = Field(default="appo", description="game algorithm preset (GAME_PRESETS name)")
+    max_policy_lag: int = Field(
+        default=4,
+        ge=1,
+        description="fragments more policy versions old than this are dropped; V-trace "
+        "corrects the others",
+    )
+
+
+APPO_JOB = JobSpec(kind="appo", settings=APPOJobSettings, expand=expand)

@@ -22,7 +22,7 @@ Delivery guarantees (docs/design.md, "at-least-once delivery plus idempotent con
   restarted learner continues after it (clients holding a newer version than the checkpoint's
   would otherwise ignore the repeated numbers).
 
-Just over 400 lines: it is the one loop both workloads run, and the guarantees above are easiest
+About 460 lines: it is the one loop both workloads run, and the guarantees above are easiest
 to check when every step that touches the ledger, the acks and the versions is in one file.
 """
 
@@ -54,6 +54,7 @@ from learner.consumer import (
     triage,
 )
 from learner.engine import Engine
+from learner.ranks import Ranks, write_digest
 from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
 from learner.weights import WeightServicer, WeightStore, add_weight_service
 from learner.workload import Envelope, Progress, Workload
@@ -94,8 +95,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 class LearnerLoop:
     """One learner incarnation; ``run()`` returns when the run is done or the service stopped."""
 
-    def __init__(self, ctx: ServiceContext[Any], workload: Workload) -> None:
+    def __init__(
+        self, ctx: ServiceContext[Any], workload: Workload, ranks: Ranks | None = None
+    ) -> None:
         self.ctx, self.workload, self.settings = ctx, workload, workload.settings
+        self.ranks = ranks  # rank 0 of several (learner.ranks): each step below tells the others
         self.run_name = ctx.run_name
         self.dirs = {
             name: ctx.run_dir / name for name in ("checkpoints", "learner", "final", "tensorboard")
@@ -127,6 +131,8 @@ class LearnerLoop:
             w.restore(state)
             set_rng_state(self.generator, state["rng"])
             self.checkpointed_updates = self.progress.updates
+        if self.ranks is not None:
+            self.ranks.connect()
         # Drops are acked at once, never redelivered: the ledger is their only count.
         counts = self.ledger.restore(self.progress.updates)
         self.progress.stale_dropped = counts.get("stale", 0)
@@ -208,7 +214,8 @@ class LearnerLoop:
         while not w.done(p):  # done at once: restarted after the end
             if self.ctx.stop_event.is_set():
                 return
-            items = await self._gather()
+            gathering = self._gather()
+            items = await (self.ranks.while_waiting(gathering) if self.ranks else gathering)
             if items is None:
                 return
             await self._train(items)
@@ -286,6 +293,8 @@ class LearnerLoop:
         items, envelopes = gathered
         trained_at = p.version  # what lags are measured against
         started = time.perf_counter()
+        if self.ranks is not None:
+            await self.ranks.send_train(items, p, self.generator)
         metrics = await asyncio.to_thread(w.train, items, p, self.generator)
         train_s = time.perf_counter() - started
         p.updates += 1
@@ -371,13 +380,20 @@ class LearnerLoop:
         assert self.engine is not None
         p = self.progress
         state = {**p.to_state(), **self.workload.state(), "rng": rng_state(self.generator)}
+        tag = f"update-{p.updates:08d}"
+        if self.ranks is not None:  # DeepSpeed checkpoints are collective
+            await self.ranks.send("save", tag, p.updates)
         await asyncio.to_thread(
             self.engine.save,
             self.dirs["checkpoints"],
-            f"update-{p.updates:08d}",
+            tag,
             state,
             keep=self.settings.keep_checkpoints,
         )
+        if self.ranks is not None:
+            await asyncio.to_thread(
+                write_digest, self.ranks, self.engine, self.dirs["learner"], p.updates
+            )
         self.checkpointed_updates = p.updates
         acked = await self.consumer.ack_checkpointed() if self.consumer is not None else 0
         log.info("checkpoint at update %d (%d %s acked)", p.updates, acked, self.workload.noun)
@@ -414,6 +430,8 @@ class LearnerLoop:
             await self.bus.close()
         if self.server is not None:
             await self.server.stop()
+        if self.ranks is not None:
+            await self.ranks.stop()
         if self.engine is not None:
             self.engine.close()
 

@@ -2,13 +2,16 @@
 DeepSpeed engine, weight versions out through WeightService and the bus.
 
 The run itself (consumer, ledger, checkpoint-then-ack, versions, GetStatus) is learner.loop's;
-what is particular to game RL is learner.game_workload's, and the math learner.game's.
+what is particular to game RL is learner.game_workload's, and the math learner.game's. With
+several ranks (``ranks: N`` or under torchrun) rank 0 runs the loop and the others follow it
+(learner.ranks).
 """
 
 from __future__ import annotations
 
 from learner.game_workload import GameWorkload
 from learner.loop import LearnerLoop
+from learner.ranks import Ranks, follow
 from learner.settings import LearnerSettings
 from services.registry import ServiceContext, ServiceSpec
 
@@ -18,7 +21,12 @@ __all__ = ["SPEC", "main"]
 async def main(ctx: ServiceContext[LearnerSettings]) -> None:
     """Train until total_timesteps env steps are consumed (exit 0) or the service is stopped."""
     settings = ctx.settings
-    await LearnerLoop(ctx, GameWorkload(ctx, settings)).run()
+    workload = GameWorkload(ctx, settings)
+    ranks = Ranks.start(settings)  # None: one process
+    if ranks is not None and ranks.rank > 0:
+        await follow(ctx, workload, ranks)
+        return
+    await LearnerLoop(ctx, workload, ranks).run()
 
 
 SPEC = ServiceSpec(kind="learner", settings=LearnerSettings, main=main, grpc=True)

@@ -164,6 +164,13 @@ class LearnerSettings(StrictModel):
     device: Device = "auto"
     cache_dir: Path | None = None  # see DeepSpeedSettings.cache_dir
     seed: int = 1
+    # Data-parallel DeepSpeed ranks (learner.ranks). >1 without a launcher's WORLD_SIZE: this
+    # process is rank 0 and starts the others on this host; under torchrun (or any launcher
+    # setting RANK/WORLD_SIZE) the launcher's world counts and this must be 1 or equal it.
+    ranks: int = Field(default=1, ge=1)
+    # A rank waiting this long for rank 0 (which sends a heartbeat while it waits on the bus)
+    # gives up: a lost rank 0 never leaves the others hanging.
+    rank_timeout_s: float = Field(default=120.0, gt=0)
 
     @field_validator("algo")
     @classmethod
@@ -180,6 +187,8 @@ class LearnerSettings(StrictModel):
     def _consistent(self) -> LearnerSettings:
         if self.precision == "fp16" and self.device == "cpu":
             raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
+        if self.ranks > 1 and self.zero_stage == 3:
+            raise ValueError("ranks > 1 needs zero_stage 0, 1 or 2 (not 3)")
         return self
 
     @property

@@ -119,4 +119,6 @@ async def main(ctx: ServiceContext[RewardSettings]) -> None:
     await serve(ctx)
 
 
-SPEC = ServiceSpec(kind="reward_service", settings=RewardSettings, main=main, grpc=True)
+SPEC = ServiceSpec(
+    kind="reward_service", settings=RewardSettings, main=main, uses_bus=lambda s: False
+)

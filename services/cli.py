@@ -9,7 +9,7 @@ config or usage (message on stderr naming the key); ``serve`` also exits ``EXIT_
 with a one-line reason on stderr when the service fails for good (a ConfigError or
 InvalidArgument: restarting it would fail the same way), which the launcher does not restart.
 
-Just over 400 lines: the runtime's own commands (up, validate, serve, jobs) and the plugin
+Just over 400 lines: the runtime's own commands (up, validate, serve, jobs, health) and the plugin
 command machinery; the jobs listing is generated from the settings models and shares the table
 printer with the plugin commands.
 """
@@ -88,22 +88,45 @@ def _up_args(parser: argparse.ArgumentParser) -> None:
         help="print every metrics and episode event, not only the progress line "
         "(also: RLFLEET_VERBOSE=1)",
     )
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        metavar="PORT",
+        help="port of the live dashboard on 127.0.0.1 (default: $RLFLEET_DASHBOARD_PORT, "
+        "else 0 = a free port; the URL is printed at start)",
+    )
+    parser.add_argument("--no-dashboard", action="store_true", help="serve no dashboard")
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="start TensorBoard on the run's tensorboard/ too (also: RLFLEET_TENSORBOARD=1)",
+    )
 
 
 @command("up", "validate a run config, then launch the whole run locally", _up_args)
 def _up(args: argparse.Namespace) -> int:
     from services.config import load_run_config
+    from services.dashboard.live import dashboard_port_from_env, tensorboard_from_env
     from services.launcher import Launcher
 
-    config = load_run_config(args.config)
-    return Launcher(config, args.config, verbose=True if args.verbose else None).run()
+    config = load_run_config(args.config, check_machine=True)
+    port = args.dashboard_port
+    if port is None and not args.no_dashboard:
+        port = dashboard_port_from_env(os.environ)
+    return Launcher(
+        config,
+        args.config,
+        verbose=True if args.verbose else None,
+        dashboard_port=None if args.no_dashboard else port,
+        tensorboard=args.tensorboard or tensorboard_from_env(os.environ),
+    ).run()
 
 
 @command("validate", "validate a run config (structure and every service's settings)", _config_arg)
 def _validate(args: argparse.Namespace) -> int:
     from services.config import load_run_config
 
-    config = load_run_config(args.config)
+    config = load_run_config(args.config, check_machine=True)
     print(f"OK: {args.config} (run '{config.run.name}', {len(config.services)} services)")
     return 0
 
@@ -236,6 +259,25 @@ def _bounds(metadata: Iterable[Any]) -> str:
     return ", ".join(out)
 
 
+def _health_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("address", nargs="?", default="127.0.0.1:50051", help="host:port")
+    parser.add_argument("--service", default="", help="gRPC service name ('' = the server)")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+
+
+@command("health", "exit 0 once a service's gRPC health is SERVING (probes)", _health_args)
+def _health(args: argparse.Namespace) -> int:
+    from services.server import wait_for_health
+
+    try:
+        wait_for_health(args.address, args.timeout, args.service)
+    except TimeoutError as exc:
+        print(f"rlfleet: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.address}: SERVING")
+    return 0
+
+
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", help="service kind (an `rlfleet.services` entry point)")
     parser.add_argument("--config", help="run config to take settings from ($RLFLEET_RUN_CONFIG)")
@@ -272,7 +314,9 @@ def _serve_until_done(args: argparse.Namespace) -> int:
     )
     setup_tracing(ctx.name, os.environ.get("RLFLEET_TRACING", "none"))
     if ctx.metrics_port is not None:
-        start_metrics_server(ctx.metrics_port)
+        # On the gRPC bind host: loopback locally, all interfaces in a container (--host
+        # 0.0.0.0), where Prometheus and the probes reach it from outside the process's host.
+        start_metrics_server(ctx.metrics_port, host=ctx.host)
 
     async def serve() -> None:
         from services.server import install_signal_handlers
@@ -376,11 +420,32 @@ def all_commands() -> dict[str, Command]:
             raise ConfigError(
                 f"command '{name}' ({plugins.target(name)}) clashes with a built-in command"
             )
-        cmd = plugins[name]
+        try:
+            cmd = plugins[name]
+        except Exception as exc:  # one broken plugin must not take every other command down
+            commands[name] = _unloadable(name, plugins.target(name), exc)
+            continue
         if not isinstance(cmd, Command):
             raise ConfigError(f"entry point '{name}' ({plugins.target(name)}) is not a Command")
         commands[name] = cmd
     return commands
+
+
+def _unloadable(name: str, target: str, exc: Exception) -> Command:
+    """A command whose entry point fails to import: listed, and failing with the reason."""
+    reason = (
+        str(exc)
+        if isinstance(exc, ConfigError)
+        else (f"command '{name}' ({target}) failed to load: {type(exc).__name__}: {exc}")
+    )
+
+    def fail(args: argparse.Namespace) -> int:
+        raise ConfigError(reason)
+
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("args", nargs=argparse.REMAINDER)
+
+    return Command(f"(failed to load: {type(exc).__name__})", arguments, fail)
 
 
 def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:

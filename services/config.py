@@ -39,6 +39,7 @@ __all__ = [
     "ServiceRef",
     "StrictModel",
     "YamlSource",
+    "error_at",
     "load_run_config",
     "load_service_settings",
     "parse_yaml",
@@ -284,6 +285,12 @@ def _suggest(word: str, choices: Sequence[str] | None) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def error_at(message: str, *loc: str | int) -> ValueError:
+    """The error a model validator raises about one of its fields (``error_at("...",
+    "env_id")``): reported at that key's path and line, not at the model's."""
+    return _AtLoc(message, loc)
+
+
 def _aliases(model: type[BaseModel] | None) -> Mapping[str, str]:
     found = getattr(model, "aliases", None) if model is not None else None
     return found if isinstance(found, Mapping) else {}
@@ -454,6 +461,15 @@ def _service_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
             yield from _service_refs(item, (*loc, name))
 
 
+def _address_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    """Service names a settings model uses inside strings (``{address:env-0}`` placeholders of
+    the ``process`` kind), from its optional ``address_refs()``: each must be a service of the
+    run that serves gRPC (has an address)."""
+    refs = getattr(value, "address_refs", None)
+    if callable(refs):
+        yield from (((*loc, *sub), name) for sub, name in refs())
+
+
 # --- the run config ----------------------------------------------------------------------------
 
 
@@ -463,13 +479,16 @@ def validate_run_config(
     environ: Mapping[str, str] | None = None,
     source: YamlSource | None = None,
     only: Collection[str] | None = None,
+    config_dir: Path | None = None,
 ) -> RunConfig:
     """Validate every service's settings against its kind; returns a config whose
     ``services[i].settings`` are settings-model instances. ``source`` adds file:line to errors.
     ``only`` limits this to the named instances: a container image holds the dependencies of
-    its own service kind, not necessarily those of every kind in the run."""
+    its own service kind, not necessarily those of every kind in the run. ``config_dir`` (the
+    run file's folder) also runs each kind's ``check`` of this machine (programs on PATH)."""
     environ = os.environ if environ is None else environ
     names = {entry.name for entry in config.services}
+    kinds = {entry.name: entry.service for entry in config.services}
     issues: list[_Issue] = []
     entries = []
     for i, entry in enumerate(config.services):
@@ -493,6 +512,18 @@ def validate_run_config(
             if ":" not in ref and ref not in names:
                 msg = f"unknown service '{ref}'{_suggest(ref, sorted(names))}"
                 issues.append(_Issue(loc, msg))
+        for loc, ref in _address_refs(settings, where):
+            if ":" in ref:
+                continue
+            if ref not in names:
+                msg = f"unknown service '{ref}'{_suggest(ref, sorted(names))}"
+                issues.append(_Issue(loc, msg))
+            elif not _serves_grpc(kinds[ref]):
+                issues.append(_Issue(loc, f"service '{ref}' ({kinds[ref]}) has no address"))
+        if config_dir is not None and spec.check is not None:
+            issues.extend(
+                _Issue((*where, *sub), msg) for sub, msg in spec.check(settings, config_dir)
+            )
         entries.append(entry.model_copy(update={"settings": settings}))
     if issues:
         raise _render(issues, source)
@@ -500,12 +531,28 @@ def validate_run_config(
 
 
 def load_run_config(
-    path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+    path: str | os.PathLike[str],
+    environ: Mapping[str, str] | None = None,
+    *,
+    check_machine: bool = False,
 ) -> RunConfig:
     """Read, parse and fully validate a run file (structure, every service's settings and
-    env overrides), raising ConfigError naming file:line and key on the first problems."""
+    env overrides), raising ConfigError naming file:line and key on the first problems.
+    ``check_machine`` (`rlfleet validate`, `rlfleet up`) also runs the kinds' checks of this
+    machine relative to the file's folder (a `process` program on PATH); off for readers of a
+    run's copy in its run dir (play, export), where relative paths do not hold."""
     config, source = _load_structure(path)
-    return validate_run_config(config, environ=environ, source=source)
+    config_dir = Path(path).resolve().parent if check_machine else None
+    return validate_run_config(config, environ=environ, source=source, config_dir=config_dir)
+
+
+def _serves_grpc(kind: str) -> bool:
+    """Whether services of ``kind`` listen on their address (an unknown kind is reported
+    elsewhere; here it counts as serving)."""
+    try:
+        return get_service(kind).grpc
+    except ConfigError:
+        return True
 
 
 def read_yaml_mapping(path: str | os.PathLike[str], what: str = "a run config") -> YamlSource:

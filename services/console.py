@@ -57,22 +57,23 @@ def progress_record(
     unit: str,
     done: float,
     total: float,
-    version: int,
+    version: int | None,
     headline: Iterable[tuple[str, float]] = (),
 ) -> struct_pb2.Struct:
     """A progress record: ``source`` has done ``done`` of ``total`` ``unit``s at policy
-    ``version``; ``headline``: (label, value) pairs in display order (non-finite ones left out)."""
+    ``version`` (None: no policy versions, e.g. offline DPO, or a warm start before the first);
+    ``headline``: (label, value) pairs in display order (non-finite ones left out)."""
     record = struct_pb2.Struct()
-    record.update(
-        {
-            "source": source,
-            "unit": unit,
-            "done": float(done),
-            "total": float(total),
-            "version": int(version),
-            "headline": [[label, float(v)] for label, v in headline if math.isfinite(v)],
-        }
-    )
+    fields: dict[str, Any] = {
+        "source": source,
+        "unit": unit,
+        "done": float(done),
+        "total": float(total),
+        "headline": [[label, float(v)] for label, v in headline if math.isfinite(v)],
+    }
+    if version is not None:
+        fields["version"] = int(version)
+    record.update(fields)
     return record
 
 
@@ -248,7 +249,7 @@ class Console:
 
     def close(self) -> None:
         """The last progress not shown yet, then the live line and metrics.jsonl closed."""
-        self.tick(force=True)
+        self.tick(force=True, final=True)
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -271,6 +272,10 @@ class Console:
             return
         if kind == "status" and full_name == "rlfleet.bus.v1.RunStatus":
             if message.message:
+                # A finished phase's last progress line, held back by the interval, goes first:
+                # "sft step 120/120" before "SFT done", as it happened.
+                if any(self.latest[s].done >= self.latest[s].total for s in self._fresh):
+                    self.tick(force=True)
                 self.line(f"{message.source or 'run'}: {message.message}")
             return
         # Typed metrics are summarised by the progress line; other payloads (a heartbeat's
@@ -284,23 +289,28 @@ class Console:
     def progress(self, p: Progress) -> None:
         """Keep ``p`` as its source's latest; the next due ``tick`` shows it."""
         now = self.clock()
+        previous = self.latest.get(p.source)
+        if previous is not None and previous.unit != p.unit:  # a new phase: "sft step", "update"
+            self.rates.pop(p.source, None)
         self.latest[p.source] = p
         self.rates.setdefault(p.source, Rate()).add(now, p.done)
         self._fresh.add(p.source)
         self.tick()
 
-    def progress_lines(self) -> list[str]:
-        """The progress line of each source (the run's name leads the first)."""
+    def progress_lines(self, *, final: bool = False) -> list[str]:
+        """The progress line of each source (the run's name leads the first); ``final``: the
+        run is over, so no ETA."""
         lines = []
         for source, p in self.latest.items():
-            eta = self.rates[source].eta_s(p.total - p.done)
+            eta = None if final else self.rates[source].eta_s(p.total - p.done)
             name = self.run if len(self.latest) == 1 else f"{self.run}/{source}"
             lines.append(format_progress(name, p, eta))
         return lines
 
-    def tick(self, *, force: bool = False) -> bool:
+    def tick(self, *, force: bool = False, final: bool = False) -> bool:
         """Show the progress line when one is due: a newer record than the last line and
-        ``interval_s`` since it (``force``: now, if there is a newer record). True if shown."""
+        ``interval_s`` since it (``force``: now, if there is a newer record; ``final``: the
+        last line of the run, without ETA). True if shown."""
         if not self._fresh:
             return False
         now = self.clock()
@@ -309,7 +319,7 @@ class Console:
             return False
         self._last_line_at = now
         self._fresh.clear()
-        lines = self.progress_lines()
+        lines = self.progress_lines(final=final)
         if self._live is not None:
             from rich.text import Text
 

@@ -44,6 +44,7 @@ from services.bus.nats_server import parent_death_signal
 from services.cli import ENV_EXIT_REASON
 from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.console import DEFAULT_INTERVAL_S, PROGRESS_EVENTS, Console
+from services.dashboard.live import LiveView
 from services.errors import EXIT_PERMANENT, RlfleetError
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
@@ -202,10 +203,38 @@ class _Service:
     starts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    healthy_start: int = 0  # the start that last passed its health check (the dashboard)
 
     @property
     def name(self) -> str:
         return self.entry.name
+
+    def status(self, stopping: bool) -> dict[str, Any]:
+        """What the dashboard shows of this service; only reads (called from its thread)."""
+        process = self.process
+        code = process.returncode if process is not None else None
+        if process is None:
+            state = "waiting"
+        elif code is None:
+            running = "healthy" if self.healthy_start == self.starts else "starting"
+            state = running if self.spec.grpc else "running"
+        elif code == 0:
+            state = "finished"
+        elif stopping:
+            state = "stopped"
+        elif code == EXIT_PERMANENT or self.restarts >= self.entry.restarts:
+            state = "failed"
+        else:
+            state = "restarting"
+        return {
+            "name": self.name,
+            "kind": self.entry.service,
+            "state": state,
+            "restarts": self.restarts,
+            "pid": process.pid if process is not None else None,
+            "address": self.address if self.spec.grpc else None,
+            "last_exit": _describe(self.exit_codes[-1]) if self.exit_codes else None,
+        }
 
     @property
     def address(self) -> str:
@@ -288,6 +317,8 @@ class Launcher:
         backoff_s: float = BACKOFF_S,
         verbose: bool | None = None,
         progress_interval_s: float | None = None,
+        dashboard_port: int | None = None,
+        tensorboard: bool = False,
     ) -> None:
         # Validate here too (cheap when already validated), so a config built in Python gets
         # the same before-anything-starts guarantee as a loaded file.
@@ -321,6 +352,19 @@ class Launcher:
         self._force = asyncio.Event()
         self._stopping = False
         self._outcome: asyncio.Future[int] | None = None
+        # The dashboard (dashboard_port; None: off, 0: a free port) and TensorBoard.
+        self.live = LiveView(
+            self.run_dir,
+            dashboard_port=dashboard_port,
+            tensorboard=tensorboard,
+            status=self.service_status,
+            say=self.say,
+            environ=self.environ,
+        )
+
+    def service_status(self) -> list[dict[str, Any]]:
+        """Every service's state for the dashboard (read-only; safe from another thread)."""
+        return [svc.status(self._stopping) for svc in list(self._services)]
 
     def say(self, line: str) -> None:
         self.console.line(f"rlfleet: {line}")
@@ -372,9 +416,7 @@ class Launcher:
         code = 1
         saved_environ = dict(os.environ)
         try:
-            self._security = RunSecurity.prepare(
-                self.config, self.run_dir, [e.name for e in self.config.services]
-            )
+            self._security = RunSecurity.prepare(self.config, self.run_dir)
             # The launcher's own health checks and monitor present the launcher's identity.
             os.environ.update(self._security.env(LAUNCHER))
             if self.config.nats.url:
@@ -391,6 +433,7 @@ class Launcher:
                 url = nats.url
                 supervisors.append(asyncio.create_task(self._supervise_nats(nats)))
             self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}")
+            await self.live.start()
             await self._prepare_job()
             ports = free_ports(2 * len(self.config.services))
             for i, entry in enumerate(self.config.services):
@@ -417,6 +460,7 @@ class Launcher:
                 task.cancel()
             await asyncio.gather(*supervisors, return_exceptions=True)
             await self._stop_all()
+            await self.live.stop()
             if monitor is not None:
                 monitor.cancel()
                 await asyncio.gather(monitor, return_exceptions=True)
@@ -449,6 +493,9 @@ class Launcher:
         env[reg.ENV_NATS_URL] = nats_url
         env[reg.ENV_ENDPOINTS] = json.dumps({s.name: s.address for s in self._services})
         env[reg.ENV_LAUNCHER_PID] = str(os.getpid())
+        # Relative paths in settings (a `process` service's cwd) are relative to the run file.
+        folder = self.config_path.resolve().parent if self.config_path else Path.cwd()
+        env[reg.ENV_CONFIG_DIR] = str(folder)
         return env
 
     async def _supervise_nats(self, nats: EmbeddedNats) -> None:
@@ -501,7 +548,8 @@ class Launcher:
                 if process.returncode is None:
                     return  # _healthy ended the run: never became healthy
             elif not svc.ready.is_set():
-                self.say(f"{svc.name} ({svc.entry.service}) up at {svc.address}")
+                # No gRPC health to wait for (actors, `process` commands): up once started.
+                self.say(f"{svc.name} ({svc.entry.service}) started, pid {process.pid}")
                 svc.ready.set()
             code = await process.wait()
             svc.exit_codes.append(code)
@@ -592,6 +640,7 @@ class Launcher:
                 continue
             again = " again" if svc.starts > 1 else ""
             self.say(f"{svc.name} ({svc.entry.service}) healthy{again} at {svc.address}")
+            svc.healthy_start = svc.starts
             svc.ready.set()
             return True
         return False

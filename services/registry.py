@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from services.config import StrictModel
 
 __all__ = [
+    "ENV_CONFIG_DIR",
     "ENV_ENDPOINTS",
     "ENV_LAUNCHER_PID",
     "ENV_METRICS_PORT",
@@ -53,6 +54,7 @@ ENV_NATS_URL = "RLFLEET_NATS_URL"
 ENV_ENDPOINTS = "RLFLEET_ENDPOINTS"
 ENV_METRICS_PORT = "RLFLEET_METRICS_PORT"
 ENV_LAUNCHER_PID = "RLFLEET_LAUNCHER_PID"  # serve stops when this parent is gone
+ENV_CONFIG_DIR = "RLFLEET_CONFIG_DIR"  # the run file's folder (relative paths in settings)
 
 # The settings model of one service (or job) kind. Specs and contexts are generic over it, so a
 # service entry written ``async def main(ctx: ServiceContext[MySettings])`` gets a typed
@@ -68,6 +70,13 @@ class ServiceSpec(Generic[SettingsT]):
     settings: type[SettingsT]
     main: Callable[[ServiceContext[SettingsT]], Awaitable[None]]  # returns when done or stopped
     grpc: bool = True  # the launcher waits for gRPC health when True
+    # Checks of the machine a load of the run file can make (a program on PATH): (settings,
+    # the run file's folder) -> [(key path below settings, problem)]; `rlfleet validate` and
+    # `rlfleet up` report them like settings errors.
+    check: Callable[[SettingsT, Path], list[tuple[tuple[str | int, ...], str]]] | None = None
+    # Whether an instance with these settings talks to NATS. Under `security: {nats_auth: true}`
+    # one that does not gets no NATS user at all, so it cannot reach the bus.
+    uses_bus: Callable[[SettingsT], bool] = lambda settings: True
 
 
 def _entry_points(group: str) -> list[metadata.EntryPoint]:
@@ -199,6 +208,7 @@ class ServiceContext(Generic[SettingsT]):
     metrics_port: int | None = None
     nats_url: str | None = None
     endpoints: dict[str, str] = field(default_factory=dict)  # instance name -> "host:port"
+    config_dir: Path = field(default_factory=Path.cwd)  # the run file's folder
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)  # set on SIGTERM/SIGINT
 
     def resolve(self, name_or_address: str) -> str:
@@ -248,4 +258,5 @@ class ServiceContext(Generic[SettingsT]):
             metrics_port=int(metrics) if metrics is not None else None,
             nats_url=env.get(ENV_NATS_URL) or None,
             endpoints=endpoints,
+            config_dir=Path(env.get(ENV_CONFIG_DIR) or Path.cwd()),
         )

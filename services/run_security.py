@@ -5,19 +5,20 @@ With ``tls``: a CA and one certificate per service instance (plus ``nats`` for t
 server and ``launcher`` for the launcher's own health checks and monitor), made once in the
 certificates folder and reused by later starts. With ``nats_auth``: a random password per
 service for this launcher's lifetime, written only into the embedded server's configuration
-(mode 0600) and into each child's environment; services get `service_permissions` (the run's
-subjects only, no stream deletes or purges), the launcher full rights.
+(mode 0600) and into each child's environment; services whose kind uses the bus get
+`service_permissions` (the run's subjects only, no stream deletes or purges), the others no
+NATS user at all, the launcher full rights.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.bus import NatsUser, service_permissions
-from services.config import RunConfig
+from services.config import RunConfig, ServiceEntry
+from services.registry import get_service
 from services.security import NatsCredentials, TlsFiles
 
 __all__ = ["LAUNCHER", "RunSecurity"]
@@ -32,9 +33,11 @@ class RunSecurity:
     nats: dict[str, NatsCredentials] = field(default_factory=dict)
 
     @classmethod
-    def prepare(cls, config: RunConfig, run_dir: Path, names: Iterable[str]) -> RunSecurity:
+    def prepare(cls, config: RunConfig, run_dir: Path) -> RunSecurity:
+        """Certificates for every instance; NATS users for those whose kind uses the bus."""
         section = config.security
-        names = [*names, LAUNCHER]
+        names = [e.name for e in config.services] + [LAUNCHER]
+        bus_users = [e.name for e in config.services if _uses_bus(e)] + [LAUNCHER]
         out = cls(config.run.name)
         if section.tls:
             from services.certs import ensure_certs
@@ -42,7 +45,7 @@ class RunSecurity:
             folder = section.certs_dir or run_dir / "certs"
             out.tls = ensure_certs(folder, [*names, NATS], section.hosts)
         if section.nats_auth:
-            out.nats = {n: NatsCredentials(n, secrets.token_urlsafe(24)) for n in names}
+            out.nats = {n: NatsCredentials(n, secrets.token_urlsafe(24)) for n in bus_users}
         return out
 
     @property
@@ -67,3 +70,7 @@ class RunSecurity:
             rights = {} if name == LAUNCHER else service_permissions(self.run)
             users.append(NatsUser(creds.user, creds.password, **rights))
         return users
+
+
+def _uses_bus(entry: ServiceEntry) -> bool:
+    return bool(get_service(entry.service).uses_bus(entry.settings))

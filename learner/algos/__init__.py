@@ -16,6 +16,8 @@ from learner.algos.advantages import (
     reinforce_pp_baseline,
     rloo,
     token_returns,
+    vtrace,
+    vtrace_advantages,
 )
 from learner.algos.aggregate import aggregate, masked_mean
 from learner.algos.filters import dynamic_sampling_keep, overlong_mask
@@ -119,5 +121,7 @@ __all__ = [
     "token_returns",
     "truncated_is_weights",
     "value_loss",
+    "vtrace",
+    "vtrace_advantages",
     "warmup_cosine",
 ]

@@ -13,14 +13,19 @@ hyperparameters its paper uses. Two kinds, each validated against the typed regi
   is added to the loss (GRPO);
 - ``entropy_coef``: weight of ``entropy_loss`` (0 = none);
 - ``dynamic_sampling`` / ``overlong_filter``: DAPO's ``learner.algos.filters``;
-- ``tis_cap``: truncated importance sampling against the sampler's log-probs
-  (``learner.algos.tis``), None = off;
+- ``old_logp``: which log-probs are pi_old in the policy ratio (see ``OldLogp``); ``auto``
+  corrects stale batches against the sampler's log-probs;
+- ``tis_cap``: truncated importance sampling of the rows whose pi_old the learner recomputed,
+  against the sampler's log-probs (``learner.algos.tis``), None = off;
 - ``chord``: mix an SFT loss on expert data, ``chord_mix(rl, sft, mu=preset.chord_mu(step))``.
 
-``GamePreset`` (game RL, ``GAME_PRESETS``: ``ppo``, ``a2c``; ``LearnerSettings.algo`` names one):
+``GamePreset`` (game RL, ``GAME_PRESETS``: ``ppo``, ``a2c``, ``appo``; ``LearnerSettings.algo``
+names one):
 
 - ``advantage(rewards, values, terminated=, truncated=, last_value=, final_values=, gamma=,
-  lam=, bootstrap_truncated=)`` (``GAME_ADVANTAGES``);
+  lam=, bootstrap_truncated=, **advantage_kwargs)`` (``GAME_ADVANTAGES``); an estimator that
+  takes ``behaviour_logp`` / ``target_logp`` (``vtrace``) also gets the actors' log-probs and
+  the learner's current ones;
 - ``policy_loss(logp=, old_logp=, adv=, **preset.policy_loss_kwargs(settings))``
   (``POLICY_LOSSES``): fixed ``loss_kwargs`` plus ``loss_knobs``, hyperparameters whose value is
   a ``LearnerSettings`` field (PPO's ``clip_low`` is the ``clip_coef`` knob).
@@ -30,7 +35,7 @@ hyperparameters its paper uses. Two kinds, each validated against the typed regi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,7 +51,21 @@ from learner.algos.registry import (
     Registry,
 )
 
-__all__ = ["GamePreset", "Preset", "resolve_game_preset", "resolve_preset"]
+__all__ = ["GamePreset", "OldLogp", "Preset", "resolve_game_preset", "resolve_preset"]
+
+# pi_old of the policy ratio, per row of a batch:
+# - "behaviour": the sampler's log-probs (TrajectoryCompletion.logprobs) for every row: the ratio
+#   is against the policy that really sampled, whatever its version (PPO's own definition), and
+#   includes the sampler/learner numeric mismatch; no extra forward pass.
+# - "recompute": the learner's current weights for every row (verl/TRL's on-policy default): the
+#   first minibatch's ratio is exactly 1, so a batch from an older version is trained as if
+#   on-policy; with ``tis_cap`` the truncated weights pi_recomputed / pi_sampler correct it
+#   (AReaL's decoupled objective: proximal policy recomputed, behaviour correction by TIS).
+# - "auto" (the default): "behaviour" for rows sampled by a version older than the learner's
+#   (the staleness is corrected by the clipped ratio), "recompute" for the rest (their ratio
+#   starts at 1, ``tis_cap`` corrects the sampler/learner mismatch and ``rollout/mismatch_kl``
+#   measures it); the forward pass runs on those rows only.
+OldLogp = Literal["auto", "behaviour", "recompute"]
 
 # (name field, kwargs field, registry of the family the name must come from)
 _COMPONENTS: tuple[tuple[str, str, Registry[Any]], ...] = (
@@ -75,6 +94,7 @@ class Preset(BaseModel):
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False
     overlong_filter: bool = False
+    old_logp: OldLogp = "auto"
     tis_cap: float | None = Field(None, gt=0.0)
     chord: bool = False
     chord_phi: bool = False
@@ -93,6 +113,12 @@ class Preset(BaseModel):
             registry.check_kwargs(name, getattr(self, kwargs_field), field=kwargs_field)
         KL_ESTIMATORS.get(self.kl_estimator, field="kl_estimator")
         SCHEDULES.get(self.chord_schedule, field="chord_schedule")
+        if self.tis_cap is not None and self.old_logp == "behaviour":
+            raise ValueError(
+                "tis_cap weights rows whose pi_old the learner recomputed; with old_logp="
+                "'behaviour' none is (the ratio is against the sampler's log-probs already): "
+                "use old_logp 'auto' or 'recompute', or drop tis_cap"
+            )
         if self.kl_in_reward and not _takes(self.advantage, "token_rewards"):
             able = [n for n in GROUP_ADVANTAGES.names() if _takes(n, "token_rewards")]
             raise ValueError(
@@ -123,6 +149,7 @@ class GamePreset(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     advantage: str = "gae"  # GAME_ADVANTAGES
+    advantage_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. V-trace's rho_bar
     policy_loss: str  # POLICY_LOSSES
     loss_kwargs: dict[str, Any] = Field(default_factory=dict)  # fixed hyperparameters
     # hyperparameter -> the LearnerSettings field that sets it, e.g. {"clip_low": "clip_coef"}
@@ -131,6 +158,9 @@ class GamePreset(BaseModel):
     @model_validator(mode="after")
     def _check_names(self) -> GamePreset:
         GAME_ADVANTAGES.get(self.advantage, field="advantage")
+        GAME_ADVANTAGES.check_kwargs(
+            self.advantage, self.advantage_kwargs, field="advantage_kwargs"
+        )
         POLICY_LOSSES.get(self.policy_loss, field="policy_loss")
         POLICY_LOSSES.check_kwargs(self.policy_loss, self.loss_kwargs, field="loss_kwargs")
         POLICY_LOSSES.check_kwargs(self.policy_loss, self.loss_knobs, field="loss_knobs")
@@ -189,6 +219,16 @@ def _add_game(name: str, **fields: Any) -> None:
 _add_game("ppo", advantage="gae", policy_loss="ppo", loss_knobs={"clip_low": "clip_coef"})
 # A2C (Mnih et al. 2016, arXiv:1602.01783): the plain policy gradient, GAE advantages.
 _add_game("a2c", advantage="gae", policy_loss="a2c")
+# APPO (Sample Factory, Petrenko et al. 2020, arXiv:2006.11751; RLlib's APPO): the PPO clipped
+# surrogate (ratio against the actor's log-probs) on V-trace advantages, V-trace value targets;
+# rho_bar = c_bar = 1 as IMPALA (Espeholt et al. 2018, arXiv:1802.01561, section 5).
+_add_game(
+    "appo",
+    advantage="vtrace",
+    advantage_kwargs={"rho_bar": 1.0, "c_bar": 1.0},
+    policy_loss="ppo",
+    loss_knobs={"clip_low": "clip_coef"},
+)
 
 
 # DeepSeekMath (arXiv:2402.03300) §4.2/§5.2.1: eps = 0.2, beta = 0.04 with the k3 KL as a loss

@@ -187,11 +187,16 @@ def load_config(config_path: Path) -> Any:
     return load_run_config(config_path)
 
 
+# Service kinds training a causal LM: their settings name the base model (model_path) and lora.
+LM_LEARNER_KINDS = ("lm_learner", "dpo_learner")
+
+
 def lm_learner_settings(config_path: Path) -> Any:
-    """The run's ``lm_learner`` settings (learner.lm.settings.LMLearnerSettings), or None."""
+    """The run's LM learner settings (learner.lm.settings.LMLearnerSettings, or a DPO run's
+    learner.lm.dpo_job.DPOSettings), or None."""
     config = load_config(config_path)
     for entry in config.services:
-        if entry.service == "lm_learner":
+        if entry.service in LM_LEARNER_KINDS:
             return entry.settings
     return None
 
@@ -205,9 +210,11 @@ def calibration_dataset(config_path: Path) -> dict[str, Any] | None:
             return dict(entry.settings.dataset)
     learner = lm_learner_settings(config_path)
     if learner is not None:
-        for part in (learner.sft, learner.eval):
+        for part in (getattr(learner, "sft", None), getattr(learner, "eval", None)):
             if part is not None:
                 return dict(part.dataset)
+        if getattr(learner, "data", None) is not None:  # DPO: the pairs' prompts
+            return {"jsonl": str(learner.data)}
     return None
 
 

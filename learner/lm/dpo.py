@@ -1,6 +1,8 @@
 """Offline DPO (Rafailov et al. 2023, arXiv:2305.18290) on (prompt, chosen, rejected) JSONL.
 
-``rlfleet dpo CONFIG.yaml`` (top level: ``DPOSettings``) or ``DPOTrainer(settings).run()``:
+A run file's ``job: {kind: dpo, ...}`` (learner/lm/dpo_job.py: the knobs) runs this as the
+``dpo_learner`` service (learner/lm/dpo_service.py) under ``rlfleet up``; in Python,
+``train(settings, output_dir)`` or ``DPOTrainer(settings, output_dir).run()``:
 
 1. pairs are read and validated (learner/lm/dpo_data.py) and tokenized; only completion tokens
    are scored, a sequence's log-prob being the sum of its completion tokens' log-probs;
@@ -9,12 +11,16 @@
    right after. Every later step then costs one forward/backward of the policy alone;
 3. each step runs chosen and rejected in one batch through the DeepSpeed engine
    (learner.engine, client AdamW) and applies learner.algos' ``dpo_loss``;
-4. metrics go to stdout and TensorBoard (``output_dir/tensorboard``); the final model is saved as
-   a Hugging Face folder (``output_dir/final``, LoRA merged, tokenizer included) that
-   ``from_pretrained`` and vLLM load.
+4. every ``checkpoint_every`` steps a DeepSpeed checkpoint goes to ``output_dir/checkpoints``
+   (tag ``update-NNNNNNNN``, the step); a new trainer on the same folder resumes after it (the
+   shuffles are seeded per epoch, so it sees the pairs it would have seen);
+5. metrics go to the ``Reporter`` (the service's publishes them on the bus), stdout and
+   TensorBoard (``output_dir/tensorboard``); the final model is saved as a Hugging Face folder
+   (``output_dir/final``, LoRA merged, tokenizer included) that ``from_pretrained``, vLLM and
+   ``rlfleet export`` load.
 
 Under ``torchrun`` each rank trains on its slice of every global batch (rank 0 logs and saves).
-One file (about 400 lines) for one trainer read top to bottom, CleanRL-style; data preparation
+One file (about 450 lines) for one trainer read top to bottom, CleanRL-style; data preparation
 is in learner/lm/dpo_data.py and the loss in learner.algos.
 """
 
@@ -27,81 +33,83 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
-from pydantic import Field, model_validator
 from torch import Tensor
 
 from learner.engine import build_engine
 from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
-from learner.lm.model import LoraSettings, load_causal_lm, load_tokenizer, token_logprobs
-from learner.settings import DeepSpeedSettings, Device, OptimizerSettings, Precision
-from services.config import StrictModel
+from learner.lm.dpo_job import DPOSettings
+from learner.lm.model import load_causal_lm, load_tokenizer, token_logprobs
+from learner.settings import DeepSpeedSettings, OptimizerSettings
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-__all__ = ["DPOResult", "DPOSettings", "DPOTrainer", "load_settings", "run_config", "train"]
+__all__ = ["DPOResult", "DPOSettings", "DPOTrainer", "Reporter", "train"]
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_TAG = "update-{:08d}"  # the LM learner's tag format: rlfleet export reads both
 
-class DPOSettings(StrictModel):
-    """One offline DPO run (the top level of ``rlfleet dpo CONFIG.yaml``)."""
 
-    # Hugging Face folder to start from (`rlfleet init-model` makes one); also the reference.
-    model_path: Path
-    # Training pairs, JSONL: {"prompt", "chosen", "rejected"} per line (see dpo_data.py).
-    data: Path
-    # Pairs scored before and after training (no updates on them); None: no evaluation.
-    eval_data: Path | None = None
-    # Prompt + completion tokens per sequence; longer completions are cut at the end.
-    max_length: int = Field(default=512, ge=2)
+class Reporter(Protocol):
+    """Where a run's news goes besides stdout and TensorBoard. Subclasses inherit these
+    defaults: report nothing, never stop (library use); the service's publishes on the bus
+    (learner/lm/dpo_service.py)."""
 
-    beta: float = Field(default=0.1, gt=0)  # strength of the implicit KL to the reference
-    # Conservative DPO: the assumed probability that a pair's labels are flipped (sigmoid only).
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
-    # sigmoid = DPO; ipo = IPO (on length-averaged log-probs, as TRL); hinge = SLiC.
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    def status(self, message: str, *, running: bool = False) -> None:
+        """A start-up phase (``running``: training is under way, e.g. a resume)."""
+        return None
 
-    epochs: int = Field(default=1, ge=1)  # passes over `data`, reshuffled each time
-    batch_size: int = Field(default=8, ge=1)  # pairs per optimizer step on each rank
-    learning_rate: float = Field(default=1e-6, gt=0)  # TRL's default for full fine-tuning
-    warmup_steps: int = Field(default=0, ge=0)  # linear warm-up, then constant
-    weight_decay: float = Field(default=0.0, ge=0)  # AdamW's decoupled weight decay
-    gradient_clipping: float | None = Field(default=1.0, gt=0)  # global grad-norm clip; None: off
-    lora: LoraSettings | None = None  # train LoRA adapters only (merged into the saved model)
+    def progress(self, step: int, total: int, row: dict[str, float]) -> None:
+        """``step`` of ``total`` done; ``row``: that step's metrics (eval/... included)."""
+        return None
 
-    precision: Precision = "fp32"  # parameter dtype (bf16/fp16: mixed precision via DeepSpeed)
-    zero_stage: int = Field(default=0, ge=0, le=3)  # DeepSpeed ZeRO stage
-    device: Device = "auto"  # cuda when torch sees a GPU
-    cache_dir: Path | None = None  # JIT-built ops cache; see DeepSpeedSettings.cache_dir
-    seed: int = 0  # LoRA init and the shuffling order
+    def stopping(self) -> bool:
+        """True once the run should stop (checked between steps)."""
+        return False
 
-    output_dir: Path  # tensorboard/ and final/ (the Hugging Face folder) go here
-    log_every: int = Field(default=10, ge=1)  # optimizer steps between stdout lines
 
-    @model_validator(mode="after")
-    def _consistent(self) -> DPOSettings:
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError("label_smoothing applies to loss_type 'sigmoid' only")
-        if self.precision == "fp16" and self.device == "cpu":
-            raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
-        return self
+class _Silent(Reporter):
+    """The default Reporter."""
 
 
 @dataclass
 class DPOResult:
-    """What a run did: per-step metrics (every step, whatever ``log_every``), the evaluations
-    before and after training (empty without eval_data) and the saved folder."""
+    """What a run did: per-step metrics of this incarnation (every step, whatever
+    ``log_every``), the evaluations before and after training (empty without eval_data), the
+    saved folder (None when stopped early) and the steps done in all, resumed ones included."""
 
     history: list[dict[str, float]] = field(default_factory=list)
     eval_before: dict[str, float] = field(default_factory=dict)
     eval_after: dict[str, float] = field(default_factory=dict)
     output: Path | None = None
     seconds: float = 0.0
+    steps: int = 0
+    total: int = 0
+    resumed_from: int = 0  # the checkpoint's step (0: a fresh run)
+    stopped: bool = False  # stopped before the end (a checkpoint covers the steps done)
+    already_finished: bool = False  # a finished run started again: nothing was trained
+
+    def summary(self) -> str:
+        """One line for the console: what was done, how it ended and the held-out change."""
+        if self.already_finished:
+            return f"already finished ({self.total} steps); final model in {self.output}"
+        text = f"{self.steps}/{self.total} steps"
+        if self.history:
+            text += f", last loss {self.history[-1]['loss']:.4f}"
+        before, after = self.eval_before, self.eval_after
+        if before and after:
+            text += (
+                f"; eval loss {before['loss']:.3f} -> {after['loss']:.3f}, accuracy "
+                f"{before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}"
+            )
+        if self.stopped:
+            return text + "; stopped (resumes from the latest checkpoint)"
+        return text + f"; final model in {self.output}"
 
 
 @dataclass(frozen=True)
@@ -128,15 +136,25 @@ def _collate(pairs: Sequence[EncodedPair], pad_id: int, device: torch.device) ->
 
 
 class DPOTrainer:
-    """Loads data and model, builds the engine and computes the reference log-probs on
-    construction; ``run()`` trains, evaluates and saves; ``close()`` releases the engine."""
+    """Loads data and model, builds the engine, restores the latest checkpoint in
+    ``output_dir/checkpoints`` and computes the reference log-probs on construction; ``run()``
+    trains, evaluates and saves; ``close()`` releases the engine."""
 
-    def __init__(self, settings: DPOSettings) -> None:
+    def __init__(
+        self, settings: DPOSettings, output_dir: Path, reporter: Reporter | None = None
+    ) -> None:
         self.settings = s = settings
+        self.output_dir = Path(output_dir)
+        self.reporter = reporter or _Silent()
         torch.manual_seed(s.seed)
         self.tokenizer = load_tokenizer(s.model_path)
         self.train_pairs = self._encode(s.data)
         self.eval_pairs = self._encode(s.eval_data) if s.eval_data else []
+        self.reporter.status(
+            f"loading model {s.model_path} ({len(self.train_pairs)} training pairs, "
+            f"{len(self.eval_pairs)} eval pairs)"
+        )
+        started = time.perf_counter()
         model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
         optimizer = OptimizerSettings(lr=s.learning_rate, eps=1e-8, weight_decay=s.weight_decay)
         ds = DeepSpeedSettings(
@@ -151,11 +169,22 @@ class DPOTrainer:
         self.rank = torch.distributed.get_rank()
         self.world = torch.distributed.get_world_size()
         self.writer: Any = None
+        self.reporter.status(
+            f"model on {self.engine.device} in {time.perf_counter() - started:.1f} s "
+            f"({self._trainable()})"
+        )
         try:
+            self.restored = self.engine.load(self.output_dir / "checkpoints") or {}
+            started = time.perf_counter()
+            self.reporter.status(f"scoring {self._pair_count()} pairs under the reference model")
             self.ref_train, self.ref_eval = self._reference_logps()
+            self.reporter.status(f"reference scored in {time.perf_counter() - started:.1f} s")
         except BaseException:
             self.close()
             raise
+
+    def _pair_count(self) -> int:
+        return len(self.train_pairs) + len(self.eval_pairs)
 
     def _encode(self, path: Path) -> list[EncodedPair]:
         pairs = [encode_pair(p, self.tokenizer, self.settings.max_length) for p in load_pairs(path)]
@@ -240,32 +269,82 @@ class DPOTrainer:
         return full + (rest >= self.world)
 
     def run(self) -> DPOResult:
-        """Train for ``epochs``, evaluating before and after (with eval_data), then save."""
-        s = self.settings
+        """Train for ``epochs`` (after the restored checkpoint's steps), evaluating before and
+        after (with eval_data), then save ``final/``. Returns early, checkpointed, when the
+        reporter says stop."""
+        s, reporter = self.settings, self.reporter
         start = time.perf_counter()
-        result = DPOResult()
         total = s.epochs * self.steps_per_epoch()
+        done = int(self.restored.get("updates", 0))
+        result = DPOResult(total=total, steps=done, resumed_from=done)
+        result.eval_before = dict(self.restored.get("eval_before", {}))
+        final = self.output_dir / "final"
+        if done >= total and (final / "config.json").is_file():
+            result.output, result.already_finished = final, True
+            reporter.status(
+                f"already finished: checkpoint update-{done:08d} is step {total} of {total} and "
+                f"{final} exists; nothing to train (to train again, start a new run or delete "
+                f"{self.output_dir})",
+                running=True,
+            )
+            return result
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(s.output_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
             print(f"dpo: {len(self.train_pairs)} pairs, {total} steps, {self._trainable()}")
-        if self.eval_pairs:
+        if done:
+            reporter.status(
+                f"resumed from checkpoint update-{done:08d} (step {done} of {total})", running=True
+            )
+        elif self.eval_pairs:
             result.eval_before = self._evaluate(0, "before")
-        step = 0
+        if done < total:
+            reporter.progress(done, total, {f"eval/{k}": v for k, v in result.eval_before.items()})
+        step, checkpointed = 0, done
         for epoch in range(s.epochs):
             for indices in self._batches(epoch):
                 step += 1
+                if step <= done:  # in the restored weights already
+                    continue
+                if reporter.stopping():
+                    result.stopped = True
+                    break
                 row = self._step(step, indices)
                 row["epoch"] = epoch + 1
                 result.history.append(row)
+                result.steps = step
                 if step % s.log_every == 0 or step == total:
                     self._log(step, total, "train", row)
+                    reporter.progress(step, total, row)
+                if step % s.checkpoint_every == 0 and step < total:
+                    checkpointed = self.checkpoint(step, result)
+            if result.stopped:
+                break
+        if result.stopped:
+            if result.steps > checkpointed:
+                self.checkpoint(result.steps, result)
+            result.seconds = time.perf_counter() - start
+            return result
         if self.eval_pairs:
-            result.eval_after = self._evaluate(step, "after")
+            result.eval_after = self._evaluate(total, "after")
+            reporter.progress(total, total, {f"eval/{k}": v for k, v in result.eval_after.items()})
         result.output = self.export()
+        self.checkpoint(total, result)  # after final/: a checkpoint at the end means it exists
         result.seconds = time.perf_counter() - start
         return result
+
+    def checkpoint(self, step: int, result: DPOResult) -> int:
+        """A DeepSpeed checkpoint of the policy and optimizer after ``step`` steps."""
+        state = {"updates": step, "version": 0, "eval_before": result.eval_before}
+        self.engine.save(
+            self.output_dir / "checkpoints",
+            CHECKPOINT_TAG.format(step),
+            state,
+            keep=self.settings.keep_checkpoints,
+        )
+        log.info("checkpoint at step %d", step)
+        return step
 
     def _step(self, step: int, indices: Tensor) -> dict[str, float]:
         s = self.settings
@@ -337,7 +416,7 @@ class DPOTrainer:
 
         from learner.lm.model import hf_weights
 
-        out = self.settings.output_dir / "final"
+        out = self.output_dir / "final"
         module = self.engine.module
         with _gathered(module, self.settings.zero_stage):  # every rank takes part under ZeRO-3
             weights = hf_weights(module)
@@ -377,40 +456,10 @@ def _gathered(module: torch.nn.Module, zero_stage: int) -> Any:
     return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
-def train(settings: DPOSettings) -> DPOResult:
-    """A whole run: build, train, evaluate, save, release."""
-    trainer = DPOTrainer(settings)
+def train(settings: DPOSettings, output_dir: Path, reporter: Reporter | None = None) -> DPOResult:
+    """A whole run (or its rest, after a checkpoint): build, train, evaluate, save, release."""
+    trainer = DPOTrainer(settings, output_dir, reporter)
     try:
         return trainer.run()
     finally:
         trainer.close()
-
-
-def load_settings(path: str | Path) -> DPOSettings:
-    """``DPOSettings`` from a YAML file; an unknown or ill-typed key is a ConfigError naming the
-    file, line and key (the same rendering as ``rlfleet up``)."""
-    from services.config import read_yaml_mapping, validate_model
-
-    source = read_yaml_mapping(path, "a DPO config")
-    return validate_model(DPOSettings, source.data, source)
-
-
-def run_config(path: str | Path) -> int:
-    """``rlfleet dpo CONFIG.yaml``: bad config or data lines become ConfigErrors (exit 2)."""
-    from common.datasets import DatasetSpecError
-    from services.errors import ConfigError
-
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    settings = load_settings(path)
-    try:
-        result = train(settings)
-    except DatasetSpecError as exc:
-        raise ConfigError(str(exc)) from None
-    last = result.history[-1] if result.history else {}
-    print(
-        f"dpo: done in {result.seconds:.1f} s, {len(result.history)} steps, "
-        f"last loss {last.get('loss', float('nan')):.4f}; model in {result.output}"
-    )
-    return 0

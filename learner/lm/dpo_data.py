@@ -5,17 +5,17 @@ A line is ``{"prompt": str, "chosen": str, "rejected": str}`` or chat-style, wit
 of ``{role, content}`` messages that the tokenizer's chat template renders (chosen and rejected
 are then the assistant's reply). Other keys (an ``id``, a source) are allowed and ignored.
 
-``python -m learner.lm.dpo_data OUT.jsonl --count N`` writes pairs for the "arith" generator of
-common/datasets.py: chosen is the correct `` <answer>N</answer>``, rejected a near miss in the
-same format, so the pair differs only in the number (what DPO has to learn, not the format).
+``rlfleet dpo-data OUT.jsonl --count N`` (learner/commands.py) writes pairs for the "arith"
+generator of common/datasets.py: chosen is the correct `` <answer>N</answer>``, rejected a near
+miss in the same format, so the pair differs only in the number (what DPO has to learn, not the
+format).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ __all__ = [
     "arith_pairs",
     "encode_pair",
     "load_pairs",
-    "main",
     "write_pairs",
 ]
 
@@ -191,22 +190,3 @@ def write_pairs(path: str | Path, pairs: Iterable[dict[str, Any]]) -> int:
             out.write(json.dumps(pair) + "\n")
             written += 1
     return written
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m learner.lm.dpo_data", description="write arithmetic DPO preference pairs"
-    )
-    parser.add_argument("out", help="JSONL file to write")
-    parser.add_argument("--count", type=int, default=1000, help="pairs to write")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", default="train", help="train, eval, ... (different prompts)")
-    parser.add_argument("--digits", type=int, default=2, help="operand digits")
-    args = parser.parse_args(argv)
-    pairs = arith_pairs(args.count, seed=args.seed, split=args.split, digits=args.digits)
-    print(f"wrote {write_pairs(args.out, pairs)} pairs to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

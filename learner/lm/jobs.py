@@ -430,9 +430,22 @@ def prepare(settings: LMJobSettings, run_dir: Path) -> None:
     s = settings
     if (s.model_path / "config.json").is_file() or s.init_model is None:
         return
+    create_model(s.model_path, s.init_model, dataset=s.dataset, seed=s.seed)
+
+
+def create_model(
+    path: Path, size: str, *, dataset: dict[str, Any] | None = None, seed: int = 0
+) -> None:
+    """init-model at ``path``, said on the launcher's console before and after (it takes
+    10-30 s with the imports, before any service is up: there is no bus to announce it on yet)."""
+    import time
+
+    started = time.perf_counter()
+    print(f"init-model: creating a {size} model at {path} (model_path is missing)", flush=True)
     from common.models import init_model
 
-    init_model(s.model_path, size=s.init_model, dataset=s.dataset, seed=s.seed)
+    init_model(path, size=size, dataset=dataset, seed=seed)
+    print(f"init-model: {path} created in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def _job(preset: str) -> JobSpec[LMJobSettings]:

@@ -104,9 +104,8 @@ class LMLearnerSettings(StrictModel):
     learning_rate: float = Field(default=1e-4, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     total_updates: int = Field(default=100, ge=1)
-    # Recompute pi_old with the learner's weights (True) or take the sampler's log-probs (False).
-    recompute_old_logp: bool = True
     # Groups sampled by a version older than this many versions are dropped. 0 = on-policy only.
+    # How the older ones kept are corrected: the preset's old_logp (algo: {old_logp: ...}).
     max_policy_lag: int = Field(default=1, ge=0)
     lora: LoraSettings | None = None
     sft: SFTSettings | None = None

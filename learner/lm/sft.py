@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,8 +60,10 @@ def sft_phase(
     batch_size: int,
     learning_rate: float,
     log_every: int = 20,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[dict[str, float]]:
-    """``steps`` optimizer steps of token-mean NLL; returns the logged metrics."""
+    """``steps`` optimizer steps of token-mean NLL; returns the logged metrics. ``on_step``
+    gets (step, loss) after every step (the console's progress)."""
     engine.set_lr(learning_rate)
     history: list[dict[str, float]] = []
     started = time.perf_counter()
@@ -75,6 +77,8 @@ def sft_phase(
         loss = aggregate(sft_loss(logp, batch.mask), batch.mask, "token-mean")
         engine.backward(loss)
         engine.step()
+        if on_step is not None:
+            on_step(step, float(loss.detach()))
         if step % log_every == 0 or step == steps:
             metrics = {"sft/loss": float(loss.detach()), "sft/step": float(step)}
             history.append(metrics)

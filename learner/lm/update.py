@@ -2,7 +2,8 @@
 (learner.game):
 
 1. ``prepare``: once per update, without gradients: the collated batch, its loss masks, the old
-   (pi_old) and reference log-probs, truncated-IS weights and the advantages;
+   (pi_old: the sampler's log-probs for stale rows, recomputed for the others, as the preset's
+   ``old_logp`` says) and reference log-probs, truncated-IS weights and the advantages;
 2. ``minibatch_loss``: the loss of one minibatch: the policy loss the preset names, plus KL,
    entropy and CHORD's SFT term;
 
@@ -82,11 +83,61 @@ class Prepared:
     batch: Batch
     mask: Tensor  # bool: the RL tokens that count in the policy loss
     expert_mask: Tensor  # bool: CHORD's SFT tokens (expert completions)
-    old_logp: Tensor  # pi_old: recomputed by the learner, or the sampler's
+    old_logp: Tensor  # pi_old: per row the sampler's or recomputed (preset.old_logp)
     tis: Tensor  # truncated importance-sampling weights (1 without a cap)
     ref_logp: Tensor | None  # the reference model's, when the preset has a KL term
     adv: Tensor  # advantages (0 on expert rows)
     metrics: dict[str, Any]  # rollout/* and adv/* statistics of the batch
+
+
+def _stale_rows(samples: Sequence[Sample], version: int | None) -> Tensor:
+    """``[B]`` bool: sampled by a policy older than the learner's ``version`` (None: none)."""
+    if version is None:
+        return torch.zeros(len(samples), dtype=torch.bool)
+    return torch.tensor([s.policy_version < version for s in samples], dtype=torch.bool)
+
+
+@torch.no_grad()
+def _old_logp(
+    engine: TrainEngine,
+    batch: Batch,
+    mask: Tensor,
+    stale: Tensor,
+    preset: Preset,
+    minibatch_size: int,
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """pi_old ``[B, L-1]`` as ``preset.old_logp`` chooses it per row (see
+    ``learner.algos.presets.OldLogp``), the truncated-IS weights ``[B, L-1]`` and metrics.
+
+    Only the rows whose pi_old is recomputed get a forward pass; the sampler/learner mismatch
+    (``rollout/mismatch_kl``, ``tis_*``) is measured on them: on fresh rows it is the numeric
+    mismatch alone, on stale ones (``recompute``) it also holds the policy's move since.
+    """
+    rl = ~batch.expert  # [B]
+    if preset.old_logp == "behaviour":
+        recompute = torch.zeros_like(rl)
+    elif preset.old_logp == "recompute":
+        recompute = rl
+    else:  # auto
+        recompute = rl & ~stale
+    old_logp = batch.rollout_logp.clone()  # [B, L-1]
+    tis = torch.ones_like(old_logp)  # [B, L-1]
+    metrics: dict[str, Any] = {}
+    if bool(rl.any()):
+        metrics["rollout/stale_frac"] = stale[rl].float().mean()
+        metrics["rollout/behaviour_frac"] = (~recompute[rl]).float().mean()
+    rows = recompute.nonzero().squeeze(-1)  # [R]
+    if len(rows):
+        sub = batch.select(rows)
+        recomputed = _no_grad_logp(engine, sub, minibatch_size)  # [R, L-1]
+        old_logp[rows] = recomputed
+        weights, tis_metrics = truncated_is_weights(
+            recomputed, sub.rollout_logp, mask[rows], cap=preset.tis_cap or float("inf")
+        )
+        metrics.update({f"rollout/{k}": v for k, v in tis_metrics.items()})
+        if preset.tis_cap is not None:
+            tis[rows] = weights
+    return old_logp, tis, metrics
 
 
 @torch.no_grad()
@@ -98,9 +149,13 @@ def prepare(
     *,
     pad_id: int,
     minibatch_size: int = 32,
-    recompute_old_logp: bool = True,
+    version: int | None = None,
 ) -> Prepared:
-    """Collate ``samples`` (whole groups) and compute, once, everything the minibatches need."""
+    """Collate ``samples`` (whole groups) and compute, once, everything the minibatches need.
+
+    ``version`` is the learner's current policy version: samples of an older one are stale
+    (see ``preset.old_logp``); None treats every sample as sampled by the current weights.
+    """
     batch = collate(samples, pad_id)
     rl_rows = (~batch.expert).nonzero().squeeze(-1)  # [R]
     mask = batch.mask & ~batch.expert[:, None]  # [B, L-1] RL tokens
@@ -108,19 +163,8 @@ def prepare(
         mask = overlong_mask(mask, batch.truncated)
     expert_mask = batch.mask & batch.expert[:, None]  # [B, L-1] CHORD's SFT tokens
 
-    old_logp = batch.rollout_logp  # [B, L-1]
-    metrics: dict[str, Any] = {}
-    if recompute_old_logp:
-        old_logp = _no_grad_logp(engine, batch, minibatch_size)
-    tis = torch.ones_like(old_logp)  # [B, L-1]
-    if preset.tis_cap is not None or recompute_old_logp:
-        # Also without a cap: the statistics measure sampler-learner mismatch.
-        weights, tis_metrics = truncated_is_weights(
-            old_logp, batch.rollout_logp, mask, cap=preset.tis_cap or float("inf")
-        )
-        metrics.update({f"rollout/{k}": v for k, v in tis_metrics.items()})
-        if preset.tis_cap is not None:
-            tis = weights
+    stale = _stale_rows(samples, version)  # [B]
+    old_logp, tis, metrics = _old_logp(engine, batch, mask, stale, preset, minibatch_size)
     ref_logp = None
     if preset.kl_beta > 0:
         assert reference is not None, "kl_beta > 0 needs a reference model"
@@ -194,11 +238,12 @@ def lm_update(
     step: int,
     epochs: int = 1,
     minibatch_size: int = 32,
-    recompute_old_logp: bool = True,
+    version: int | None = None,
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
-    """Train on ``samples`` (whole groups); returns scalar metrics (CleanRL-style names), each
-    the mean over the minibatches that had it."""
+    """Train on ``samples`` (whole groups) at the learner's policy ``version`` (see
+    ``prepare``); returns scalar metrics (CleanRL-style names), each the mean over the
+    minibatches that had it."""
     engine.set_lr(lr)
     prep = prepare(
         engine,
@@ -207,7 +252,7 @@ def lm_update(
         preset,
         pad_id=pad_id,
         minibatch_size=minibatch_size,
-        recompute_old_logp=recompute_old_logp,
+        version=version,
     )
     sums: dict[str, float] = collections.defaultdict(float)
     chord_sums: dict[str, float] = collections.defaultdict(float)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import time
@@ -37,6 +36,7 @@ from learner.engine import Engine, build_engine
 from learner.lm.batch import Sample, decode_group
 from learner.lm.evaluate import generate_greedy, score_accuracy
 from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer
+from learner.lm.phases import Announcer
 from learner.lm.settings import LMLearnerSettings
 from learner.lm.sft import sft_phase
 from learner.lm.update import group_filter, lm_update
@@ -52,6 +52,7 @@ __all__ = ["LMWorkload", "reward_metrics"]
 
 log = logging.getLogger(__name__)
 
+SFT_PROGRESS_EVERY_S = 1.0  # at most one SFT progress record a second (the console shows 1/5 s)
 DROPPED_EVENTS = "dropped"  # GroupsDropped's event kind (the drivers' sampler/rollout/pacing.py)
 # The progress line `rlfleet up` shows (services.console): (label, metric) in display order.
 HEADLINE = (
@@ -90,14 +91,20 @@ class LMWorkload:
         self._announcing: asyncio.Task[None] | None = None
         self._tokens_this_run = 0  # completion tokens since consuming began: tokens/s
         self._resumed = False  # restored from a checkpoint: announced by begin
+        # Start-up phases on the console (model, SFT, baseline eval, first rollout).
+        self.phases = Announcer(ctx)
+        self._first_group_in = False
 
     # ------------------------------------------------------------------ set-up and state
 
     async def setup(self) -> None:
-        """Nothing to await: the model is a local folder."""
+        """The phases' bus client (the model is a local folder: nothing else to await)."""
+        await self.phases.open()
 
     def build(self) -> Engine:
         s = self.settings
+        started = time.perf_counter()
+        self.phases.say(f"loading model {s.model_path} onto a DeepSpeed engine ({s.device})")
         self.tokenizer = load_tokenizer(s.model_path)
         model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
         ds = DeepSpeedSettings(
@@ -115,6 +122,11 @@ class LMWorkload:
             # The reference is the model RL starts from: refreshed after SFT when there is one.
             self.reference = load_causal_lm(s.model_path, precision=s.precision, frozen=True)
         log.info("lm workload: preset %s", s.preset)
+        params = sum(p.numel() for p in module.parameters())
+        self.phases.say(
+            f"model ready in {time.perf_counter() - started:.1f} s ({params:,} parameters, "
+            f"{self.engine.device}, preset {s.preset})"
+        )
         return self.engine
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -131,6 +143,16 @@ class LMWorkload:
         assert self.engine is not None
         if s.sft is None or s.sft.steps == 0 or self.sft_done:
             return
+        steps, started = s.sft.steps, time.perf_counter()
+        self.phases.say(f"SFT warm start: {steps} steps of {s.sft.batch_size} examples")
+        shown = [0.0]  # when the last progress record went out
+
+        def on_step(step: int, loss: float) -> None:
+            now_s = time.perf_counter()
+            if step == steps or now_s - shown[0] >= SFT_PROGRESS_EVERY_S:
+                shown[0] = now_s
+                self.phases.count("sft step", step, steps, [("sft_loss", loss)])
+
         history = sft_phase(
             self.engine,
             self.tokenizer,
@@ -138,12 +160,17 @@ class LMWorkload:
             steps=s.sft.steps,
             batch_size=s.sft.batch_size,
             learning_rate=s.sft.learning_rate,
+            on_step=on_step,
         )
         for metrics in history:
             run.write_scalars(metrics, int(metrics["sft/step"]))
         self.sft_done = True
         if self.reference is not None:
             self.reference.load_state_dict(self.engine.module.state_dict(), strict=False)
+        loss = f" (loss {history[-1]['sft/loss']:.3f})" if history else ""
+        self.phases.say(
+            f"SFT done in {time.perf_counter() - started:.1f} s{loss}; publishing version 0"
+        )
 
     def weights(self) -> dict[str, torch.Tensor]:
         assert self.engine is not None
@@ -152,18 +179,28 @@ class LMWorkload:
     async def begin(self, run: LearnerLoop) -> None:
         """Evaluate version 0 (the warm-started baseline) unless a restored run already did."""
         self._bus, self._progress = run.bus, run.progress
-        if self._resumed and run.bus is not None:
-            status = events_pb2.RunStatus(
-                run=self.ctx.run_name,
-                state=events_pb2.RUN_STATE_RUNNING,
-                message=f"resumed from checkpoint at update {run.progress.updates}",
-                source=self.ctx.name,
-                time=now(),
+        p, total = run.progress, self.settings.total_updates
+        if self._resumed:
+            finished = ": the run is finished" if p.updates >= total else ""
+            self.phases.say(
+                f"resumed from checkpoint update-{p.updates:08d} (update {p.updates} of {total}"
+                f"{finished})",
+                running=True,
             )
-            with contextlib.suppress(RlfleetError):  # the console's notice: best effort
-                await run.bus.publish_event(events_subject(self.ctx.run_name, "status"), status)
-        if not self.evals:
+        cfg = self.settings.eval
+        if not self.evals and cfg is not None and self.settings.reward_service is not None:
+            self.phases.say(f"evaluating version {p.version} on {cfg.count} held-out prompts")
             await self.evaluate(run)
+            last = self.evals[-1]
+            self.phases.say(
+                f"version {p.version}: eval accuracy {last['eval/accuracy']:.3f} "
+                f"({last['eval/s']:.1f} s)"
+            )
+        if p.updates < total:
+            self.phases.say(
+                "waiting for the first rollout groups (the samplers start their engines and "
+                "warm up)"
+            )
 
     # ------------------------------------------------------------------ messages
 
@@ -175,6 +212,13 @@ class LMWorkload:
     def decode(self, message: Any) -> list[Sample]:
         # The loop accepts (or drops as invalid) what it decodes at once: remember whose it is.
         self._decoding = message
+        if not self._first_group_in and self._progress is not None:
+            self._first_group_in = True
+            self.phases.say(
+                f"first rollout group in from {message.source or 'a driver'} "
+                f"(policy v{message.policy_version}); training update "
+                f"{self._progress.updates + 1} of {self.settings.total_updates}"
+            )
         try:
             return decode_group(message, self.vocab_size)
         except InvalidArgument:
@@ -254,7 +298,7 @@ class LMWorkload:
             step=progress.updates,
             epochs=s.epochs,
             minibatch_size=s.minibatch_size,
-            recompute_old_logp=s.recompute_old_logp,
+            version=progress.version,  # older samples are stale: preset.old_logp
             generator=generator,
         )
         metrics["charts/policy_lag"] = float(np.mean(lags)) if lags else 0.0
@@ -376,9 +420,10 @@ class LMWorkload:
         return text
 
     async def close(self) -> None:
-        """Send the drops not announced yet (the bus closes after this)."""
+        """Send the drops and phases not announced yet (the bus closes after this)."""
         if self._announcing is not None:
             await asyncio.gather(self._announcing, return_exceptions=True)
+        await self.phases.close()
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -17,14 +17,14 @@ import time
 import uuid
 from typing import Any
 
-from sampler.actors.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
+from common.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
+from common.stats import ActorStats
+from learner.client import WeightFollower
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import FragmentMeta, Rollout
 from sampler.actors.settings import GameActorSettings
-from sampler.actors.stats import ActorStats
-from sampler.weights import WeightFollower
 from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
-from services.errors import ConfigError, InvalidArgument
+from services.errors import ConfigError
 from services.registry import ServiceContext
 
 __all__ = ["GameActor"]
@@ -118,7 +118,6 @@ class GameActor:
             has_values=policy.has_values,
         )
         rollout.begin(obs)
-        self._check_fragment_size(rollout)
         stats = ActorStats(
             self.bus, ctx.run_name, ctx.name, settings.env_id, settings.stats_interval_s
         )
@@ -168,33 +167,21 @@ class GameActor:
             f", {rollout.sequence} fragments" if settings.publishes else "",
         )
 
-    def _check_fragment_size(self, rollout: Rollout) -> None:
-        """Fail at start, not at the first publish, when a fragment cannot fit one message
-        (fragments by reference, bus.v1.PayloadRef, are not implemented yet)."""
-        if self.bus is None or not self.settings.publishes:
-            return
-        limit = self.bus.max_payload
-        if rollout.nbytes > limit * 0.9:  # headroom for finals, headers, protobuf framing
-            raise InvalidArgument(
-                f"a fragment of {rollout.num_steps} steps x {rollout.num_envs} envs of "
-                f"{self.settings.env_id} takes about {rollout.nbytes} bytes, over the bus's "
-                f"max payload of {limit}; lower rollout_length or num_envs",
-                field="rollout_length",
-            )
-
     async def _pace(self, policy: Behaviour) -> None:
         """Credit-based pacing: the learner turns `fragments_per_version` fragments of each actor
         into one new version, so after `k` fragments this actor waits for version
-        `base + ceil(k / fragments_per_version) - 1`. It thus collects one update ahead
-        (overlapping the learner's training) but never more: an actor that outruns the learner
-        only makes fragments the learner drops as too stale."""
+        `base + ceil(k / fragments_per_version) - versions_ahead`. It thus collects
+        `versions_ahead` updates ahead (overlapping the learner's training; 1 for PPO, the
+        staleness bound for APPO) but never more: an actor that outruns the learner only makes
+        fragments the learner drops as too stale."""
         per_version = self.settings.fragments_per_version
         if not per_version or self.follower is None:
             return
         if self._paced_base < 0:
             self._paced_base = policy.version
         self._paced_count += 1
-        wanted = self._paced_base + -(-self._paced_count // per_version) - 1
+        ahead = self.settings.versions_ahead
+        wanted = self._paced_base + -(-self._paced_count // per_version) - ahead
         if self.follower.version >= wanted:
             return
         waited = time.monotonic()

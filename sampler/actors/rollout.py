@@ -13,36 +13,16 @@ increase along each env's timeline and never repeat across envs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from google.protobuf import timestamp_pb2
 
-from common import tensor
+from common.behaviour import Behaviour, Decision, action_layout
+from common.fragments import FragmentArrays, FragmentMeta, build_fragment, fragment_id
 from rlfleet.bus.v1 import trajectory_pb2
-from rlfleet.common.v1 import tensor_pb2
-from sampler.actors.behaviour import Behaviour, Decision, action_layout
 from sampler.actors.envs import StepOut, TickEvents
 
 __all__ = ["FragmentMeta", "Rollout", "fragment_id"]
-
-
-def fragment_id(run: str, actor: str, incarnation: str, sequence: int) -> str:
-    """`<run>/<actor>/<incarnation>/<sequence>`: unique across restarts; the Nats-Msg-Id."""
-    return f"{run}/{actor}/{incarnation}/{sequence}"
-
-
-@dataclass(frozen=True)
-class FragmentMeta:
-    """Who made a fragment and where; everything in RolloutFragment that is not an array."""
-
-    run: str
-    actor_id: str
-    incarnation: str
-    env_id: str
-    env_address: str  # comma-separated when the envs span several servers, in env order
-    env_session_id: str  # likewise
 
 
 class Rollout:
@@ -128,40 +108,31 @@ class Rollout:
         """The full fragment as a message (arrays copied into it: the buffers are free after)."""
         if not self.full:
             raise RuntimeError(f"fragment has {self.t} of {self.num_steps} steps")
-        seq = self.sequence
-        frag = trajectory_pb2.RolloutFragment(
-            run=meta.run,
-            actor_id=meta.actor_id,
-            fragment_id=fragment_id(meta.run, meta.actor_id, meta.incarnation, seq),
-            sequence=seq,
-            policy_version=policy.version,
-            num_steps=self.num_steps,
-            num_envs=self.num_envs,
-            observations=_tree(self.obs[: self.num_steps]),
-            actions=_tree(self.actions),
-            logprobs=tensor.encode(self.logprobs),
-            rewards=tensor.encode(self.rewards),
-            terminated=tensor.encode(self.terminated),
-            truncated=tensor.encode(self.truncated),
-            next_observations=_tree(self.obs[self.num_steps]),
-            episode_ids=tensor.encode(self.episode_ids),
-            env_id=meta.env_id,
-            env_address=meta.env_address,
-            env_session_id=meta.env_session_id,
-            create_time=_now(),
-        )
-        if self.values is not None:
-            frag.values.CopyFrom(tensor.encode(self.values))
-            frag.bootstrap_values.CopyFrom(tensor.encode(policy.values(self.obs[self.num_steps])))
+        final_index = final_obs = final_values = None
         if self._final_index:
             index = np.concatenate(self._final_index)
             order = np.argsort(index, kind="stable")
+            final_index = index[order].astype(np.int64)
             final_obs = np.concatenate(self._final_obs)[order]
-            frag.final_indices.CopyFrom(tensor.encode(index[order].astype(np.int64)))
-            frag.final_observations.CopyFrom(_tree(final_obs))
             if self.values is not None:
-                frag.final_values.CopyFrom(tensor.encode(policy.values(final_obs)))
-        return frag
+                final_values = policy.values(final_obs)
+        next_obs = self.obs[self.num_steps]
+        arrays = FragmentArrays(
+            observations=self.obs[: self.num_steps],
+            actions=self.actions,
+            logprobs=self.logprobs,
+            rewards=self.rewards,
+            terminated=self.terminated,
+            truncated=self.truncated,
+            next_observations=next_obs,
+            episode_ids=self.episode_ids,
+            values=self.values,
+            bootstrap_values=policy.values(next_obs) if self.values is not None else None,
+            final_indices=final_index,
+            final_observations=final_obs,
+            final_values=final_values,
+        )
+        return build_fragment(meta, self.sequence, policy.version, arrays)
 
     def restart(self) -> None:
         """Begin the next fragment where this one ended."""
@@ -170,13 +141,3 @@ class Rollout:
         self._final_obs.clear()
         self.t = 0
         self.sequence += 1
-
-
-def _tree(array: np.ndarray) -> tensor_pb2.TensorTree:
-    return tensor_pb2.TensorTree(tensor=tensor.encode(array))
-
-
-def _now() -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.GetCurrentTime()
-    return stamp

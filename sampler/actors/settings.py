@@ -40,6 +40,9 @@ class GameActorSettings(StrictModel):
     # actor then collects at most one update ahead of the learner (waiting up to version_wait_s
     # for the version it needs). None = never wait.
     fragments_per_version: int | None = Field(default=None, ge=1)
+    # How many updates ahead of the learner the actor may collect: 1 for PPO; APPO lets it run
+    # up to its max_policy_lag ahead (V-trace corrects those fragments).
+    versions_ahead: int = Field(default=1, ge=1, le=64)
     version_wait_s: float = Field(default=30.0, gt=0)
     total_steps: int = Field(default=0, ge=0)  # env steps of this actor; 0 = until stopped
     # Publish RolloutFragments; unset means "when the policy is the learner's".

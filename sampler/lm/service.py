@@ -6,8 +6,12 @@ UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then, when following th
 learner's current version, then a warm-up generation (a fresh engine's first requests take
 17-48 s on CPU); only then SERVING. Without `weights_from` the sampler serves the model
 folder's weights (serve mode: version 0, named `served_model_name`). Later versions are loaded
-into the running engine as they are announced (sampler/weights.py fetches them in the
+into the running engine as they are announced (learner.client.WeightFollower fetches them in the
 background), each through the servicer's VersionGate.
+
+Each start-up phase (engine start, waiting for the first version, warm-up) is announced on the
+run's bus (services.bus.announce), with a "still ..." notice every PHASE_NOTICE_S of a long
+one, so `rlfleet up` shows what the sampler is doing before it is SERVING.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
+from learner.client import WeightFollower
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import EngineConfig, GenerationEngine, build_engine
 from sampler.lm.servicer import SamplerService
 from sampler.lm.settings import SamplerSettings
-from sampler.weights import WeightFollower
-from services.bus import Bus
+from services.bus import Bus, announce
 from services.errors import ConfigError
 from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = service_name(sampler_pb2, "SamplerService")
 # Unix socket paths (vLLM's ZMQ IPC, under TMPDIR) must stay under ~107 bytes.
 _MAX_TMPDIR_CHARS = 60
+PHASE_NOTICE_S = 20.0  # a phase still going on is announced again this often
+T = TypeVar("T")
 
 
 def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
@@ -89,29 +98,62 @@ class LmSampler:
         settings, ctx = self.settings, self.ctx
         if settings.follows and not ctx.nats_url:
             raise ConfigError(f"sampler {ctx.name}: following the run needs RLFLEET_NATS_URL")
+        if ctx.nats_url:  # the phases below go out on it; following the run fetches on it
+            self.bus = await Bus.connect(ctx.nats_url, name=f"{ctx.name}-weights")
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, settings.model_path)
-        self.engine = await build_engine(settings.engine, engine_config(settings))
+        self.engine = await self._phase(
+            f"starting the {settings.engine} engine",
+            build_engine(settings.engine, engine_config(settings)),
+        )
         self.servicer.attach(self.engine, tokenizer)
         if settings.follows and not await self._first_weights():
             return False
         if settings.warmup:
             self.servicer.waiting_for = "the warm-up generation"
-            self.warmup_s = await self.servicer.warm_up()
+            self.warmup_s = await self._phase(
+                "warming up on a first generation", self.servicer.warm_up()
+            )
         self.servicer.set_ready()
+        await self._say(f"ready: serving version {self.servicer.gate.version}")
         return True
+
+    async def _say(self, message: str) -> None:
+        """One phase on the console (best effort; nothing without a bus)."""
+        log.info("%s", message)
+        await announce(self.bus, self.ctx.run_name, self.ctx.name, message)
+
+    async def _phase(self, what: str, step: Awaitable[T]) -> T:
+        """``step`` awaited and announced: when it starts, every PHASE_NOTICE_S while it runs
+        and when it is done, with the seconds it took."""
+        started = time.monotonic()
+        await self._say(what)
+        task = asyncio.ensure_future(step)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=PHASE_NOTICE_S)
+                if not task.done():
+                    await self._say(f"still {what} ({time.monotonic() - started:.0f} s)")
+        finally:
+            task.cancel()  # stopped meanwhile; a no-op once it is done
+        result = task.result()
+        await self._say(f"{what}: done in {time.monotonic() - started:.1f} s")
+        return result
 
     async def _first_weights(self) -> bool:
         settings, ctx = self.settings, self.ctx
         address = ctx.resolve(settings.weights_from or "")
         self.servicer.waiting_for = f"the first weight version from {address}"
-        assert ctx.nats_url is not None
-        self.bus = await Bus.connect(ctx.nats_url, name=f"{ctx.name}-weights")
+        assert self.bus is not None  # connected by start: following needs RLFLEET_NATS_URL
         self.follower = WeightFollower(self.bus, ctx.run_name, address)
         await self.follower.start()
-        first = await self.follower.first(ctx.stop_event, settings.weights_timeout_s)
+        first = await self._phase(
+            f"waiting for the first weights from {settings.weights_from}",
+            self.follower.first(ctx.stop_event, settings.weights_timeout_s),
+        )
         if first is None:
             return False
         await self.servicer.load_weights(first[1], first[0])
+        await self._say(f"loaded weights v{first[0]}")
         self._following = asyncio.create_task(self._follow(), name="weights-follow")
         return True
 

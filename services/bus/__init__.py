@@ -6,7 +6,7 @@ See docs/internals.md ("services/bus/") for the contract and subjects.py for the
 from services.bus.client import Bus, PubAck
 from services.bus.messages import MSG_ID_HEADER, TYPE_HEADER, Delivery, Subscription
 from services.bus.nats_server import EmbeddedNats, NatsUser, find_nats_server
-from services.bus.runs import RUN_OVER, stop_when_run_over
+from services.bus.runs import RUN_OVER, announce, stop_when_run_over
 from services.bus.subjects import (
     events_subject,
     events_wildcard,
@@ -28,6 +28,7 @@ __all__ = [
     "NatsUser",
     "PubAck",
     "Subscription",
+    "announce",
     "events_subject",
     "events_wildcard",
     "find_nats_server",

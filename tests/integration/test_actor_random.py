@@ -29,7 +29,6 @@ from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from sampler.actors.actor import GameActor
 from sampler.actors.settings import GameActorSettings
 from services.bus import MSG_ID_HEADER, Bus, events_subject, stream_name, traj_subject
-from services.errors import InvalidArgument
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import wait_for_health
@@ -309,14 +308,20 @@ async def test_actor_survives_an_env_server_crash(
     assert (np.diff(ids[:, 2]) >= 0).all()
 
 
-async def test_a_fragment_over_the_payload_limit_fails_at_start(
+async def test_a_fragment_over_the_payload_limit_goes_by_reference(
     nats_url: str, env_servers: dict[str, str]
 ) -> None:
-    run = _run_name()
+    run, t_steps, n = _run_name(), 6000, 8  # about 2 MB per fragment, over NATS's 1 MiB
     ctx = _context(
-        run, nats_url, env_servers, num_envs=8, rollout_length=5000, publish_fragments=True
-    )
-    with pytest.raises(InvalidArgument, match="max payload") as caught:
-        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 30)
-    assert caught.value.field == "rollout_length"
+        run, nats_url, env_servers, num_envs=n, rollout_length=t_steps,
+        total_steps=t_steps * n, publish_fragments=True,
+    )  # fmt: skip
+    async with Bus.connect(nats_url, name="test-reader") as bus:
+        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 120)
+        (delivery,) = await _fragments(bus, run, 1)
+    fragment = delivery.message
+    assert delivery.headers.get("Rlfleet-Payload") == "ref"
+    assert fragment.ByteSize() > bus.max_payload
+    assert (fragment.num_steps, fragment.num_envs) == (t_steps, n)
+    assert _arr(fragment.observations).shape == (t_steps, n, 4)
     assert all(_sessions_open(name) == 0 for name in SERVERS)

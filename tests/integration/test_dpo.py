@@ -3,7 +3,12 @@
 - on 64 generated arithmetic pairs a few seconds of training lowers the loss and raises the
   reward accuracy and margin against the first step (where policy == reference: loss log 2);
   the saved folder loads with AutoModelForCausalLM and holds the trained weights;
+- a run stopped between steps checkpoints; a new trainer resumes after it and takes exactly the
+  steps the uninterrupted run took (same losses), and a finished one trains nothing;
 - LoRA trains the adapters only (base weights untouched in the module, merged export differs);
+- `rlfleet up` of a `job: {kind: dpo}` run file: start-up phases and the progress line on the
+  console, metrics.jsonl, checkpoints, final/, `rlfleet export` of the run, and a second
+  `rlfleet up` saying the run is finished;
 - bad data lines and bad config keys are errors naming file:line (and key), also via the CLI;
 - the pair encoding scores completion tokens only (text and chat-style prompts).
 """
@@ -16,13 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from common.datasets import DatasetSpecError
-from learner.lm.dpo import DPOSettings, DPOTrainer, load_settings
+from learner.lm.dpo import DPOSettings, DPOTrainer, Reporter
 from learner.lm.dpo_data import PreferencePair, arith_pairs, encode_pair, load_pairs, write_pairs
-from learner.lm.dpo_data import main as data_main
 from learner.lm.model import LoraSettings, hf_weights, load_tokenizer
 from services.cli import main as cli_main
+from services.config import load_run_config
+from tests.fixtures.launch import Up, assert_nothing_left
 
 pytestmark = pytest.mark.slow  # DeepSpeed training: not in `make test-fast`
 
@@ -44,7 +51,7 @@ def pairs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def settings(model: Path, data: Path, out: Path, **overrides: object) -> DPOSettings:
+def settings(model: Path, data: Path, **overrides: object) -> DPOSettings:
     # Measured on this model and data: 24 steps, about 5 s on 2 CPU cores; eval loss
     # 0.693 -> 0.24, accuracy 0 -> 1.0 (memorising the training pairs, the point here).
     values: dict[str, object] = dict(
@@ -56,7 +63,6 @@ def settings(model: Path, data: Path, out: Path, **overrides: object) -> DPOSett
         learning_rate=1e-3,
         beta=0.5,
         device="cpu",
-        output_dir=out,
         log_every=6,
     )
     values.update(overrides)
@@ -68,7 +74,7 @@ def test_dpo_learns_preferences_and_saves_hf_folder(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    trainer = DPOTrainer(settings(tiny_model, pairs_file, tmp_path))
+    trainer = DPOTrainer(settings(tiny_model, pairs_file), tmp_path)
     try:
         result = trainer.run()
         trained = hf_weights(trainer.engine.module)
@@ -105,7 +111,7 @@ def test_dpo_lora_trains_adapters_only(tiny_model: Path, pairs_file: Path, tmp_p
 
     lora = LoraSettings(r=8)
     trainer = DPOTrainer(
-        settings(tiny_model, pairs_file, tmp_path, eval_data=None, epochs=1, lora=lora)
+        settings(tiny_model, pairs_file, eval_data=None, epochs=1, lora=lora), tmp_path
     )
     try:
         base = trainer.engine.module.get_base_model()
@@ -149,27 +155,159 @@ def test_bad_data_line_is_named(tmp_path: Path, line: str, problem: str) -> None
     assert str(info.value).startswith(f"{path}:3: {problem}")
 
 
+def _job_file(tmp_path: Path, model: Path, data: Path, extra: str = "") -> Path:
+    path = tmp_path / "dpo.yaml"
+    path.write_text(
+        f"run: {{name: dpo-itest, dir: {tmp_path / 'run'}}}\n"
+        f"job:\n  kind: dpo\n  model_path: {model}\n  data: {data}\n  device: cpu\n{extra}"
+    )
+    return path
+
+
 def test_cli_reports_bad_data_and_config(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "Q", "chosen": " 1"}\n')
-    config = tmp_path / "dpo.yaml"
-    body = f"model_path: {tiny_model}\ndata: {data}\noutput_dir: {tmp_path / 'out'}\ndevice: cpu\n"
-    config.write_text(body)
-    assert cli_main(["dpo", str(config)]) == 2
-    assert f"rlfleet: error: {data}:1: missing key 'rejected'" in capsys.readouterr().err
+    config = _job_file(tmp_path, tiny_model, data)
+    assert cli_main(["up", str(config)]) == 2  # prepare reads every line before any service
+    assert f"job.data: {data}:1: missing key 'rejected'" in capsys.readouterr().err
 
-    config.write_text(body + "betta: 0.2\nepochs: many\n")
-    assert cli_main(["dpo", str(config)]) == 2
+    config = _job_file(tmp_path, tiny_model, data, "  betta: 0.2\n  epochs: many\n")
+    assert cli_main(["validate", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"{config}:5: betta: unknown key 'betta' (did you mean 'beta'?)" in err
-    assert f"{config}:6: epochs: Input should be a valid integer" in err
+    assert f"{config}:7: job.betta: unknown key 'betta' (did you mean 'beta'?)" in err
+    assert f"{config}:8: job.epochs: Input should be a valid integer" in err
+
+    config = _job_file(tmp_path, tiny_model, data, "  output_dir: out\n")
+    assert cli_main(["validate", str(config)]) == 2
+    assert "a run writes into its run directory" in capsys.readouterr().err
 
 
 def test_example_config_validates() -> None:
-    settings = load_settings(ROOT / "examples" / "dpo_arith.yaml")
-    assert settings.data.name.endswith(".jsonl")
+    config = load_run_config(ROOT / "examples" / "dpo_arith.yaml", environ={})
+    (entry,) = config.services
+    assert entry.service == "dpo_learner" and entry.main
+    assert isinstance(entry.settings, DPOSettings) and entry.settings.data.name.endswith(".jsonl")
+
+
+class StopAfter(Reporter):
+    """Stops the run once ``steps`` steps are done; records what the trainer reported."""
+
+    def __init__(self, steps: int | None = None) -> None:
+        self.steps, self.seen = steps, 0
+        self.statuses: list[str] = []
+
+    def status(self, message: str, *, running: bool = False) -> None:
+        self.statuses.append(message)
+
+    def progress(self, step: int, total: int, row: dict[str, float]) -> None:
+        self.seen = step
+
+    def stopping(self) -> bool:
+        return self.steps is not None and self.seen >= self.steps
+
+
+def test_stopped_run_resumes_where_it_stopped(
+    tiny_model: Path, pairs_file: Path, tmp_path: Path
+) -> None:
+    knobs = settings(tiny_model, pairs_file, eval_data=None, epochs=2, log_every=1)  # 8 steps
+    trainer = DPOTrainer(knobs, tmp_path / "whole")
+    try:
+        whole = trainer.run()
+    finally:
+        trainer.close()
+
+    out = tmp_path / "stopped"
+    trainer = DPOTrainer(knobs, out, StopAfter(3))
+    try:
+        first = trainer.run()
+    finally:
+        trainer.close()
+    assert first.stopped and first.steps == 3 and first.output is None
+    assert (out / "checkpoints" / "update-00000003").is_dir() and not (out / "final").exists()
+
+    reporter = StopAfter()
+    trainer = DPOTrainer(knobs, out, reporter)
+    try:
+        rest = trainer.run()
+    finally:
+        trainer.close()
+    assert rest.resumed_from == 3 and rest.steps == 8 and len(rest.history) == 5
+    assert "resumed from checkpoint update-00000003 (step 3 of 8)" in reporter.statuses
+    for resumed, straight in zip(rest.history, whole.history[3:], strict=True):
+        assert resumed["loss"] == pytest.approx(straight["loss"], abs=1e-5)
+    assert rest.output == out / "final" and (out / "final" / "config.json").is_file()
+
+    reporter = StopAfter()
+    trainer = DPOTrainer(knobs, out, reporter)
+    try:
+        again = trainer.run()
+    finally:
+        trainer.close()
+    assert again.already_finished and not again.history
+    assert reporter.statuses[-1].startswith("already finished: checkpoint update-00000008")
+
+
+def test_dpo_job_runs_under_rlfleet_up(
+    tiny_model: Path, pairs_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole user path: up, watch, export, up again."""
+    monkeypatch.setenv("RLFLEET_PROGRESS_INTERVAL_S", "0")  # every record a line, in order
+    config = _job_file(
+        tmp_path,
+        tiny_model,
+        pairs_file,
+        f"  eval_data: {pairs_file}\n  epochs: 2\n  batch_size: 16\n  learning_rate: 0.001\n"
+        "  beta: 0.5\n  log_every: 2\n  checkpoint_every: 4\n",
+    )
+    run_dir = tmp_path / "run"
+    up = Up(config, run_dir, services=["dpo"], budget_s=240)
+    try:
+        assert up.wait() == 0, up.diagnostics()
+    finally:
+        up.stop()
+    assert_nothing_left(run_dir)
+    lines = up.lines
+    phases = [
+        "dpo: importing torch, transformers and DeepSpeed",
+        "dpo: loading model",
+        "dpo: model on cpu in",
+        "dpo: scoring 128 pairs under the reference model",
+        "dpo: reference scored in",
+        "dpo-itest  step 0/8  0%",
+        "dpo-itest  step 8/8  100%",
+        "dpo: 8/8 steps, last loss",
+        "rlfleet: run 'dpo-itest' ok (exit 0)",
+    ]
+    at = [next((i for i, line in enumerate(lines) if line.startswith(p)), -1) for p in phases]
+    assert -1 not in at and at == sorted(at), up.diagnostics()
+    assert "eval loss 0.693 ->" in lines[at[7]]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["kind"] == "metrics" and r["service"] == "dpo"]
+    assert steps == [0, 2, 4, 6, 8, 8]  # eval before, every log_every steps, eval after
+    assert {"loss", "rewards/accuracies", "lr"} <= set(records[2]["values"])
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "update-00000008"
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+    exported = tmp_path / "exported"
+    assert cli_main(["export", str(run_dir), str(exported)]) == 0
+    assert (exported / "model.safetensors").is_file() and (exported / "config.json").is_file()
+    # A stopped run has no final/: its latest checkpoint exports too, to the same weights.
+    from_checkpoint = tmp_path / "from-checkpoint"
+    assert cli_main(["export", str(run_dir / "checkpoints"), str(from_checkpoint)]) == 0
+    final = load_file(exported / "model.safetensors")
+    rebuilt = load_file(from_checkpoint / "model.safetensors")
+    assert final.keys() == rebuilt.keys()
+    assert all(torch.equal(final[k], rebuilt[k]) for k in final)
+
+    up = Up(config, run_dir, services=["dpo"], budget_s=120)
+    try:
+        assert up.wait() == 0, up.diagnostics()
+    finally:
+        up.stop()
+    assert "dpo: already finished: checkpoint update-00000008 is step 8 of 8" in up.output
 
 
 def test_encoding_scores_completion_tokens_only(tiny_model: Path) -> None:
@@ -193,7 +331,7 @@ def test_encoding_scores_completion_tokens_only(tiny_model: Path) -> None:
 
 def test_data_generator_writes_valid_pairs(tmp_path: Path) -> None:
     out = tmp_path / "arith.jsonl"
-    assert data_main([str(out), "--count", "5", "--seed", "3"]) == 0
+    assert cli_main(["dpo-data", str(out), "--count", "5", "--seed", "3"]) == 0
     pairs = load_pairs(out)
     assert len(pairs) == 5
     for pair in pairs:

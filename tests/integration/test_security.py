@@ -9,6 +9,7 @@ launcher writes, and `rlfleet up` in a subprocess for the run.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -172,6 +173,8 @@ def test_ppo_run_with_mutual_tls_and_nats_auth(tmp_path: Path) -> None:
         assert "with mutual TLS" in (run_dir / "logs" / "env-0.log").read_text()
         conf = (run_dir / "nats" / "nats-server.conf").read_text()
         assert '"verify": true' in conf and '"authorization"' in conf
+        users = {u["user"] for u in json.loads(conf)["authorization"]["users"]}
+        assert users == {"learner", "actor-0", "actor-1", "launcher"}  # env-0 has no NATS use
         assert oct((run_dir / "nats" / "nats-server.conf").stat().st_mode & 0o777) == "0o600"
         assert_nothing_left(run_dir)
     except BaseException:

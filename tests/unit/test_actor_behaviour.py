@@ -15,8 +15,8 @@ import pytest
 import torch
 from gymnasium import spaces
 
+from common.behaviour import RandomBehaviour, TorchBehaviour, action_layout
 from common.policies import PolicyConfig, build_policy
-from sampler.actors.behaviour import RandomBehaviour, TorchBehaviour, action_layout
 from sampler.actors.settings import GameActorSettings
 from services.errors import InvalidArgument
 

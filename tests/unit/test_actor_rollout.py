@@ -18,10 +18,10 @@ import pytest
 import pytest_asyncio
 
 from common import tensor
+from common.behaviour import Decision
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
-from sampler.actors.behaviour import Decision
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import FragmentMeta, Rollout, fragment_id
 from services.ports import free_port
@@ -210,7 +210,7 @@ async def test_fragment_from_scripted_run(servers: list[str]) -> None:
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_fragment_without_critic_has_no_values(servers: list[str]) -> None:
-    from sampler.actors.behaviour import RandomBehaviour
+    from common.behaviour import RandomBehaviour
 
     envs = EnvGroup(servers[:1], [4], SCRIPTED_ID, seed=1)
     first = await envs.open()

@@ -41,7 +41,7 @@ def test_loss_kwargs_come_from_the_knobs_as_before():
 
 def test_game_preset_names_of_the_wrong_family_fail_naming_the_field():
     with pytest.raises(WrongFamilyError, match=r"^advantage: 'grpo' is a group advantage estimator"
-                       r".*, not a game advantage estimator; known .*: gae$"):  # fmt: skip
+                       r".*, not a game advantage estimator; known .*: gae, vtrace$"):  # fmt: skip
         GamePreset(advantage="grpo", policy_loss="ppo")
     with pytest.raises(
         WrongFamilyError, match=r"^policy_loss: 'gae' is a game advantage estimator"
@@ -66,7 +66,7 @@ def test_learner_settings_validate_algo_against_the_game_presets():
         in (error["msg"])
     )
     with pytest.raises(pydantic.ValidationError, match="unknown game algorithm preset 'ppx'; "
-                       "known: a2c, ppo; did you mean 'ppo'"):  # fmt: skip
+                       "known: a2c, appo, ppo; did you mean 'ppo'"):  # fmt: skip
         LearnerSettings(algo="ppx")
 
 

@@ -71,7 +71,7 @@ def test_unknown_name_suggests_a_close_one_and_prefixes_the_field():
 
 
 def test_builtins_are_registered():
-    assert set(GAME_ADVANTAGES.names()) == {"gae"}
+    assert set(GAME_ADVANTAGES.names()) == {"gae", "vtrace"}
     assert {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
         GROUP_ADVANTAGES.names()
     )
@@ -81,7 +81,7 @@ def test_builtins_are_registered():
     )
     assert {"k1", "k2", "k3"} <= set(KL_ESTIMATORS.names())
     assert {"constant", "linear", "cosine", "warmup_cosine"} <= set(SCHEDULES.names())
-    assert {"ppo", "a2c"} <= set(GAME_PRESETS.names())
+    assert {"ppo", "a2c", "appo"} <= set(GAME_PRESETS.names())
     assert POLICY_LOSSES.get("ppo") is ppo_clip
     with pytest.raises(DuplicateNameError):
         POLICY_LOSSES.register("ppo")(lambda: None)

@@ -187,3 +187,62 @@ def test_live_line_on_a_terminal() -> None:
     console.close()
     text = out.getvalue()
     assert "rlfleet: hello" in text and "r  step 21.5k/300k  7%" in text
+
+
+def status(source: str, message: str) -> events_pb2.RunStatus:
+    return events_pb2.RunStatus(source=source, state=events_pb2.RUN_STATE_STARTING, message=message)
+
+
+def struct_event(console: Console, record: struct_pb2.Struct) -> None:
+    console.event("progress", "google.protobuf.Struct", record, lambda: None)
+
+
+def test_start_up_phases_print_in_order_and_a_counted_phase_gets_its_own_eta() -> None:
+    """What an LM run shows before its first update: phases as `<source>: <message>` lines, the
+    SFT steps as a progress line without a policy version, then the update line, whose ETA
+    follows the updates only (not the rate of the SFT steps before them)."""
+    out, clock = io.StringIO(), Clock()
+    console = Console(out, "grpo-arith", interval_s=0.0, clock=clock)
+    status_event = "rlfleet.bus.v1.RunStatus"
+    console.event("status", status_event, status("learner", "loading model m"), lambda: None)
+    for t, done in ((1000.0, 3), (1001.0, 5)):
+        clock.t = t
+        sft = progress_record(
+            "learner", unit="sft step", done=done, total=5, version=None,
+            headline=[("sft_loss", 2.5)],
+        )  # fmt: skip
+        struct_event(console, sft)
+    console.event("status", status_event, status("learner", "SFT done in 1.0 s"), lambda: None)
+    console.event("status", status_event, status("sampler-0", "warming up"), lambda: None)
+    clock.t = 1011.0
+    struct_event(console, progress_record("learner", unit="update", done=8, total=200, version=8))
+    clock.t = 1021.0
+    struct_event(console, progress_record("learner", unit="update", done=9, total=200, version=9))
+    assert out.getvalue().splitlines() == [
+        "learner: loading model m",
+        "grpo-arith  sft step 3/5  60%  sft_loss 2.50",
+        "grpo-arith  sft step 5/5  100%  sft_loss 2.50  ETA 0s",
+        "learner: SFT done in 1.0 s",
+        "sampler-0: warming up",
+        "grpo-arith  update 8/200  4%  v8",  # one update seen: no rate yet
+        "grpo-arith  update 9/200  4%  v9  ETA 31m50s",  # 0.1 update/s, 191 left
+    ]
+
+
+def test_a_finished_phase_s_last_line_goes_out_before_the_next_phase() -> None:
+    """A status message shows a held-back progress line first when that line ends its phase
+    (not otherwise: the interval still holds for a phase under way)."""
+    out, clock = io.StringIO(), Clock()
+    console = Console(out, "r", interval_s=5.0, clock=clock)
+    console.progress(record(1000))  # shown at once
+    clock.t += 1.0
+    console.progress(record(2000))  # held back: within the interval
+    notice = events_pb2.RunStatus(source="sampler-0", message="warming up")
+    console.event("status", "rlfleet.bus.v1.RunStatus", notice, lambda: None)
+    clock.t += 1.0
+    console.progress(record(300_000))  # the last step, held back
+    done = events_pb2.RunStatus(source="learner", message="SFT done in 50.7 s")
+    console.event("status", "rlfleet.bus.v1.RunStatus", done, lambda: None)
+    lines = out.getvalue().splitlines()
+    assert [line.split("  ")[1] for line in lines[::2]] == ["step 1k/300k", "step 300k/300k"]
+    assert lines[1::2] == ["sampler-0: warming up", "learner: SFT done in 50.7 s"]

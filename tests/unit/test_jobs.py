@@ -77,7 +77,7 @@ def test_game_job_algo_is_checked_against_the_game_presets(tmp_path: Path) -> No
     with pytest.raises(ConfigError) as err:
         load_run_config(_write(tmp_path, body), environ={})
     assert "run.yaml:5: job.algo: 'grpo' is a group advantage estimator" in str(err.value)
-    assert "not a game algorithm preset; known game algorithm preset names: a2c, ppo" in str(
+    assert "not a game algorithm preset; known game algorithm preset names: a2c, appo, ppo" in str(
         err.value
     )
 

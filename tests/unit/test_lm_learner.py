@@ -216,3 +216,112 @@ def test_policy_loss_is_the_policy_gradient_term_and_loss_the_total(tok_model):
     )  # fmt: skip
     want = out["losses/policy_loss"] + preset.kl_beta * out["losses/kl"]
     assert out["losses/loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+class CountingEngine(PlainEngine):
+    """PlainEngine that counts the sequences it runs forward (to see the skipped passes)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.rows = 0
+
+    def __call__(self, **kwargs):
+        self.rows += int(kwargs["input_ids"].shape[0])
+        return super().__call__(**kwargs)
+
+
+def _moved(base, scale: float):
+    """A copy of ``base`` whose weights moved (the learner one update after the sampler's)."""
+    model = load_causal_lm_copy(base)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def _stale_batch(tok, base):
+    """Two groups sampled by version 0 (``base``'s log-probs recorded, as the sampler does)."""
+    samples = []
+    for g, answers in enumerate(([" 3", " 4", " 5"], [" <answer>2</answer>", " 9", " 1"])):
+        msg = _group(tok, base, f"Q: {g}+2=?\nA:", answers, [1.0, 0.0, 0.5], f"g{g}", version=0)
+        samples += decode_group(msg, len(tok))
+    return samples
+
+
+def test_stale_batch_ratio_is_against_the_sampler_logprobs(tok_model):
+    """The written-out GRPO objective of a batch one version old (``old_logp: auto``): ratio
+    ``exp(log pi_theta - log pi_behaviour)``, advantage ``(r - mean_g) / (std_g + 1e-6)``,
+    loss ``max(-A r, -A clip(r, 0.8, 1.2))`` averaged over each sequence's tokens, then over
+    the sequences; clip fraction the share of tokens with r outside [0.8, 1.2]."""
+    tok, base = tok_model
+    samples = _stale_batch(tok, base)
+    model = _moved(base, 0.05)  # the learner's weights at version 1
+    preset = resolve_preset("grpo", kl_beta=0.0)
+    engine = CountingEngine(model)
+    prep = prepare(engine, None, samples, preset, pad_id=tok.pad_token_id, version=1)
+    assert engine.rows == 0  # every row is stale: no forward pass for pi_old
+    m = prep.mask
+    assert torch.equal(prep.old_logp[m], prep.batch.rollout_logp[m])
+    assert float(prep.metrics["rollout/stale_frac"]) == 1.0
+    assert "rollout/mismatch_kl" not in prep.metrics  # nothing recomputed to compare with
+
+    loss, metrics, _ = minibatch_loss(engine, prep, torch.arange(len(samples)), preset, 0)
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, prep.batch.input_ids, prep.batch.attention_mask)
+        ratio = torch.exp(logp - prep.batch.rollout_logp)
+        rewards = torch.tensor([s.reward for s in samples]).view(2, 3)
+        adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
+        adv = adv.reshape(-1, 1)
+        tok_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        want = ((tok_loss * m).sum(1) / m.sum(1)).mean()
+        clipfrac = ((ratio < 0.8) | (ratio > 1.2))[m].float().mean()
+    assert float(loss.detach()) == pytest.approx(float(want), rel=1e-4)
+    assert metrics["losses/clipfrac"] == pytest.approx(float(clipfrac))
+    assert metrics["losses/clipfrac"] > 0  # the policy moved past the clip range on some tokens
+    assert abs(metrics["losses/ratio_mean"] - 1.0) > 1e-3
+
+
+def test_recompute_trains_a_stale_batch_as_if_on_policy(tok_model):
+    """``old_logp: recompute`` (the previous behaviour): ratio 1 and clip fraction 0 on the same
+    stale batch, and the mismatch statistics hold the policy's move."""
+    tok, base = tok_model
+    samples = _stale_batch(tok, base)
+    engine = CountingEngine(_moved(base, 0.05))
+    preset = resolve_preset("grpo", kl_beta=0.0, old_logp="recompute")
+    prep = prepare(engine, None, samples, preset, pad_id=tok.pad_token_id, version=1)
+    assert engine.rows == len(samples)
+    _, metrics, _ = minibatch_loss(engine, prep, torch.arange(len(samples)), preset, 0)
+    assert metrics["losses/clipfrac"] == 0.0
+    assert metrics["losses/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert float(prep.metrics["rollout/mismatch_kl"]) > 1e-3
+
+
+def test_auto_recomputes_fresh_rows_only_and_caps_their_mismatch(tok_model):
+    """Fresh rows get pi_old from the learner (ratio starts at 1) and the truncated-IS weights
+    ``min(exp(pi_learner - pi_sampler), cap)``; stale rows keep the sampler's log-probs."""
+    tok, base = tok_model
+    model = _moved(base, 0.05)  # learner at version 1
+    stale = _stale_batch(tok, base)  # sampled by version 0
+    fresh_msg = _group(tok, base, "Q: 5+2=?\nA:", [" 7", " 8"], [1.0, 0.0], "f", version=1)
+    fresh = decode_group(fresh_msg, len(tok))  # base's log-probs, but labelled version 1
+    engine = CountingEngine(model)
+    preset = resolve_preset("grpo", kl_beta=0.0, tis_cap=1.5)
+    samples = stale + fresh
+    prep = prepare(engine, None, samples, preset, pad_id=tok.pad_token_id, version=1)
+    assert engine.rows == len(fresh)
+    m, rows = prep.mask, torch.arange(len(stale), len(samples))
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, prep.batch.input_ids, prep.batch.attention_mask)
+    assert torch.allclose(prep.old_logp[rows][m[rows]], logp[rows][m[rows]], atol=1e-5)
+    want_w = torch.exp(logp - prep.batch.rollout_logp).clamp(max=1.5)
+    assert torch.allclose(prep.tis[rows][m[rows]], want_w[rows][m[rows]], atol=1e-5)
+    assert bool((prep.tis[: len(stale)] == 1).all())
+    assert float(prep.metrics["rollout/stale_frac"]) == pytest.approx(len(stale) / len(samples))
+
+
+def test_tis_cap_needs_a_recomputed_old_logp():
+    with pytest.raises(ValueError, match="tis_cap weights rows whose pi_old the learner"):
+        resolve_preset("grpo", old_logp="behaviour", tis_cap=2.0)
+    with pytest.raises(ValueError, match="old_logp"):
+        resolve_preset("grpo", old_logp="sampler")

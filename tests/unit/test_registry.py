@@ -109,3 +109,21 @@ def test_context_defaults_and_bad_environment() -> None:
         ServiceContext.from_environment(
             "k", HeartbeatSettings(), environ={"RLFLEET_METRICS_PORT": "x"}
         )
+
+
+def test_a_command_plugin_that_fails_to_import_breaks_only_itself(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services import cli
+
+    real = registry._entry_points
+
+    def with_broken(group: str) -> list[EntryPoint]:
+        extra = [EntryPoint("broken-cmd", "no_such_module_xyz:CMD", group)]
+        return real(group) + (extra if group == cli.COMMANDS_GROUP else [])
+
+    monkeypatch.setattr(registry, "_entry_points", with_broken)
+    assert cli.main(["validate", "/nonexistent.yaml"]) == 2  # other commands still work
+    assert cli.main(["broken-cmd", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "broken-cmd" in err and "failed to load: ModuleNotFoundError" in err

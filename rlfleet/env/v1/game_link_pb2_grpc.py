@@ -92,6 +92,19 @@ class GameLinkServiceServicer:
         otherwise, and when nobody reconnects within the window, every open episode is ended as
         truncated at its last complete transition (the last observation the server answered is its
         final observation). Goodbye releases the key at once: a later Hello with it starts afresh.
+
+        Continuing is decided per agent: an agent whose next row carries the episode id of its open
+        episode continues it (the row's reward closes the transition answered before the break);
+        one with another id has its open episode ended as above. A reply written just before the
+        break may never reach the client: Welcome.last_tick tells, and the client must not resend
+        ticks up to it. A Hello whose session_key is held by a link of another game, env id,
+        spaces or number of agents ends that link (as if its window had passed) and opens a new one.
+
+        Recording (rlfleet's env server): every answered tick is recorded per agent; a link's
+        RolloutFragments have one column per agent (N = num_agents), cut when every column has the
+        server's rollout_length transitions. When a link ends (Goodbye, its window passed, the
+        server stops) everything complete it recorded is published, in shorter or narrower
+        fragments where the columns are uneven; nothing is published twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,5 @@
-"""Behaviour policies of a game actor: what chooses the actions that go into a fragment.
+"""Behaviour policies of a game actor or a game link: what chooses the actions that go into a
+fragment (sampler/actors and env_server/game_link share them).
 
 Both act on the whole batch of the actor's N environments at once (one call per tick, never a
 Python loop over envs) and report, per env, the action in the form the env takes, the action as
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from common.policies import PolicyConfig
+from common.policy_config import PolicyConfig
 from services.errors import InvalidArgument
 
 __all__ = ["Behaviour", "Decision", "RandomBehaviour", "TorchBehaviour", "action_layout"]

@@ -1,4 +1,4 @@
-"""Episode and throughput statistics of one actor, as bus events.
+"""Episode and throughput statistics of one actor or game link, as bus events.
 
 Every ended episode goes out as `bus.v1.EpisodeStats` (core NATS: only live watchers need it),
 and every `interval_s` a `bus.v1.Metrics` with the actor's env steps/s and the mean return and

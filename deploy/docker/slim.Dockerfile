@@ -1,0 +1,39 @@
+# The slim CPU image: env_server, reward_service and gateway (no torch, no vLLM).
+#
+#   docker build -f deploy/docker/slim.Dockerfile -t rlfleet/slim:dev "$(deploy/scripts/wheelhouse.sh)"
+#
+# The build context is the wheelhouse (deploy/scripts/wheelhouse.sh): the pinned dependencies
+# (slim.txt, deps/) and the project wheel (project/). Nothing is fetched: builds run with
+# --network=none. BASE_IMAGE is any Debian-like image with Python 3.11 and python3 -m venv (the
+# official python:3.11-slim, or rlfleet/base:bookworm from deploy/scripts/base-image.sh).
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS build
+RUN python3 -m venv /opt/rlfleet
+# The wheels stay in this stage; the final image gets only the installed venv.
+COPY slim.txt /tmp/pins.txt
+COPY deps/ /wheels/
+# Exact pins installed without resolution: what is in the image is exactly slim.txt.
+RUN /opt/rlfleet/bin/pip install --no-cache-dir --no-index --no-deps --find-links /wheels \
+        -r /tmp/pins.txt
+
+FROM ${BASE_IMAGE}
+RUN useradd --create-home --uid 10001 --user-group rlfleet \
+    && mkdir -p /data && chown rlfleet:rlfleet /data
+COPY --from=build /opt/rlfleet /opt/rlfleet
+# The project last, in its own small layer: a code change rebuilds only this one.
+COPY project/ /tmp/project/
+RUN /opt/rlfleet/bin/pip install --no-cache-dir --no-index --no-deps /tmp/project/rlfleet-*.whl \
+    && rm -rf /tmp/project
+# OMP_NUM_THREADS=1: several services share a host's cores; oversubscription is what slows them.
+ENV PATH=/opt/rlfleet/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    OMP_NUM_THREADS=1 \
+    RLFLEET_RUN_DIR=/data
+USER 10001:10001
+WORKDIR /home/rlfleet
+# 50051: gRPC (`--host 0.0.0.0 --port 50051`), 9100: Prometheus /metrics (RLFLEET_METRICS_PORT).
+EXPOSE 50051 9100
+HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["rlfleet", "health", "127.0.0.1:50051"]
+ENTRYPOINT ["rlfleet", "serve"]

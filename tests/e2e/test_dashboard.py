@@ -1,0 +1,192 @@
+"""End to end: the dashboard of `rlfleet up` in headless Chromium while a short PPO run trains.
+
+`rlfleet up` on (a copy of) examples/cartpole_ppo.yaml with a 20k-step budget and
+RLFLEET_TENSORBOARD=1 (what `--tensorboard` sets); Debian's `chromium`, driven by Playwright's
+Python package (its bundled driver, no browser download), opens the printed URL and checks that
+the page loads, that every service shows healthy (gRPC services) or running, that an episodic
+return curve exists and gains points while the run trains, and that the losses are drawn; it
+saves a screenshot in the test's tmp dir and prints its path; the run picker then shows an earlier
+run's curve (a metrics.jsonl beside the run dir). TensorBoard answers on its printed URL, and
+when the run ends neither it nor the dashboard is left.
+
+Needs /usr/bin/chromium and the playwright package (`make browser-deps` installs both); without
+them the test is skipped with that advice, and under CI=true it fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.fixtures.launch import Up, assert_nothing_left
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "cartpole_ppo.yaml"
+SERVICES = ("env-0", "learner", "actor-0", "actor-1")
+CHROMIUM = Path(os.environ.get("RLFLEET_CHROMIUM", "/usr/bin/chromium"))
+# Headless and quiet: nothing of the browser's own reaches the network. (Playwright's launch()
+# gives every browser a fresh temporary --user-data-dir of its own.)
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+RUN_TIMEOUT_S = 420.0  # a 20k-step run takes about a minute on 2 idle cores
+PAGE_TIMEOUT_MS = 240_000  # waits inside the page: the whole run's start-up on a loaded machine
+RETURN_CHART = '.chart[data-key="charts/episodic_return"]'
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="scans /proc"),
+]
+
+
+def playwright_or_skip() -> Any:
+    """Playwright's sync entry point; skips (fails under CI=true) without it or Chromium."""
+    missing = []
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing.append("the playwright Python package")
+    if not CHROMIUM.exists():
+        missing.append(str(CHROMIUM))
+    if missing:
+        message = f"needs {' and '.join(missing)}: run `make browser-deps`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return sync_playwright
+
+
+def write_config(tmp_path: Path) -> tuple[Path, Path]:
+    config = yaml.safe_load(EXAMPLE.read_text())
+    run_dir = tmp_path / "run"
+    config["run"] = {"name": f"e2e-dash-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
+    config["job"].update({"total_timesteps": 20_000, "target_return": None, "seed": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, run_dir
+
+
+def write_earlier_run(tmp_path: Path) -> None:
+    """An earlier run beside the run dir: two records, as the launcher writes them."""
+    lines = [
+        {"time": 1_700_000_000.0 + i, "kind": "metrics", "type": "rlfleet.bus.v1.Metrics",
+         "service": "learner", "step": i, "version": i,
+         "values": {"charts/episodic_return": 10.0 * i}}
+        for i in (1, 2)
+    ]  # fmt: skip
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in lines)
+    )
+
+
+def wait_http(url: str, timeout_s: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(url, timeout=5)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_dashboard_shows_the_run_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sync_playwright = playwright_or_skip()
+    config, run_dir = write_config(tmp_path)
+    write_earlier_run(tmp_path)
+    monkeypatch.setenv("RLFLEET_TENSORBOARD", "1")
+    up = Up(config, run_dir, services=SERVICES, budget_s=RUN_TIMEOUT_S)
+    try:
+        up.wait_for(r"dashboard at http://127\.0\.0\.1:\d+/", timeout_s=60)
+        up.wait_for(r"TensorBoard at http://127\.0\.0\.1:\d+/", timeout_s=60)
+        url = re.findall(r"dashboard at (http://127\.0\.0\.1:\d+/)", up.output)[0]
+        tensorboard = re.findall(r"TensorBoard at (http://127\.0\.0\.1:\d+/)", up.output)[0]
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.set_default_timeout(PAGE_TIMEOUT_MS)
+                page.goto(url)
+                assert page.title() == "rlfleet dashboard"
+
+                page.wait_for_function(
+                    """(names) => {
+                        const rows = [...document.querySelectorAll('#services tbody tr')];
+                        const state = Object.fromEntries(
+                            rows.map(r => [r.dataset.service, r.dataset.state]));
+                        return names.every(n => state[n] === 'healthy' || state[n] === 'running')
+                            && state['learner'] === 'healthy' && state['env-0'] === 'healthy';
+                    }""",
+                    arg=list(SERVICES),
+                )
+                states = page.eval_on_selector_all(
+                    "#services tbody tr",
+                    "rows => rows.map(r => [r.dataset.service, r.dataset.state])",
+                )
+
+                # The return curve: drawn, then more points while the run trains.
+                page.wait_for_function(
+                    f"() => Number(document.querySelector('{RETURN_CHART}')?.dataset.points) > 0"
+                )
+                chart = page.locator(RETURN_CHART)
+                assert chart.locator("canvas").count() >= 1, "no uPlot canvas in the return chart"
+                before = int(chart.get_attribute("data-points") or 0)
+                page.wait_for_function(
+                    f"(n) => Number(document.querySelector('{RETURN_CHART}').dataset.points) > n",
+                    arg=before,
+                )
+                after = int(chart.get_attribute("data-points") or 0)
+                for key in (
+                    "charts/SPS",
+                    "losses/entropy",
+                    "losses/approx_kl",
+                    "charts/policy_lag",
+                ):
+                    assert page.locator(f'.chart[data-key="{key}"]').count() == 1, key
+                assert page.locator('option[value="run"]').inner_text() == "run (current)"
+
+                screenshot = tmp_path / "dashboard.png"
+                page.screenshot(path=str(screenshot), full_page=True)
+
+                page.select_option("#run-picker", "earlier")
+                page.wait_for_function(
+                    f"() => document.querySelector('{RETURN_CHART}')?.dataset.points === '2'"
+                )
+                page.locator("#services-note").wait_for(state="visible")  # no services: earlier
+                assert page.locator("#services").is_hidden()
+            finally:
+                browser.close()
+        print(f"\ndashboard screenshot: {screenshot}")
+        print(f"services {states}; return curve {before} -> {after} points")
+
+        assert wait_http(tensorboard, timeout_s=60).status_code == 200
+        assert up.wait() == 0, "the run failed"
+        assert "main service learner finished" in up.output
+        assert_nothing_left(run_dir)  # TensorBoard too: its --logdir is in the run dir
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url, timeout=2)
+    except BaseException:
+        print(up.diagnostics())
+        raise
+    finally:
+        up.stop()
