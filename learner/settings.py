@@ -154,8 +154,11 @@ class LearnerSettings(StrictModel):
     keep_checkpoints: int = Field(default=2, ge=1)
     keep_versions: int = Field(default=4, ge=1)  # weight versions the WeightService keeps
     # Unacked fragments come back this long after a crash; held ones get in_progress() every
-    # ack_wait_s / 3 so they are not redelivered while the learner holds them.
-    ack_wait_s: float = Field(default=30.0, gt=0)
+    # ack_wait_s / 3 so they are not redelivered while the learner holds them. Short, so that a
+    # restarted learner gets what its predecessor applied after its last checkpoint back before
+    # it has trained on much newer data (with 30 s a short run could end first, leaving them
+    # unapplied); a spurious redelivery is harmless (applied ids are deduplicated).
+    ack_wait_s: float = Field(default=8.0, gt=0)
     applied_window: int = Field(default=100_000, ge=1)  # fragment ids remembered for dedupe
     episode_window: int = Field(default=20, ge=1)  # episodes in charts/episodic_return
 

@@ -115,7 +115,7 @@ class LMLearnerSettings(StrictModel):
     checkpoint_every: int = Field(default=10, ge=1)
     keep_checkpoints: int = Field(default=2, ge=1)
     keep_versions: int = Field(default=4, ge=1)
-    ack_wait_s: float = Field(default=60.0, gt=0)
+    ack_wait_s: float = Field(default=20.0, gt=0)  # as the game learner's; LM updates are slower
     applied_window: int = Field(default=100_000, ge=1)
     zero_stage: int = Field(default=0, ge=0, le=3)
     precision: Precision = "fp32"
