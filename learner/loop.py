@@ -34,7 +34,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,7 @@ __all__ = ["LearnerLoop", "seed_everything"]
 log = logging.getLogger(__name__)
 
 LEARNER_SERVICE = service_name(learner_pb2, "LearnerService")
+SHUTDOWN_STEP_S = 20.0  # the most one step of the shutdown may take (see _bounded)
 
 
 def seed_everything(seed: int) -> None:
@@ -416,22 +417,22 @@ class LearnerLoop:
         log.info("done: %s", status.message)
 
     async def _shutdown(self) -> None:
-        await self.workload.close()
+        await _bounded(self.workload.close(), "closing the workload")
         # Stopped between checkpoints: save what was applied so its messages can be acked.
         if self.engine is not None and self.progress.updates > self.checkpointed_updates:
             with contextlib.suppress(Exception):
                 await self._checkpoint()
         if self.consumer is not None:  # what was not applied goes back to the stream at once
-            await self.consumer.close()
+            await _bounded(self.consumer.close(), "closing the consumer")
         self.ledger.close()
         if self.writer is not None:
             self.writer.close()
         if self.bus is not None:
-            await self.bus.close()
+            await _bounded(self.bus.close(), "closing the bus connection")
         if self.server is not None:
-            await self.server.stop()
+            await _bounded(self.server.stop(), "stopping the gRPC server")
         if self.ranks is not None:
-            await self.ranks.stop()
+            await _bounded(self.ranks.stop(), "stopping the other ranks")
         if self.engine is not None:
             self.engine.close()
 
@@ -454,3 +455,14 @@ class LearnerLoop:
         if self.last_update_time is not None:
             response.last_update_time.CopyFrom(self.last_update_time)
         return response
+
+
+async def _bounded(step: Awaitable[Any], what: str, timeout_s: float = SHUTDOWN_STEP_S) -> None:
+    """One step of the shutdown, given up (and logged) after ``timeout_s``: a client that
+    hangs while closing must not keep a finished learner, and so the whole run, from ending."""
+    try:
+        await asyncio.wait_for(step, timeout_s)
+    except TimeoutError:
+        log.error("%s took over %gs: going on without it", what, timeout_s)
+    except Exception as exc:
+        log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)

@@ -46,6 +46,7 @@ COMMANDS_GROUP = "rlfleet.commands"
 # quotes it); the same line always goes to stderr too.
 ENV_EXIT_REASON = "RLFLEET_EXIT_REASON_FILE"
 ORPHAN_GRACE_S = 15.0  # an orphaned service that has not stopped by then exits at once
+EXIT_GRACE_S = 30.0  # a service whose main returned but whose process has not ended by then
 
 log = logging.getLogger("rlfleet")
 
@@ -323,10 +324,13 @@ def _serve_until_done(args: argparse.Namespace) -> int:
 
         install_signal_handlers(ctx.stop_event)
         watch = asyncio.create_task(_stop_when_orphaned(ctx.stop_event))
+        code = 1
         try:
             await spec.main(ctx)
+            code = 0
         finally:
             watch.cancel()
+            _exit_if_stuck(ctx.name, code)
 
     try:
         asyncio.run(serve())
@@ -363,6 +367,26 @@ def _fail_permanently(args: argparse.Namespace, exc: BaseException) -> int:
         with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as out:
             out.write(reason + "\n")
     return EXIT_PERMANENT
+
+
+def _exit_if_stuck(name: str, code: int) -> None:
+    """Once the service's work is over, its process must end: if the teardown after it (tasks
+    being cancelled, executor threads being joined by asyncio.run, clients closing) has not
+    finished ``EXIT_GRACE_S`` later, print every thread's stack (to find what hung) and exit
+    with the service's own code, so a run is never held up by a service that is done."""
+    import faulthandler
+    import threading
+
+    def force() -> None:
+        log.error("%s: still not exited %gs after its work ended; stacks:", name, EXIT_GRACE_S)
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(EXIT_GRACE_S, force)
+    timer.daemon = True
+    timer.start()
 
 
 async def _stop_when_orphaned(stop_event: asyncio.Event) -> None:

@@ -200,18 +200,22 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
 async def test_async_client_concurrent_streams(gw: ThreadedGateway) -> None:
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
-    async def one(i: int) -> int:
+    async def one(i: int) -> tuple[int, int]:
         stream = await client.completions.create(
             model=MODEL,
             prompt=f"Q: {i}+1=?\nA:",
             max_tokens=8,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        return sum(len(c.choices) for c in [c async for c in stream])
+        chunks = [c async for c in stream]
+        usage = chunks[-1].usage
+        return sum(len(c.choices) for c in chunks), usage.completion_tokens if usage else 0
 
-    counts = await asyncio.gather(*(one(i) for i in range(8)))
-    assert all(n == 8 for n in counts)  # one chunk per token with ignore_eos
+    results = await asyncio.gather(*(one(i) for i in range(8)))
+    # 8 tokens each with ignore_eos; a busy engine may send several tokens in one chunk.
+    assert all(tokens == 8 and 1 <= chunks <= 8 for chunks, tokens in results), results
     await client.close()
     # both replicas served some
     from gateway import metrics
