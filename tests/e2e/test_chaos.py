@@ -54,14 +54,15 @@ def test_random_kills_lose_and_double_nothing(tmp_path: Path) -> None:
     seed = int(os.environ.get("RLFLEET_CHAOS_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
     order = rng.sample(VICTIMS, len(VICTIMS))
-    total = 16_000  # 256 transitions per update: ~62 updates
+    total = 40_000  # 256 transitions per update: ~156 updates, room for four kill windows
     config, run_dir = chaos_config(tmp_path, total)
     up = Up(config, run_dir, services=SERVICES, budget_s=600)
     faults: list[str] = []
     try:
         for i, victim in enumerate(order):
-            # Kill i falls in its own window of updates, so all four fit in the run's ~62.
-            at = max(4 + 12 * i + rng.randint(0, 4), applied_updates(run_dir) + 1)
+            # Kill i falls in its own window of updates, so all four and their recoveries fit in
+            # the run's ~156 even when a quiet machine trains fast.
+            at = max(4 + 25 * i + rng.randint(0, 8), applied_updates(run_dir) + 1)
             up.wait_until(f"update {at}", lambda at=at: applied_updates(run_dir) >= at)
             time.sleep(rng.uniform(0.0, 1.5))  # not always right after an update
             pid = current_pid(run_dir, victim)
