@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -319,6 +320,8 @@ def _serve_until_done(args: argparse.Namespace) -> int:
         # 0.0.0.0), where Prometheus and the probes reach it from outside the process's host.
         start_metrics_server(ctx.metrics_port, host=ctx.host)
 
+    watchdog: list[threading.Timer] = []
+
     async def serve() -> None:
         from services.server import install_signal_handlers
 
@@ -330,7 +333,7 @@ def _serve_until_done(args: argparse.Namespace) -> int:
             code = 0
         finally:
             watch.cancel()
-            _exit_if_stuck(ctx.name, code)
+            watchdog.append(_exit_if_stuck(ctx.name, code))
 
     try:
         asyncio.run(serve())
@@ -339,6 +342,9 @@ def _serve_until_done(args: argparse.Namespace) -> int:
             raise  # _serve reports it in one line
         log.exception("%s (%s) failed", ctx.name, spec.kind)
         return 1
+    finally:
+        for timer in watchdog:  # the teardown finished: nothing to force
+            timer.cancel()
     return 0
 
 
@@ -369,13 +375,13 @@ def _fail_permanently(args: argparse.Namespace, exc: BaseException) -> int:
     return EXIT_PERMANENT
 
 
-def _exit_if_stuck(name: str, code: int) -> None:
+def _exit_if_stuck(name: str, code: int) -> threading.Timer:
     """Once the service's work is over, its process must end: if the teardown after it (tasks
-    being cancelled, executor threads being joined by asyncio.run, clients closing) has not
-    finished ``EXIT_GRACE_S`` later, print every thread's stack (to find what hung) and exit
-    with the service's own code, so a run is never held up by a service that is done."""
+    being cancelled, executor threads being joined by asyncio.run) has not finished
+    ``EXIT_GRACE_S`` later, print every thread's stack (to find what hung) and exit with the
+    service's own code, so a run is never held up by a service that is done. The caller
+    cancels the returned timer once asyncio.run has returned."""
     import faulthandler
-    import threading
 
     def force() -> None:
         log.error("%s: still not exited %gs after its work ended; stacks:", name, EXIT_GRACE_S)
@@ -387,6 +393,7 @@ def _exit_if_stuck(name: str, code: int) -> None:
     timer = threading.Timer(EXIT_GRACE_S, force)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 async def _stop_when_orphaned(stop_event: asyncio.Event) -> None:
