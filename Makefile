@@ -112,7 +112,8 @@ docker-engine:
 	deploy/scripts/docker-engine.sh start
 
 # rlfleet/slim:dev and rlfleet/trainer:dev from a wheelhouse built here (no network in those builds),
-# and rlfleet/prometheus:dev from Debian's prometheus package (apt reaches the Debian mirror).
+# rlfleet/phoenix:dev from arize-phoenix wheels downloaded here, and rlfleet/prometheus:dev from
+# Debian's prometheus package (the one build with network: apt reaches the Debian mirror).
 # BASE_IMAGE defaults to python:3.11-slim; where no registry is reachable, BASE_IMAGE=local builds
 # rlfleet/base:bookworm with debootstrap and uses it.
 images: venv

@@ -23,7 +23,15 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Metrics",
     "add_call_metadata",
+    "bus_span",
     "client_interceptors",
     "extract",
     "inject",
@@ -154,6 +163,31 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
 def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
     """The trace context carried by ``headers`` (NATS headers or gRPC metadata as a dict)."""
     return propagate.extract(dict(headers) if headers else {})
+
+
+@contextlib.contextmanager
+def bus_span(
+    operation: str, subject: str, headers: Mapping[str, str] | None = None
+) -> Iterator[None]:
+    """Trace one bus message: a PRODUCER span around ``"publish"`` (the headers it injects name
+    this span, so the message carries it), a CONSUMER span for ``"receive"`` that continues the
+    trace of the ``headers`` the message came with. So a fragment's trip from an actor through
+    NATS to the learner is one trace, and the gap between the two spans is its time in the
+    stream. Nothing is done while tracing is off."""
+    if not _enabled:
+        yield
+        return
+    kind = SpanKind.PRODUCER if operation == "publish" else SpanKind.CONSUMER
+    attributes = {
+        "messaging.system": "nats",
+        "messaging.operation.type": operation,
+        "messaging.destination.name": subject,
+    }
+    parent = extract(headers) if headers is not None else None
+    with _tracer.start_as_current_span(
+        f"{operation} {subject}", context=parent, kind=kind, attributes=attributes
+    ):
+        yield
 
 
 # --------------------------------------------------------------------------- metrics

@@ -87,6 +87,16 @@ def _inject_trace(headers: dict[str, str]) -> dict[str, str]:
     return headers if result is None else result
 
 
+def _bus_span(
+    operation: str, subject: str, headers: Mapping[str, str] | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """``services.telemetry.bus_span`` when that module provides it, else nothing."""
+    bus_span = getattr(_telemetry(), "bus_span", None)
+    if bus_span is None:
+        return contextlib.nullcontext()
+    return bus_span(operation, subject, headers)  # type: ignore[no-any-return]
+
+
 def _api_error(exc: nats.js.errors.APIError, what: str) -> RlfleetError:
     """Map a JetStream API error to the project's error classes, keeping NATS's own words."""
     text = f"{what}: {exc.description or type(exc).__name__} (NATS err_code {exc.err_code})"
@@ -414,6 +424,18 @@ class Bus:
         """
         if not msg_id:
             raise InvalidArgument(f"publish to {subject!r}: msg_id is required", field="msg_id")
+        with _bus_span("publish", subject):  # the headers made inside name this span
+            return await self._publish(subject, message, msg_id, headers, timeout_s, by_reference)
+
+    async def _publish(
+        self,
+        subject: str,
+        message: Message,
+        msg_id: str,
+        headers: Mapping[str, str] | None,
+        timeout_s: float | None,
+        by_reference: bool,
+    ) -> api.PubAck:
         data = message.SerializeToString()
         hdrs = self._headers(message, headers)
         hdrs[MSG_ID_HEADER] = str(msg_id)
@@ -587,20 +609,22 @@ class Bus:
                 meta = msg.metadata
                 where = f"{what}: seq {meta.sequence.stream} on {msg.subject!r}"
                 after_ack = None
-                try:
-                    if (msg.headers or {}).get(PAYLOAD_HEADER) == "ref":
-                        ref = decode_payload_ref(msg, where)
-                        data = await self._payloads.get(ref, where)
-                        message = decode(msg, message_type, where, data=data)
-                        after_ack = functools.partial(self._payloads.delete, ref)
-                    else:
-                        message = decode(msg, message_type, where)
-                except InvalidArgument as exc:
-                    with contextlib.suppress(nats.errors.Error):
-                        await msg.term()
-                    raise InvalidArgument(
-                        f"{exc.message} (terminated: not redelivered)", field=exc.field
-                    ) from exc
+                # The receive span covers decoding (and fetching a payload stored by reference).
+                with _bus_span("receive", msg.subject, msg.headers or {}):
+                    try:
+                        if (msg.headers or {}).get(PAYLOAD_HEADER) == "ref":
+                            ref = decode_payload_ref(msg, where)
+                            data = await self._payloads.get(ref, where)
+                            message = decode(msg, message_type, where, data=data)
+                            after_ack = functools.partial(self._payloads.delete, ref)
+                        else:
+                            message = decode(msg, message_type, where)
+                    except InvalidArgument as exc:
+                        with contextlib.suppress(nats.errors.Error):
+                            await msg.term()
+                        raise InvalidArgument(
+                            f"{exc.message} (terminated: not redelivered)", field=exc.field
+                        ) from exc
                 yield Delivery(
                     message=message,
                     subject=msg.subject,

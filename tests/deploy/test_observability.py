@@ -1,11 +1,15 @@
 """The compose `observability` profile: Prometheus (deploy/docker/prometheus.Dockerfile) scrapes
-every rlfleet service's `/metrics` (deploy/prometheus/prometheus.yml).
+every rlfleet service's `/metrics` (deploy/prometheus/prometheus.yml), and Phoenix
+(deploy/docker/phoenix.Dockerfile) collects and shows the services' OpenTelemetry traces.
 
-The fast test checks the scrape config names exactly the compose services that serve metrics,
-and that Prometheus is published on loopback only.
-The slow one brings up nats, one env server and Prometheus from the built images and asks
-Prometheus's HTTP API, on its published loopback port, that the env server's target is up and
-an rlfleet metric of it was scraped. (The Dockerfile's hadolint check is test_compose.py's,
+The fast tests check the scrape config names exactly the compose services that serve metrics,
+that every rlfleet service sends its spans to Phoenix when RLFLEET_TRACING=otlp, and that both
+UIs are published on loopback only.
+The slow one brings up nats, one env server (tracing on), Prometheus and Phoenix from the built
+images; it asks Prometheus's HTTP API, on its published loopback port, that the env server's
+target is up and an rlfleet metric of it was scraped; then a traced client in a container of the
+stack's network calls the env server, and Phoenix's REST API must hold the client's span and the
+env server's span under it, in one trace. (The Dockerfiles' hadolint check is test_compose.py's,
 which lints every deploy/docker/*.Dockerfile.)
 """
 
@@ -31,8 +35,20 @@ SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 # Services that serve no Prometheus /metrics: the bus (nats-server's monitoring port is JSON)
 # and the one-shot model maker.
 NO_METRICS = {"nats", "model-init"}
+OBSERVABILITY = {"prometheus", "phoenix"}
 METRICS_PORT = 9100
 UP_TIMEOUT_S = 120.0
+LIST_ENVS = "rlfleet.env.v1.EnvService/ListEnvs"
+# A traced client of the env server, run in a container on the stack's network: its CLIENT span
+# and the env server's SERVER span must meet in Phoenix as one trace.
+TRACE_PROBE = f"""
+import asyncio
+from services.telemetry import setup_tracing, shutdown_tracing
+from env_server.client import list_envs
+setup_tracing("trace-probe", "otlp")
+print(len(asyncio.run(list_envs("env-server:50051"))), "envs")
+shutdown_tracing()
+"""
 
 
 def compose_services() -> dict[str, Any]:
@@ -52,26 +68,38 @@ def test_prometheus_scrapes_every_service_that_serves_metrics() -> None:
     (dns,) = job["dns_sd_configs"]
     assert dns["port"] == METRICS_PORT
     services = compose_services()
-    expected = set(services) - NO_METRICS - {"prometheus"}
+    expected = set(services) - NO_METRICS - OBSERVABILITY
     assert set(dns["names"]) == expected, "prometheus.yml and compose.yaml list other services"
     for name in expected:
         port = services[name].get("environment", {}).get("RLFLEET_METRICS_PORT")
         assert port == str(METRICS_PORT), f"{name}: RLFLEET_METRICS_PORT is {port!r}"
-    assert services["prometheus"]["profiles"] == ["observability"]
-    (published,) = services["prometheus"]["ports"]
-    assert (published["host_ip"], published["target"]) == ("127.0.0.1", 9090), published
+    for name, port in (("prometheus", 9090), ("phoenix", 6006)):
+        assert services[name]["profiles"] == ["observability"]
+        (published,) = services[name]["ports"]  # the UI only: OTLP stays on the stack's network
+        assert (published["host_ip"], published["target"]) == ("127.0.0.1", port), published
+
+
+def test_every_service_traces_to_phoenix_when_asked() -> None:
+    services = compose_services()
+    for name in set(services) - {"nats"} - OBSERVABILITY:
+        env = services[name].get("environment", {})
+        assert env.get("RLFLEET_TRACING") == "none", f"{name}: tracing must be off by default"
+        assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == "http://phoenix:4317", name
 
 
 class Stack:
-    """nats + env-server (profile game) + prometheus, in a project of its own."""
+    """nats + env-server (profile game) + prometheus + phoenix, in a project of its own."""
 
     def __init__(self, engine: Engine, tag: str) -> None:
         self.engine = engine
         self.project = f"rlfleet-obs-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
+        self.phoenix_port = free_port()
         self.env = {
             "RLFLEET_TAG": tag,
+            "RLFLEET_TRACING": "otlp",
             "RLFLEET_PROMETHEUS_PORT": str(self.port),
+            "RLFLEET_PHOENIX_PORT": str(self.phoenix_port),
             "RLFLEET_NATS_MONITOR_PORT": str(free_port()),
             "COMPOSE_PROFILES": "game,observability",
         }
@@ -88,6 +116,12 @@ class Stack:
         assert body["status"] == "success", body
         return body["data"]
 
+    def spans(self) -> list[dict[str, Any]]:
+        """Every span Phoenix holds (the default project: rlfleet sets no project name)."""
+        url = f"http://127.0.0.1:{self.phoenix_port}/v1/projects/default/spans?limit=1000"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return list(json.load(response)["data"])
+
     def health(self, service: str) -> str:
         container = f"{self.project}-{service}-1"
         return self.engine.docker("inspect", container, "--format", "{{.State.Health.Status}}")
@@ -95,7 +129,8 @@ class Stack:
 
 @pytest.fixture
 def stack(docker_engine: Engine, images: dict[str, str]) -> Iterator[Stack]:
-    docker_engine.docker("image", "inspect", f"rlfleet/prometheus:{images['tag']}")
+    for image in ("prometheus", "phoenix"):
+        docker_engine.docker("image", "inspect", f"rlfleet/{image}:{images['tag']}")
     stack = Stack(docker_engine, images["tag"])
     try:
         yield stack
@@ -104,8 +139,8 @@ def stack(docker_engine: Engine, images: dict[str, str]) -> Iterator[Stack]:
 
 
 @pytest.mark.slow
-def test_prometheus_scrapes_the_env_server(stack: Stack) -> None:
-    stack.compose("up", "-d", "--wait", "nats", "env-server", "prometheus")
+def test_prometheus_scrapes_and_phoenix_traces_the_env_server(stack: Stack) -> None:
+    stack.compose("up", "-d", "--wait", "nats", "env-server", "prometheus", "phoenix")
 
     def env_server_up() -> dict[str, Any] | None:
         targets = stack.api("targets", state="active")["activeTargets"]
@@ -131,6 +166,29 @@ def test_prometheus_scrapes_the_env_server(stack: Stack) -> None:
     assert {t["labels"]["service"] for t in targets if t["labels"]["job"] == "rlfleet"} == {
         "env-server"
     }
+
+    # Traces: a client's call and the env server's handling of it, one trace in Phoenix.
+    assert stack.health("phoenix").strip() == "healthy"  # the image's /readyz check
+    probe = ["run", "--rm", "--no-deps", "--entrypoint", "python3", "env-server", "-c"]
+    assert " envs" in stack.compose(*probe, TRACE_PROBE)
+
+    def list_envs_trace() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        calls = [s for s in stack.spans() if s["name"] == LIST_ENVS]
+        for client in calls:
+            for server in calls:
+                if server["parent_id"] == client["context"]["span_id"]:
+                    return client, server
+        return None
+
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while (pair := list_envs_trace()) is None:  # the env server exports in batches (5 s)
+        if time.monotonic() > deadline:
+            logs = stack.compose("logs", "--no-color", "--tail", "30", "phoenix", check=False)
+            pytest.fail(f"no client+server {LIST_ENVS} trace in Phoenix\n{stack.spans()}\n{logs}")
+        time.sleep(2)
+    client, server = pair
+    assert client["context"]["trace_id"] == server["context"]["trace_id"]
+    assert server["attributes"]["rpc.method"] == "ListEnvs", server
 
     stack.compose("down", "-v", "--timeout", "10")
     label = f"label=com.docker.compose.project={stack.project}"

@@ -165,3 +165,27 @@ async def test_grpc_spans_join_one_trace_across_client_and_server(spans):
     (chat_client,) = by_name(spans, f"{SERVICE}/Chat", trace.SpanKind.CLIENT)
     (chat_server,) = by_name(spans, f"{SERVICE}/Chat", trace.SpanKind.SERVER)
     assert chat_server.parent.span_id == chat_client.context.span_id
+
+
+async def test_a_bus_message_carries_its_trace_from_publisher_to_consumer(spans, nats_server):
+    from google.protobuf.struct_pb2 import Struct
+
+    from services.bus import Bus
+
+    spans.clear()
+    stream, subject = "TRACED", "traced.fragments"
+    async with Bus.connect(nats_server.url, name="traced") as bus:
+        await bus.ensure_stream(stream, [subject])
+        with telemetry.tracer().start_as_current_span("rollout") as root:
+            await bus.publish(subject, Struct(), msg_id="traced-1")
+        pulled = bus.pull(stream, "traced-learner", subject, Struct, timeout_s=0.5)
+        delivery = await anext(pulled)
+        await delivery.ack()
+        await pulled.aclose()
+    (publish,) = by_name(spans, f"publish {subject}", trace.SpanKind.PRODUCER)
+    (receive,) = by_name(spans, f"receive {subject}", trace.SpanKind.CONSUMER)
+    assert publish.parent.span_id == root.get_span_context().span_id
+    assert receive.context.trace_id == root.get_span_context().trace_id
+    assert receive.parent.span_id == publish.context.span_id  # the headers named the publish span
+    assert receive.attributes["messaging.destination.name"] == subject
+    assert delivery.headers["traceparent"].split("-")[2] == f"{publish.context.span_id:016x}"
