@@ -41,7 +41,7 @@ UP_TIMEOUT_S = 120.0
 LIST_ENVS = "rlfleet.env.v1.EnvService/ListEnvs"
 # A traced client of the env server, run in a container on the stack's network: its CLIENT span
 # and the env server's SERVER span must meet in Phoenix as one trace.
-TRACE_PROBE = f"""
+TRACE_PROBE = """
 import asyncio
 from services.telemetry import setup_tracing, shutdown_tracing
 from env_server.client import list_envs
