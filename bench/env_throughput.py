@@ -1,14 +1,17 @@
 """Env stepping through a real env_server versus in-process `gymnasium.vector.SyncVectorEnv`.
 
 The server runs as its own process (`python -m services.cli serve env_server --port P`), the
-client steps one Session stream in lock step, and both sides use the same pre-generated random
-actions, so policy cost is excluded. Also measures the round-trip latency of one single-env step.
+client steps Session streams in lock step, and every side uses the same pre-generated random
+actions, so policy cost is excluded. Two remote columns: gRPC (StepRequest messages) and
+co-located (the same server, steps through a shared-memory ring: docs/colocated.md). Also
+measures the round-trip latency of one single-env step on each.
 
     python bench/env_throughput.py                     # CartPole-v1 at 1, 16, 64, 256 envs
     python bench/env_throughput.py --envs 64 --seconds 5
 
 Prints a table and writes bench/results/env_throughput.json (machine, versions, ratios).
-The target is remote >= 0.5x in-process steps/s at 64 envs on the 2-core build machine.
+Targets at 64 envs on the 2-core build machine: gRPC >= 0.8x in-process steps/s
+(`ratio_at_64`), co-located >= 0.9x (`colocated_ratio_at_64`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from services.server import wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "env_throughput.json"
-TARGET_AT_64 = 0.5
+TARGET_AT_64 = 0.8
+COLOCATED_TARGET_AT_64 = 0.9
 
 
 def _actions(num_envs: int, count: int = 1024, seed: int = 0) -> np.ndarray:
@@ -87,30 +91,52 @@ class RemoteRun:
         return steps * self.num_envs / elapsed
 
 
+async def _open(address: str, env_id: str, num_envs: int, colocated: bool) -> EnvSession:
+    session = EnvSession(address)
+    await session.create(env_id, num_envs, seed=0)
+    if colocated and not await session.colocate():
+        raise RuntimeError(f"the server declined the co-located ring: {session.colocate_reason}")
+    await session.reset()
+    return session
+
+
 async def compare(address: str, env_id: str, num_envs: int, seconds: float, rounds: int) -> dict:
-    """Alternate short in-process and remote rounds (the build machines are shared and noisy,
-    so interleaving keeps background load from favouring one side); report the medians."""
+    """Alternate short in-process, gRPC and co-located rounds (the build machines are shared
+    and noisy, so interleaving keeps background load from favouring one side); the medians."""
     local = LocalRun(env_id, num_envs)
     local.measure(0.2)  # warm up
-    async with EnvSession(address) as session:
-        await session.create(env_id, num_envs, seed=0)
-        await session.reset()
-        remote = RemoteRun(session, num_envs)
+    grpc_session = await _open(address, env_id, num_envs, colocated=False)
+    shm_session = await _open(address, env_id, num_envs, colocated=True)
+    try:
+        remote, colocated = RemoteRun(grpc_session, num_envs), RemoteRun(shm_session, num_envs)
         await remote.measure(0.2)
-        local_sps, remote_sps = [], []
+        await colocated.measure(0.2)
+        local_sps, remote_sps, shm_sps = [], [], []
         for _ in range(rounds):
             local_sps.append(local.measure(seconds / rounds))
             remote_sps.append(await remote.measure(seconds / rounds))
+            shm_sps.append(await colocated.measure(seconds / rounds))
+    finally:
+        await grpc_session.close()
+        await shm_session.close()
     local.envs.close()
     lo, re = float(np.median(local_sps)), float(np.median(remote_sps))
-    return {"num_envs": num_envs, "local_sps": lo, "remote_sps": re, "ratio": re / lo}
+    co = float(np.median(shm_sps))
+    return {
+        "num_envs": num_envs,
+        "local_sps": lo,
+        "remote_sps": re,
+        "ratio": re / lo,
+        "colocated_sps": co,
+        "colocated_ratio": co / lo,
+    }
 
 
-async def bench_latency(address: str, env_id: str, count: int) -> dict[str, float]:
+async def bench_latency(
+    address: str, env_id: str, count: int, *, colocated: bool = False
+) -> dict[str, float]:
     """Round-trip time of single-env steps, in microseconds."""
-    async with EnvSession(address) as session:
-        await session.create(env_id, 1, seed=0)
-        await session.reset()
+    async with await _open(address, env_id, 1, colocated) as session:
         actions = _actions(1)
         times = []
         for k in range(count + 50):
@@ -157,21 +183,34 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.envs:
             rows.append(asyncio.run(compare(address, args.env_id, n, args.seconds, args.rounds)))
         latency = asyncio.run(bench_latency(address, args.env_id, args.latency_steps))
+        latency_shm = asyncio.run(
+            bench_latency(address, args.env_id, args.latency_steps, colocated=True)
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)
 
     print(f"{args.env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
-    print(f"{'envs':>6} {'in-process':>12} {'remote':>12} {'ratio':>7}")
+    print(
+        f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'co-located':>12} {'ratio':>7}"
+    )
     for r in rows:
         n, lo, re_, ratio = r["num_envs"], r["local_sps"], r["remote_sps"], r["ratio"]
-        print(f"{n:>6} {lo:>12,.0f} {re_:>12,.0f} {ratio:>7.2f}")
-    p50, p99 = latency["p50_us"], latency["p99_us"]
-    print(f"single-env step round trip: p50 {p50:.0f} us, p99 {p99:.0f} us")
-    at_64 = next((r["ratio"] for r in rows if r["num_envs"] == 64), None)
-    if at_64 is not None:
-        verdict = "meets" if at_64 >= TARGET_AT_64 else "MISSES"
-        print(f"target remote >= {TARGET_AT_64}x in-process at 64 envs: {verdict} ({at_64:.2f}x)")
+        co, co_ratio = r["colocated_sps"], r["colocated_ratio"]
+        print(f"{n:>6} {lo:>12,.0f} {re_:>12,.0f} {ratio:>7.2f} {co:>12,.0f} {co_ratio:>7.2f}")
+    for name, lat in (("gRPC", latency), ("co-located", latency_shm)):
+        p50, p99 = lat["p50_us"], lat["p99_us"]
+        print(f"single-env step round trip, {name}: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    row_64 = next((r for r in rows if r["num_envs"] == 64), None)
+    at_64 = row_64["ratio"] if row_64 else None
+    colocated_at_64 = row_64["colocated_ratio"] if row_64 else None
+    if row_64 is not None:
+        for name, got, target in (
+            ("gRPC", at_64, TARGET_AT_64),
+            ("co-located", colocated_at_64, COLOCATED_TARGET_AT_64),
+        ):
+            verdict = "meets" if got >= target else "MISSES"
+            print(f"target {name} >= {target}x in-process at 64 envs: {verdict} ({got:.2f}x)")
 
     result = {
         "benchmark": "env_throughput",
@@ -180,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "rows": rows,
         "latency_single_env": latency,
+        "latency_single_env_colocated": latency_shm,
         "target_ratio_at_64": TARGET_AT_64,
         "ratio_at_64": at_64,
+        "target_colocated_ratio_at_64": COLOCATED_TARGET_AT_64,
+        "colocated_ratio_at_64": colocated_at_64,
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),

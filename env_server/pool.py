@@ -59,7 +59,7 @@ class EnvPool:
         self.action_space = self.envs[0].action_space
         self.render_mode = self.envs[0].render_mode
         self.metadata: dict[str, Any] = dict(getattr(self.envs[0], "metadata", None) or {})
-        self._float64_rewards = float64_rewards  # else float32 (StepResult.rewards)
+        self.float64_rewards = float64_rewards  # else float32 (StepResult.rewards)
         for i, env in enumerate(self.envs[1:], 1):
             if env.observation_space != self.observation_space:
                 self.close()
@@ -123,8 +123,12 @@ class EnvPool:
         self._started = True
         return _stack(self.observation_space, self._obs), infos
 
-    def step(self, actions: Any) -> StepResult:
-        """Step every env with its row of `actions` (already validated against action_space)."""
+    def step(self, actions: Any, *, observations_out: np.ndarray | None = None) -> StepResult:
+        """Step every env with its row of `actions` (already validated against action_space).
+
+        With `observations_out` (Box spaces: an [N, *shape] array of the space's dtype, such as
+        a co-located ring's slot) the observations are stacked into it rather than a new array.
+        """
         if not self._started:
             raise FailedPrecondition("step before reset: send a ResetRequest first")
         if not self._same_step and not self._next_step and self._ended.any():
@@ -157,7 +161,9 @@ class EnvPool:
             if info:
                 _add_info(infos, info, i, n)
         self._started = True
-        return self._account(obs, rewards, terminated, truncated, stepped, infos, finals)
+        return self._account(
+            obs, rewards, terminated, truncated, stepped, infos, finals, observations_out
+        )
 
     def _account(
         self,
@@ -168,6 +174,7 @@ class EnvPool:
         stepped_list: list[bool],
         infos: dict[str, Any],
         finals: dict[int, Any],
+        observations_out: np.ndarray | None = None,
     ) -> StepResult:
         """Batch one step's per-env results and update the episode counters."""
         rewards = np.array(reward_list, dtype=np.float64)
@@ -187,8 +194,8 @@ class EnvPool:
             self._returns[done] = 0.0
             self._lengths[done] = 0
         return StepResult(
-            observations=_stack(self.observation_space, obs),
-            rewards=rewards if self._float64_rewards else rewards.astype(np.float32),
+            observations=_stack(self.observation_space, obs, out=observations_out),
+            rewards=rewards if self.float64_rewards else rewards.astype(np.float32),
             terminated=terminated,
             truncated=truncated,
             infos=infos,
@@ -267,10 +274,13 @@ def _unbatch(actions: Any, n: int) -> list[Any]:
     return [tuple(col[i] for col in parts) for i in range(n)]
 
 
-def _stack(space: Any, rows: list[Any], *, fill_missing: bool = False) -> Any:
+def _stack(
+    space: Any, rows: list[Any], *, fill_missing: bool = False, out: np.ndarray | None = None
+) -> Any:
     """Batch N per-env observations like the space (fresh arrays; Text becomes a list of str).
 
     With fill_missing, None rows become zeros (final observations of envs that did not end).
+    `out` (a Box space's batch only) receives the rows instead of a fresh array.
     """
     from gymnasium import spaces
 
@@ -286,7 +296,8 @@ def _stack(space: Any, rows: list[Any], *, fill_missing: bool = False) -> Any:
         )
     if isinstance(space, spaces.Text):
         return ["" if r is None else str(r) for r in rows]
-    out = np.empty((len(rows), *space.shape), dtype=space.dtype)
+    if out is None:
+        out = np.empty((len(rows), *space.shape), dtype=space.dtype)
     if fill_missing:
         out[:] = 0
         for i, row in enumerate(rows):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -31,6 +32,11 @@ class EnvServerSettings(StrictModel):
     # A Session stream with no request for this long is ended with UNAVAILABLE and its pool
     # closed, so idle clients cannot hold every slot; 0 turns it off.
     session_idle_timeout_s: float = Field(default=600.0, ge=0)
+    # The co-located fast path (docs/colocated.md): "auto" lets a client on this host step
+    # through a shared-memory ring it offers; "off" declines every offer (clients use gRPC).
+    colocated: Literal["auto", "off"] = "auto"
+    # The largest ring a session may attach (all slots), against a client that asks for much.
+    colocated_max_bytes: int = Field(default=1 << 30, ge=1 << 20)
     # Env ids created once at start so a typo or a missing package fails the start, not a run.
     # References ("module:Name", "path/to/file.py:Name", relative to the current directory; a
     # gymnasium Env class, a factory, or an id the module registers) become ids of this server.
@@ -65,6 +71,8 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         max_envs_per_session=settings.max_envs_per_session,
         max_message_bytes=settings.max_message_bytes,
         session_idle_timeout_s=settings.session_idle_timeout_s,
+        colocated=settings.colocated,
+        colocated_max_bytes=settings.colocated_max_bytes,
         linked_spaces=links.spaces if links is not None else None,
     )
     server = GrpcServer(

@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from google.protobuf import struct_pb2
 from common import spaces, tensor
 from env_server import registry
 from env_server.client.types import StepResult
+from env_server.colocated import Declined, ServerRing
 from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
@@ -61,6 +63,16 @@ _ACTIVE_SESSIONS = metrics.gauge(
     "env_sessions_active", "EnvService.Session streams that hold a pool.", ("server",)
 )
 _ENV_STEPS = metrics.counter("env_steps_total", "Environment steps taken.", ("server",))
+_COLOCATED = metrics.gauge(
+    "env_sessions_colocated",
+    "EnvService sessions stepping through a co-located shared-memory ring (docs/colocated.md).",
+    ("server",),
+)
+_COLOCATE_OFFERS = metrics.counter(
+    "env_colocate_offers_total",
+    "ColocateRequests by outcome: accepted, declined (not possible here), rejected (bad offer).",
+    ("server", "outcome"),
+)
 _MODES = {
     env_pb2.AUTORESET_MODE_UNSPECIFIED: "SAME_STEP",
     env_pb2.AUTORESET_MODE_SAME_STEP: "SAME_STEP",
@@ -91,8 +103,13 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         max_message_bytes: int = 64 << 20,
         session_idle_timeout_s: float = 600.0,
         linked_spaces: Callable[[str], tuple[Any, Any] | None] | None = None,
+        colocated: str = "auto",
+        colocated_max_bytes: int = 1 << 30,
     ) -> None:
         self.name = name
+        # "auto": accept co-located rings from clients on this host; "off": decline every offer.
+        self.colocated = colocated
+        self.colocated_max_bytes = colocated_max_bytes
         # Game links (env_server/game_link): the spaces a game declared for an env id that the
         # registry does not know, so a learner can ask for them like for any env (see _create).
         self.linked_spaces = linked_spaces
@@ -106,6 +123,7 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         self.active_sessions = 0
         self._gauge = _ACTIVE_SESSIONS.labels(name)
         self._steps = _ENV_STEPS.labels(name)
+        self._colocated = _COLOCATED.labels(name)
         self._ids = itertools.count(1)
 
     async def ListEnvs(
@@ -127,8 +145,7 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         try:
             while not session.closed:
                 try:
-                    async with asyncio.timeout(idle_s):
-                        request = await context.read()
+                    request = await session.read(context, idle_s)
                 except TimeoutError:
                     await session.release()  # the slot is free before the client hears why
                     log.info("session idle for %gs: ending its stream", idle_s)
@@ -167,7 +184,31 @@ class _Session:
         self.pool: EnvPool | None = None
         self.linked_env: str | None = None  # a game link's env id: spaces only, no pool
         self.closed = False
+        self.ring: ServerRing | None = None  # the co-located fast path, once accepted
         self._holds_slot = False
+
+    async def read(self, context: grpc.aio.ServicerContext, idle_s: float | None) -> Any:
+        """The next request; TimeoutError once neither the stream nor the ring has been used
+        for `idle_s`."""
+        if self.ring is None:
+            async with asyncio.timeout(idle_s):
+                return await context.read()
+        # Steps come through the ring, so the stream may rightly be quiet for longer than idle_s:
+        # the read is kept (never cancelled and restarted) while the ring is in use.
+        reading = asyncio.ensure_future(context.read())
+        try:
+            wait = idle_s
+            while True:
+                done, _ = await asyncio.wait({reading}, timeout=wait)
+                if done:
+                    return reading.result()
+                assert idle_s is not None  # no timeout: wait returns only when done
+                wait = idle_s - (time.monotonic() - self.ring.last_used)
+                if wait <= 0:
+                    raise TimeoutError
+        finally:
+            if not reading.done():
+                reading.cancel()
 
     async def answer(self, request: env_pb2.SessionRequest) -> env_pb2.SessionResponse:
         """One response for one request; errors become the response's `error`."""
@@ -185,6 +226,8 @@ class _Session:
                     request.render.env_indices, max_bytes=self.service.max_render_bytes
                 )
                 response.render.frames.CopyFrom(tensor.encode(frames))
+            elif kind == "colocate":
+                self._colocate(request.colocate, response.colocate)
             elif kind == "close":
                 response.close.total_steps = self.pool.total_steps if self.pool else 0
                 self.closed = True
@@ -304,6 +347,35 @@ class _Session:
             out.render_fps = fps
         log.info("session %s: %d x %s (%s)", out.session_id, req.num_envs, req.env_id, mode.name)
 
+    def _colocate(self, req: env_pb2.ColocateRequest, out: env_pb2.ColocateResponse) -> None:
+        """Attach the client's ring (docs/colocated.md), or say why not (it then uses gRPC)."""
+        service = self.service
+        pool = self._require_pool("colocate")
+        if self.ring is not None and self.ring.open:
+            raise FailedPrecondition("this session already steps through a co-located ring")
+        outcome = _COLOCATE_OFFERS.labels(service.name, "declined")
+        try:
+            if service.colocated == "off":
+                raise Declined(f"server {service.name} has colocated: off")
+            self.ring = ServerRing(
+                pool,
+                req,
+                max_bytes=service.colocated_max_bytes,
+                on_steps=service._steps.inc,
+                on_close=service._colocated.dec,
+            )
+        except Declined as exc:
+            out.accepted, out.reason = False, str(exc)
+            outcome.inc()
+            return
+        except RlfleetError:
+            _COLOCATE_OFFERS.labels(service.name, "rejected").inc()
+            raise
+        service._colocated.inc()
+        _COLOCATE_OFFERS.labels(service.name, "accepted").inc()
+        out.accepted = True
+        log.info("session of %d envs steps through a co-located ring", pool.num_envs)
+
     def _reset(self, req: env_pb2.ResetRequest, out: env_pb2.ResetResponse) -> None:
         pool = self._require_pool("reset")
         if req.HasField("seed"):
@@ -344,7 +416,10 @@ class _Session:
             )
 
     async def release(self) -> None:
-        """Close the pool and free the session slot (idempotent)."""
+        """Close the ring and the pool, and free the session slot (idempotent)."""
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
         pool, self.pool = self.pool, None
         if pool is not None:
             # Shielded: the stream may be ending because it was cancelled, and the envs must

@@ -4,7 +4,8 @@ Other services import only this package (and the types in ``env_server.client.ty
 the server's pool, registry or servicer.
 
 - `EnvSession`: async, one Session stream, numpy in and out (arrays are read-only views over the
-  received bytes: no copy on the hot path).
+  received bytes: no copy on the hot path). `colocate()` moves a session's steps to a
+  shared-memory ring when the server is on this host (docs/colocated.md).
 - `SyncEnvSession`: the same calls, blocking, on a private event loop (gymnasium's API is sync).
 - `RemoteVectorEnv`: a `gymnasium.vector.VectorEnv` over one session; behaves like
   `SyncVectorEnv` step for step (NEXT_STEP by default; SAME_STEP's `final_obs`/`final_info`

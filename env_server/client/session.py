@@ -18,6 +18,8 @@ from google.rpc import status_pb2
 from gymnasium.vector import AutoresetMode
 
 from common import spaces, tensor
+from env_server.client.colocated import ClientRing
+from env_server.client.shm_ring import Unsupported, host_id, layout_for
 from env_server.client.types import EnvEntry, EpisodeStats, StepResult
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
@@ -119,6 +121,15 @@ class EnvSession:
         self._busy = False
         self._ended: RlfleetError | None = None  # why the stream is over, once it is
         self.info: SessionInfo | None = None
+        self._float64_rewards = False
+        # The co-located fast path (docs/colocated.md), once the server accepted it.
+        self._ring: ClientRing | None = None
+        self.colocate_reason = ""  # why the last offer was declined, for logs
+
+    @property
+    def transport(self) -> str:
+        """How steps travel: "shm" (a co-located ring) or "grpc" (StepRequest messages)."""
+        return "shm" if self._ring is not None else "grpc"
 
     async def __aenter__(self) -> EnvSession:
         return self
@@ -200,6 +211,7 @@ class EnvSession:
         )
         if kwargs:
             request.kwargs.update(kwargs)
+        self._float64_rewards = float64_rewards
         msg = (await self._request(create=request)).create
         self.info = SessionInfo(
             session_id=msg.session_id,
@@ -212,6 +224,54 @@ class EnvSession:
             render_fps=msg.render_fps if msg.HasField("render_fps") else None,
         )
         return self.info
+
+    async def colocate(self, slots: int = 2) -> bool:
+        """Offer the server a shared-memory ring for this session's steps (after create).
+
+        True when accepted: `step` then goes through the ring and returns read-only views of
+        it, valid until `slots` more steps have been taken; infos are not carried. False when
+        this cannot work (another host, spaces the ring cannot hold, a server that declines or
+        predates it): steps stay on gRPC and `colocate_reason` says why. Errors of the stream
+        itself (the server is gone) are raised as from any request.
+        """
+        if self.info is None:
+            raise FailedPrecondition("colocate before create: create the pool first")
+        if self._ring is not None:
+            return True
+        if host_id() is None:
+            self.colocate_reason = "no host identity here (Linux boot id)"
+            return False
+        try:
+            layout = layout_for(
+                self.info.observation_space,
+                self.info.action_space,
+                self.info.num_envs,
+                slots,
+                float64_rewards=self._float64_rewards,
+            )
+        except Unsupported as exc:
+            self.colocate_reason = str(exc)
+            return False
+        ring = ClientRing.create(layout)
+        try:
+            answer = (await self._request(colocate=ring.offer())).colocate
+            if answer.accepted:
+                ring.attach()
+                self._ring = ring
+                self.colocate_reason = ""
+                return True
+            self.colocate_reason = answer.reason or "declined by the server"
+            return False
+        except RlfleetError as exc:
+            if self._ended is not None:
+                raise  # the stream is gone, not just the offer
+            # An offer the server rejects (or does not know: an older server answers an empty
+            # request) is no reason to fail the session: it goes on over gRPC.
+            self.colocate_reason = f"{type(exc).__name__}: {exc}"
+            return False
+        finally:
+            if self._ring is not ring:
+                ring.close()
 
     async def reset(
         self,
@@ -240,6 +300,8 @@ class EnvSession:
 
     async def step(self, actions: Any) -> StepResult:
         """Step all N envs with `actions` (leading dimension N, the action space's dtype)."""
+        if self._ring is not None:
+            return await self._ring_step(actions)
         request = env_pb2.StepRequest(actions=tensor.encode_tree(actions))
         msg = (await self._request(step=request)).step
         final = msg.final_observations
@@ -258,6 +320,23 @@ class EnvSession:
             ],
         )
 
+    async def _ring_step(self, actions: Any) -> StepResult:
+        assert self._ring is not None
+        if self._busy:
+            raise RuntimeError("EnvSession: one request at a time (another task is waiting)")
+        if self._ended is not None:
+            raise self._ended
+        self._busy = True
+        try:
+            return await self._ring.step(actions, self.request_timeout_s)
+        except Unavailable as exc:  # the ring is gone with its server: so is the session
+            self.abort()
+            raise self._end(exc) from None
+        except RlfleetError as exc:
+            raise _as_gym_error(exc, "step") from None
+        finally:
+            self._busy = False
+
     async def render(self, env_indices: Sequence[int] = ()) -> np.ndarray:
         """RGB frames uint8 [K, H, W, 3] (default: env 0); needs render_mode='rgb_array'."""
         request = env_pb2.RenderRequest(env_indices=list(env_indices))
@@ -269,6 +348,7 @@ class EnvSession:
         Idempotent; the channel is closed even when the server is already gone.
         """
         call, total = self._call, 0
+        self._close_ring()
         try:
             if call is not None and self._ended is None and not call.done():
                 total = (await self._request(close=env_pb2.CloseRequest())).close.total_steps
@@ -280,8 +360,14 @@ class EnvSession:
             await self._channel.close()
         return total
 
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+
     def abort(self) -> None:
         """Drop the stream without a CloseRequest (the server frees the pool on cancellation)."""
+        self._close_ring()
         if self._call is not None:
             self._call.cancel()
         self._end(ClosedEnvError("the session was aborted"))

@@ -52,6 +52,8 @@ class GameActor:
             request_timeout_s=settings.request_timeout_s,
             reconnect_timeout_s=settings.reconnect_timeout_s,
             stop_event=self.stop,
+            colocated=settings.colocated,
+            name=ctx.name,
         )
         self.follower: WeightFollower | None = None
         self._publishing: asyncio.Task[None] | None = None
@@ -125,11 +127,12 @@ class GameActor:
             ctx.run_name, ctx.name, self.incarnation, settings.env_id, envs.addresses, ""
         )
         log.info(
-            "actor %s: %d x %s over %s, policy %s, T=%d, fragments %s",
+            "actor %s: %d x %s over %s (steps via %s), policy %s, T=%d, fragments %s",
             ctx.name,
             envs.num_envs,
             settings.env_id,
             envs.addresses,
+            envs.transports,
             settings.policy,
             settings.rollout_length,
             "on" if settings.publishes else "off",
@@ -158,11 +161,12 @@ class GameActor:
                 break
         await stats.report(policy.version)
         log.info(
-            "actor %s done: %d env steps in %.1fs (%.0f steps/s), %d episodes%s",
+            "actor %s done: %d env steps in %.1fs (%.0f steps/s, via %s), %d episodes%s",
             ctx.name,
             stats.steps,
             time.monotonic() - stats.started,
             stats.mean_sps(),
+            envs.transports,
             stats.episodes,
             f", {rollout.sequence} fragments" if settings.publishes else "",
         )

@@ -8,6 +8,10 @@ A server that drops its stream (restart, network fault, request timeout) must no
 its envs' step at that tick is recorded as truncated at the observation they were in (reward 0,
 bootstrapped from that observation), and the session is recreated with backoff; its envs start
 new episodes. Errors that are the request's fault (bad action, unknown env id) are raised.
+
+A server on this host is offered the co-located fast path (docs/colocated.md) at every session
+(re)creation unless `colocated="off"`; each link's transport is in its `transport`, in the
+`rlfleet_actor_env_links{actor, transport}` gauge and in the actor's log lines.
 """
 
 from __future__ import annotations
@@ -24,10 +28,18 @@ import numpy as np
 
 from env_server.client import EnvSession, SessionInfo, StepResult
 from services.errors import InvalidArgument, RlfleetError, Unavailable, code_of
+from services.telemetry import metrics
 
 __all__ = ["EnvGroup", "Link", "StepOut", "TickEvents"]
 
 log = logging.getLogger(__name__)
+
+_LINKS = metrics.gauge(
+    "actor_env_links",
+    "A game actor's env server sessions by transport: shm (co-located ring) or grpc.",
+    ("actor", "transport"),
+)
+TRANSPORTS = ("shm", "grpc")
 
 MAX_CONSECUTIVE_DROPS = 5  # a step that fails on every new session is not a hiccup
 
@@ -59,6 +71,7 @@ class Link:
     info: SessionInfo | None = None
     reconnects: int = 0
     failures: int = 0  # drops since the last good step
+    transport: str = ""  # "shm" or "grpc" once connected (EnvSession.transport)
 
     @property
     def num_envs(self) -> int:
@@ -101,8 +114,12 @@ class EnvGroup:
         request_timeout_s: float = 30.0,
         reconnect_timeout_s: float = 60.0,
         stop_event: asyncio.Event | None = None,
+        colocated: str = "auto",
+        name: str = "actor",
     ) -> None:
         self.env_id = env_id
+        self.colocated = colocated  # "auto" or "off"
+        self.name = name  # the actor's, for the metric
         self.env_kwargs = dict(env_kwargs or {})
         self.request_timeout_s = request_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -120,6 +137,16 @@ class EnvGroup:
     @property
     def addresses(self) -> str:
         return ",".join(link.address for link in self.links)
+
+    @property
+    def transports(self) -> str:
+        """Each link's transport, in env_servers order (for logs)."""
+        return ",".join(link.transport or "-" for link in self.links)
+
+    def _count_transports(self) -> None:
+        for transport in TRANSPORTS:
+            count = sum(link.transport == transport for link in self.links)
+            _LINKS.labels(self.name, transport).set(count)
 
     @property
     def session_ids(self) -> str:
@@ -199,8 +226,10 @@ class EnvGroup:
                     kwargs=self.env_kwargs,
                 )
                 self._check_spaces(link, info)
+                await self._colocate(link, session)
                 obs, _ = await session.reset()
                 link.session, link.info = session, info
+                self._count_transports()
                 return np.asarray(obs)
             except Exception as exc:
                 with contextlib.suppress(Exception):
@@ -219,6 +248,11 @@ class EnvGroup:
             if self.stop_event.is_set():
                 return None
             delay = min(delay * 2, 5.0)
+
+    async def _colocate(self, link: Link, session: EnvSession) -> None:
+        if self.colocated == "auto" and not await session.colocate():
+            log.info("env server %s: gRPC steps (%s)", link.address, session.colocate_reason)
+        link.transport = session.transport
 
     def _check_spaces(self, link: Link, info: SessionInfo) -> None:
         from gymnasium import spaces
@@ -244,6 +278,9 @@ class EnvGroup:
 
     async def _close_link(self, link: Link) -> None:
         session, link.session = link.session, None
+        if link.transport:
+            link.transport = ""
+            self._count_transports()
         if session is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(session.close(), 5.0)

@@ -51,6 +51,9 @@ class GameActorSettings(StrictModel):
     device: str = "cpu"  # torch device of the policy forward
     request_timeout_s: float = Field(default=30.0, gt=0)  # one env request's deadline
     reconnect_timeout_s: float = Field(default=60.0, gt=0)  # give up on a dead env server after
+    # Env servers on this host: "auto" steps them through a shared-memory ring when the server
+    # accepts the offer (docs/colocated.md), else over gRPC; "off" always uses gRPC.
+    colocated: Literal["auto", "off"] = "auto"
     weights_timeout_s: float = Field(default=600.0, gt=0)  # wait this long for the first version
 
     @model_validator(mode="after")

@@ -48,23 +48,25 @@ class EnvInfo(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., source: _Optional[str] = ..., max_episode_steps: _Optional[int] = ..., reward_threshold: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "create", "reset", "step", "render", "close")
+    __slots__ = ("request_id", "create", "reset", "step", "render", "close", "colocate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RENDER_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    COLOCATE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     create: CreateRequest
     reset: ResetRequest
     step: StepRequest
     render: RenderRequest
     close: CloseRequest
-    def __init__(self, request_id: _Optional[int] = ..., create: _Optional[_Union[CreateRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., render: _Optional[_Union[RenderRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
+    colocate: ColocateRequest
+    def __init__(self, request_id: _Optional[int] = ..., create: _Optional[_Union[CreateRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., render: _Optional[_Union[RenderRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., colocate: _Optional[_Union[ColocateRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "error", "create", "reset", "step", "render", "close")
+    __slots__ = ("request_id", "error", "create", "reset", "step", "render", "close", "colocate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,7 @@ class SessionResponse(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     RENDER_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    COLOCATE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     error: _status_pb2.Status
     create: CreateResponse
@@ -79,7 +82,8 @@ class SessionResponse(_message.Message):
     step: StepResponse
     render: RenderResponse
     close: CloseResponse
-    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create: _Optional[_Union[CreateResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ..., render: _Optional[_Union[RenderResponse, _Mapping]] = ..., close: _Optional[_Union[CloseResponse, _Mapping]] = ...) -> None: ...
+    colocate: ColocateResponse
+    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create: _Optional[_Union[CreateResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ..., render: _Optional[_Union[RenderResponse, _Mapping]] = ..., close: _Optional[_Union[CloseResponse, _Mapping]] = ..., colocate: _Optional[_Union[ColocateResponse, _Mapping]] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
     __slots__ = ("env_id", "num_envs", "seed", "kwargs", "autoreset_mode", "render_mode", "float64_rewards")
@@ -196,3 +200,25 @@ class CloseResponse(_message.Message):
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     total_steps: int
     def __init__(self, total_steps: _Optional[int] = ...) -> None: ...
+
+class ColocateRequest(_message.Message):
+    __slots__ = ("host_id", "segment_name", "segment_bytes", "slots", "doorbell")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    segment_name: str
+    segment_bytes: int
+    slots: int
+    doorbell: str
+    def __init__(self, host_id: _Optional[str] = ..., segment_name: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
+
+class ColocateResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,265 @@
+"""The co-located fast path (docs/colocated.md) against real env servers on this host: an actor
+steps through the shared-memory ring when it may and over gRPC when told not to, bad offers and
+packets get clear errors, and a client killed mid-step leaves the server serving and nothing in
+/dev/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import pytest_asyncio
+from google.rpc import status_pb2
+from gymnasium.vector import AutoresetMode
+from prometheus_client import REGISTRY
+
+from env_server.client import EnvSession
+from env_server.client.shm_ring import DONE, host_id, layout_for
+from env_server.colocated import ServerRing
+from env_server.pool import EnvPool
+from env_server.service import EnvServerSettings
+from env_server.service import main as serve_envs
+from rlfleet.env.v1 import env_pb2
+from sampler.actors.actor import GameActor
+from sampler.actors.settings import GameActorSettings
+from services.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.ports import free_port
+from services.registry import ServiceContext
+from services.server import wait_for_health
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="session")]
+
+AUTO, OFF = "env-colo-auto", "env-colo-off"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def servers() -> AsyncIterator[dict[str, str]]:
+    """Two env servers in this process, `colocated: auto` and `colocated: off`."""
+    started = []
+    for name, mode in ((AUTO, "auto"), (OFF, "off")):
+        settings = EnvServerSettings(colocated=mode)
+        ctx = ServiceContext(name=name, kind="env_server", settings=settings, port=free_port())
+        started.append((ctx, asyncio.create_task(serve_envs(ctx))))
+    for ctx, _ in started:
+        await asyncio.to_thread(wait_for_health, f"127.0.0.1:{ctx.port}", 30)
+    yield {ctx.name: f"127.0.0.1:{ctx.port}" for ctx, _ in started}
+    for ctx, task in started:
+        ctx.stop_event.set()
+        await asyncio.wait_for(task, 30)
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(f"rlfleet_{name}", labels) or 0.0
+
+
+async def _wait_for(check: Any, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def _run_actor(servers: dict[str, str], server: str, colocated: str) -> dict[str, float]:
+    """Run a random-policy actor on one server until it has stepped a while; its link gauges
+    seen while it ran."""
+    settings = GameActorSettings(
+        env_servers=[server], env_id="CartPole-v1", num_envs=8, colocated=colocated
+    )
+    ctx = ServiceContext(
+        name=f"actor-{colocated}", kind="game_actor", settings=settings, endpoints=servers
+    )
+    steps_before = _sample("env_steps_total", server=server)
+    running = asyncio.create_task(GameActor(ctx, settings).run())
+    try:
+        await _wait_for(lambda: _sample("env_steps_total", server=server) >= steps_before + 800)
+        seen = {t: _sample("actor_env_links", actor=ctx.name, transport=t) for t in ("shm", "grpc")}
+    finally:
+        ctx.stop_event.set()
+        await asyncio.wait_for(running, 30)
+    assert all(_sample("actor_env_links", actor=ctx.name, transport=t) == 0 for t in seen)
+    return seen
+
+
+async def test_an_actor_on_this_host_steps_through_shared_memory(
+    servers: dict[str, str],
+) -> None:
+    accepted = _sample("env_colocate_offers_total", server=AUTO, outcome="accepted")
+    seen = await _run_actor(servers, AUTO, "auto")
+    assert seen == {"shm": 1.0, "grpc": 0.0}
+    assert _sample("env_colocate_offers_total", server=AUTO, outcome="accepted") == accepted + 1
+    await _wait_for(lambda: _sample("env_sessions_colocated", server=AUTO) == 0)
+    assert _sample("env_sessions_active", server=AUTO) == 0
+
+
+async def test_colocated_off_in_the_actor_uses_grpc(servers: dict[str, str]) -> None:
+    offers = _sample("env_colocate_offers_total", server=AUTO, outcome="accepted")
+    seen = await _run_actor(servers, AUTO, "off")
+    assert seen == {"shm": 0.0, "grpc": 1.0}
+    assert _sample("env_colocate_offers_total", server=AUTO, outcome="accepted") == offers
+
+
+async def test_a_server_with_colocated_off_declines_and_grpc_steps_on(
+    servers: dict[str, str],
+) -> None:
+    seen = await _run_actor(servers, OFF, "auto")
+    assert seen == {"shm": 0.0, "grpc": 1.0}
+    async with EnvSession(servers[OFF]) as session:
+        await session.create("CartPole-v1", 4, seed=0)
+        assert not await session.colocate()
+        assert "colocated: off" in session.colocate_reason
+        await session.reset()
+        assert (await session.step(np.zeros(4, np.int64))).observations.shape == (4, 4)
+    assert _sample("env_colocate_offers_total", server=OFF, outcome="declined") >= 2
+
+
+async def test_ring_and_grpc_steps_agree(servers: dict[str, str]) -> None:
+    actions = np.random.default_rng(1).integers(0, 2, size=(300, 6))
+    runs = []
+    for colocated in (False, True):
+        async with EnvSession(servers[AUTO]) as session:
+            await session.create("CartPole-v1", 6, seed=3)
+            if colocated:
+                assert await session.colocate(slots=3), session.colocate_reason
+            assert session.transport == ("shm" if colocated else "grpc")
+            obs, _ = await session.reset()
+            rows, episodes = [np.array(obs)], []
+            for a in actions:
+                result = await session.step(a)
+                rows.append(np.array(result.observations))
+                episodes += [(e.env_index, e.episode_return, e.length) for e in result.episodes]
+                if result.final_observations is not None:
+                    rows.append(np.array(result.final_observations))
+            runs.append((np.concatenate(rows), episodes))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1] and runs[0][1]
+
+
+async def test_bad_offers_and_packets_get_clear_errors(servers: dict[str, str]) -> None:
+    async with EnvSession(servers[AUTO]) as session:
+        await session.create("CartPole-v1", 4, seed=0)
+        await session.reset()
+        with pytest.raises(InvalidArgument, match="slots"):
+            await session._request(colocate=env_pb2.ColocateRequest(segment_name="x", doorbell="y"))
+        assert await session.colocate()
+        ring = session._ring
+        assert ring is not None and ring._conn is not None
+        with pytest.raises(InvalidArgument, match="value 7"):
+            await session.step(np.full(4, 7))
+        # A malformed doorbell packet is answered with an error, and the ring goes on.
+        loop = asyncio.get_running_loop()  # the server's too: no blocking calls here
+        await loop.sock_sendall(ring._conn, b"garbage")
+        reply = await asyncio.wait_for(loop.sock_recv(ring._conn, 1 << 16), 10)
+        error = status_pb2.Status.FromString(reply[DONE.size :])
+        assert DONE.unpack_from(reply)[4] > 0 and "doorbell packet" in error.message
+        assert (await session.step(np.zeros(4, np.int64))).rewards.tolist() == [1.0] * 4
+    offer = env_pb2.ColocateRequest(
+        host_id="elsewhere", segment_name="s", segment_bytes=1, slots=2, doorbell="d"
+    )
+    async with EnvSession(servers[AUTO]) as session:
+        await session.create("CartPole-v1", 4)
+        answer = (await session._request(colocate=offer)).colocate
+        assert not answer.accepted and "another host" in answer.reason
+        offer.host_id = host_id() or ""
+        with pytest.raises(InvalidArgument, match="segment_bytes 1 is not"):
+            await session._request(colocate=offer)
+
+
+async def test_a_ring_over_the_servers_limit_is_resource_exhausted() -> None:
+    pool = EnvPool(lambda: gym.make("CartPole-v1"), 4, autoreset_mode=AutoresetMode.SAME_STEP)
+    layout = layout_for(pool.observation_space, pool.action_space, 4, 2)
+    offer = env_pb2.ColocateRequest(
+        host_id=host_id(), segment_name="s", segment_bytes=layout.total_bytes, slots=2
+    )
+    offer.doorbell = "d"
+    with pytest.raises(ResourceExhausted, match="colocated_max_bytes"):
+        ServerRing(pool, offer, max_bytes=layout.total_bytes - 1, on_steps=print, on_close=print)
+    pool.close()
+
+
+_CLIENT = textwrap.dedent(
+    """
+    import asyncio, sys
+    import numpy as np
+    from env_server.client import EnvSession
+
+    async def main():
+        session = EnvSession(sys.argv[1])
+        await session.create("CartPole-v1", 16, seed=0)
+        assert await session.colocate(), session.colocate_reason
+        await session.reset()
+        print(session._ring.offer().segment_name, flush=True)
+        while True:
+            await session.step(np.ones(16, np.int64))
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_client_killed_mid_step_leaves_the_server_serving(
+    servers: dict[str, str],
+) -> None:
+    address = servers[AUTO]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    steps_before = _sample("env_steps_total", server=AUTO)
+    client = subprocess.Popen(
+        [sys.executable, "-c", _CLIENT, address], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert client.stdout is not None
+        segment = (await asyncio.to_thread(client.stdout.readline)).strip()
+        assert segment, "the client did not start"
+        await _wait_for(lambda: _sample("env_steps_total", server=AUTO) > steps_before + 1600)
+        assert _sample("env_sessions_colocated", server=AUTO) == 1
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait(30)
+    await _wait_for(lambda: _sample("env_sessions_colocated", server=AUTO) == 0)
+    await _wait_for(lambda: _sample("env_sessions_active", server=AUTO) == 0)
+    assert not os.path.exists(os.path.join("/dev/shm", segment))
+    async with EnvSession(address) as session:  # and the server serves the next client
+        await session.create("CartPole-v1", 4, seed=0)
+        assert await session.colocate()
+        await session.reset()
+        assert (await session.step(np.zeros(4, np.int64))).observations.shape == (4, 4)
+
+
+async def test_a_server_killed_mid_step_is_unavailable_to_the_client() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "services.cli", "serve", "env_server", "--name", "env-colo-k"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(
+        [*argv, "--port", address.rsplit(":", 1)[1]], env=env, stdout=subprocess.DEVNULL
+    )
+    try:
+        await asyncio.to_thread(wait_for_health, address, 60)
+        session = EnvSession(address, request_timeout_s=20)
+        await session.create("CartPole-v1", 16, seed=0)
+        assert await session.colocate(), session.colocate_reason
+        await session.reset()
+        stepping = asyncio.create_task(_step_forever(session))
+        await asyncio.sleep(0.5)
+        assert not stepping.done()
+        server.send_signal(signal.SIGKILL)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(stepping, 15)
+        assert session.transport == "grpc"  # the ring is closed with the session
+        await session.close()
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+async def _step_forever(session: EnvSession) -> None:
+    while True:
+        await session.step(np.ones(16, np.int64))
