@@ -17,6 +17,7 @@ from services.errors import ConfigError, InvalidArgument
 from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
+from services.start_order import needs_nothing
 
 __all__ = ["SERVICE_NAME", "SPEC", "RewardSettings", "build_registry", "main", "serve"]
 
@@ -119,6 +120,11 @@ async def main(ctx: ServiceContext[RewardSettings]) -> None:
     await serve(ctx)
 
 
+# It calls no other service: it may start at once.
 SPEC = ServiceSpec(
-    kind="reward_service", settings=RewardSettings, main=main, uses_bus=lambda s: False
+    kind="reward_service",
+    settings=RewardSettings,
+    main=main,
+    uses_bus=lambda s: False,
+    needs=needs_nothing,
 )

@@ -39,10 +39,12 @@ __all__ = [
     "ServiceRef",
     "StrictModel",
     "YamlSource",
+    "address_refs",
     "error_at",
     "load_run_config",
     "load_service_settings",
     "parse_yaml",
+    "service_refs",
     "settings_from_env",
     "unknown_key",
     "validate_run_config",
@@ -127,6 +129,9 @@ class ServiceEntry(StrictModel):
     service: str
     restarts: int = Field(default=3, ge=0)
     main: bool = False
+    # The services that must be up before this one starts (services/start_order.py); None:
+    # what its kind declares, else every service listed before it. [] starts it at once.
+    after: list[str] | None = None
     # Raw mapping as written; after validate_run_config/load_run_config it is an instance of
     # the kind's settings model (Any, not a union, keeps pydantic's error paths clean).
     settings: Any = Field(default_factory=dict)
@@ -444,24 +449,27 @@ def settings_from_env(
         raise _render(exc.issues, None) from None
 
 
-def _service_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
+def service_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
     """Every ServiceRef value inside a validated settings model, with its location."""
     if not isinstance(value, BaseModel):
         return
     for name, info in type(value).model_fields.items():
         item = getattr(value, name)
-        if _SERVICE_REF in info.metadata and isinstance(item, str):
-            yield (*loc, name), item
-        elif isinstance(item, list | tuple) and any(
+        # The marker of `ServiceRef` is the field's own, that of `list[ServiceRef]` or of
+        # `ServiceRef | None` one of the annotation's arguments'.
+        inner = any(
             _SERVICE_REF in getattr(arg, "__metadata__", ())
             for arg in typing.get_args(info.annotation)
-        ):
+        )
+        if (_SERVICE_REF in info.metadata or inner) and isinstance(item, str):
+            yield (*loc, name), item
+        elif isinstance(item, list | tuple) and inner:
             yield from (((*loc, name, i), v) for i, v in enumerate(item) if isinstance(v, str))
         elif isinstance(item, BaseModel):
-            yield from _service_refs(item, (*loc, name))
+            yield from service_refs(item, (*loc, name))
 
 
-def _address_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
+def address_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
     """Service names a settings model uses inside strings (``{address:env-0}`` placeholders of
     the ``process`` kind), from its optional ``address_refs()``: each must be a service of the
     run that serves gRPC (has an address)."""
@@ -508,11 +516,11 @@ def validate_run_config(
             except _Invalid as exc:
                 issues.extend(exc.issues)
                 continue
-        for loc, ref in _service_refs(settings, where):
+        for loc, ref in service_refs(settings, where):
             if ":" not in ref and ref not in names:
                 msg = f"unknown service '{ref}'{_suggest(ref, sorted(names))}"
                 issues.append(_Issue(loc, msg))
-        for loc, ref in _address_refs(settings, where):
+        for loc, ref in address_refs(settings, where):
             if ":" in ref:
                 continue
             if ref not in names:
@@ -527,7 +535,14 @@ def validate_run_config(
         entries.append(entry.model_copy(update={"settings": settings}))
     if issues:
         raise _render(issues, source)
-    return config.model_copy(update={"services": entries})
+    validated = config.model_copy(update={"services": entries})
+    if only is None:  # every service's settings are models now: what each needs is known
+        from services.start_order import start_problems  # it imports this module
+
+        issues = [_Issue(loc, msg) for loc, msg in start_problems(validated)]
+        if issues:
+            raise _render(issues, source)
+    return validated
 
 
 def load_run_config(

@@ -1,22 +1,24 @@
 """``rlfleet up``: run a whole config on one machine, no Docker needed.
 
 The launcher starts an embedded nats-server (unless the config names one), then every service
-as ``python -m services.cli serve KIND`` in its own process group on a free loopback port, in
-config order, waiting for each gRPC service to report healthy before starting the next. It
+as ``python -m services.cli serve KIND`` in its own process group on a free loopback port, each
+as soon as the services it needs are up (healthy, for a gRPC service): independent services
+start together, and with nothing declared the start is in config order, waiting for each gRPC
+service's health before the next (services/start_order.py decides what waits for what). It
 supervises them (bounded restarts with backoff on a crash; none for a service that exits
 ``EXIT_PERMANENT``, whose one-line reason fails the run), supervises the embedded nats-server the
 same way (restarted on the same port and store, so clients reconnect to it), ends the run when
 the ``main`` service exits, shows the run's progress (services.console: one compact line per
 interval from the progress records the run publishes; every metrics and episode event with
 ``--verbose``; every metrics event in ``<run dir>/metrics.jsonl``), and on exit or Ctrl-C
-stops everything in reverse order (SIGTERM to the group, SIGKILL after a grace) so no process is
-left behind. Every child also gets a parent-death signal (PR_SET_PDEATHSIG: SIGTERM for
-services, SIGKILL for nats-server), so none outlives a SIGKILLed launcher. Services run exactly
-as a container would run them; only the env differs.
+stops everything in reverse dependency order (SIGTERM to the group, SIGKILL after a grace) so
+no process is left behind. Every child also gets a parent-death signal (PR_SET_PDEATHSIG:
+SIGTERM for services, SIGKILL for nats-server), so none outlives a SIGKILLed launcher. Services
+run exactly as a container would run them; only the env differs.
 
-About 650 lines: the supervisor (start order, health waits, restarts, ordered stop) is one state
-machine over the same process table, and reads best in one place; event formatting is the only
-part that could live elsewhere, and it is short.
+About 750 lines: the supervisor (start gating, health waits, restarts, ordered stop) is one state
+machine over the same process table, and reads best in one place; what waits for what is
+services/start_order.py's, event formatting the only other part that could live elsewhere.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from services.errors import EXIT_PERMANENT, RlfleetError
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 from services.run_security import LAUNCHER, RunSecurity
+from services.start_order import describe_start, direct_needs, start_needs, stop_waves
 
 __all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter", "verbose_from_env"]
 
@@ -199,6 +202,7 @@ class _Service:
     port: int
     metrics_port: int
     log_path: Path
+    needs: tuple[str, ...] = ()  # instance names that must be up before it starts
     process: asyncio.subprocess.Process | None = None
     starts: int = 0
     exit_codes: list[int] = field(default_factory=list)
@@ -348,6 +352,7 @@ class Launcher:
             metrics_path=self.run_dir / "metrics.jsonl",
         )
         self._services: list[_Service] = []
+        self._by_name: dict[str, _Service] = {}
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._stopping = False
@@ -436,19 +441,21 @@ class Launcher:
             await self.live.start()
             await self._prepare_job()
             ports = free_ports(2 * len(self.config.services))
+            needs = start_needs(self.config)
             for i, entry in enumerate(self.config.services):
                 log_path = self.run_dir / "logs" / f"{entry.name}.log"
                 spec = get_service(entry.service)
-                self._services.append(
-                    _Service(entry, spec, ports[2 * i], ports[2 * i + 1], log_path)
+                svc = _Service(
+                    entry, spec, ports[2 * i], ports[2 * i + 1], log_path, needs[entry.name]
                 )
+                self._services.append(svc)
+                self._by_name[svc.name] = svc
             env = self._child_env(url, config_copy)
             monitor = asyncio.create_task(self._monitor(url))
+            self.say(f"starting {describe_start(list(needs), needs)}")
+            # Every supervisor at once: each starts its service when what it needs is up.
             for svc in self._services:
                 supervisors.append(asyncio.create_task(self._supervise(svc, env, config_copy)))
-                await _first(svc.ready.wait(), self._outcome, self._stop.wait())
-                if self._outcome.done() or self._stop.is_set():
-                    break
             await _first(self._outcome, self._stop.wait())
             if self._outcome.done():
                 code = self._outcome.result()
@@ -540,8 +547,33 @@ class Launcher:
 
     # --- supervision ---------------------------------------------------------------------------
 
+    def _run_ending(self) -> bool:
+        return self._stopping or self._stop.is_set() or bool(self._outcome and self._outcome.done())
+
+    async def _needs_up(self, svc: _Service) -> bool:
+        """Wait until every service ``svc`` needs is up (healthy once, or started when it has
+        no gRPC); False when the run ends first. A later restart of one is not waited for:
+        the services that use it ride it out, as they would in a deployment."""
+        waiting = [self._by_name[name] for name in svc.needs]
+        if any(not other.ready.is_set() for other in waiting):
+
+            async def all_up() -> None:
+                for other in waiting:
+                    await other.ready.wait()
+
+            assert self._outcome is not None
+            await _first(all_up(), self._outcome, self._stop.wait())
+            if not self._run_ending():
+                needs = {s.name: s.needs for s in self._services}
+                up = ", ".join(direct_needs(needs, svc.name))  # what the start line named
+                self.say(f"starting {svc.name} ({svc.entry.service}): {up} up")
+        return not self._run_ending()
+
     async def _supervise(self, svc: _Service, env: dict[str, str], config_copy: Path) -> None:
-        """Start, watch and restart one service until it is done or the run ends."""
+        """Start (once its needs are up), watch and restart one service until it is done or
+        the run ends."""
+        if not await self._needs_up(svc):
+            return
         while not self._stopping:
             process = await self._spawn(svc, env, config_copy)
             if svc.spec.grpc and not await self._healthy(svc, process):
@@ -646,21 +678,28 @@ class Launcher:
         return False
 
     async def _stop_all(self) -> None:
-        """Stop services in reverse start order: SIGTERM, wait the grace, then SIGKILL."""
-        for svc in reversed(self._services):
-            process = svc.process
-            if process is None:
-                continue
+        """Stop services in reverse dependency order, one wave at a time (a service only after
+        every service that needs it or talks to it), the services of a wave together."""
+        needs = {svc.name: svc.needs for svc in self._services}
+        for wave in stop_waves(self.config, needs):
+            started = [self._by_name[name] for name in wave if name in self._by_name]
+            await asyncio.gather(*(self._stop_one(svc) for svc in started))
+
+    async def _stop_one(self, svc: _Service) -> None:
+        """SIGTERM, wait the grace, then SIGKILL."""
+        process = svc.process
+        if process is None:
+            return
+        if process.returncode is None:
+            _kill_group(process, signal.SIGTERM)
+            await _first(process.wait(), asyncio.sleep(self.grace_s), self._force.wait())
             if process.returncode is None:
-                _kill_group(process, signal.SIGTERM)
-                await _first(process.wait(), asyncio.sleep(self.grace_s), self._force.wait())
-                if process.returncode is None:
-                    self.say(f"{svc.name} did not stop in time: SIGKILL")
-                    _kill_group(process, signal.SIGKILL)
-                    await process.wait()
-                if len(svc.exit_codes) < svc.starts:
-                    svc.exit_codes.append(process.returncode)  # type: ignore[arg-type]
-            _kill_group(process, signal.SIGKILL)  # leftovers of its process group
+                self.say(f"{svc.name} did not stop in time: SIGKILL")
+                _kill_group(process, signal.SIGKILL)
+                await process.wait()
+            if len(svc.exit_codes) < svc.starts:
+                svc.exit_codes.append(process.returncode)  # type: ignore[arg-type]
+        _kill_group(process, signal.SIGKILL)  # leftovers of its process group
 
     # --- monitor and summary -------------------------------------------------------------------
 

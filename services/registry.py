@@ -12,7 +12,7 @@ import difflib
 import functools
 import json
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -77,6 +77,11 @@ class ServiceSpec(Generic[SettingsT]):
     # Whether an instance with these settings talks to NATS. Under `security: {nats_auth: true}`
     # one that does not gets no NATS user at all, so it cannot reach the bus.
     uses_bus: Callable[[SettingsT], bool] = lambda settings: True
+    # The instances that must be up before one with these settings may start (`rlfleet up`
+    # starts the others at once; services/start_order.py). None: every service listed before
+    # it, the safe order for a kind that does not say; `needs_nothing` for a kind that waits
+    # for its peers itself, `named_services` for one that calls them as soon as it starts.
+    needs: Callable[[SettingsT], Iterable[str]] | None = None
 
 
 def _entry_points(group: str) -> list[metadata.EntryPoint]:

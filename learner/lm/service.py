@@ -12,6 +12,7 @@ from learner.lm.settings import LMLearnerSettings
 from learner.lm.workload import LMWorkload
 from learner.loop import LearnerLoop
 from services.registry import ServiceContext, ServiceSpec
+from services.start_order import named_services
 
 __all__ = ["SPEC", "main"]
 
@@ -22,4 +23,8 @@ async def main(ctx: ServiceContext[LMLearnerSettings]) -> None:
     await LearnerLoop(ctx, LMWorkload(ctx, settings)).run()
 
 
-SPEC = ServiceSpec(kind="lm_learner", settings=LMLearnerSettings, main=main, grpc=True)
+# Needs its reward service up: the evaluation of version 0, at once without an SFT warm start,
+# scores through it without waiting for it. Nothing else: the samplers fetch its weights.
+SPEC = ServiceSpec(
+    kind="lm_learner", settings=LMLearnerSettings, main=main, grpc=True, needs=named_services
+)

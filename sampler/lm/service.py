@@ -2,9 +2,11 @@
 weight versions when it has a learner.
 
 Start-up order: the gRPC server first (health NOT_SERVING, GetInfo answers, Generate is
-UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then, when following the run, the
-learner's current version, then a warm-up generation (a fresh engine's first requests take
-17-48 s on CPU); only then SERVING. Without `weights_from` the sampler serves the model
+UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then a warm-up generation on the model
+folder's weights (a fresh engine's first requests take 17-48 s on CPU: vLLM compiles its
+sampling kernels, into the run dir's cache) while the learner's current version is fetched, when
+following the run; that version is loaded last (a reload takes milliseconds and keeps the
+warm-up's kernels); only then SERVING. Without `weights_from` the sampler serves the model
 folder's weights (serve mode: version 0, named `served_model_name`). Later versions are loaded
 into the running engine as they are announced (learner.client.WeightFollower fetches them in the
 background), each through the servicer's VersionGate.
@@ -23,7 +25,7 @@ import os
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from learner.client import WeightFollower
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
@@ -35,6 +37,7 @@ from services.errors import ConfigError
 from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
+from services.start_order import needs_nothing
 
 __all__ = ["SERVICE_NAME", "SPEC", "configure_environment", "engine_config", "main"]
 
@@ -106,13 +109,21 @@ class LmSampler:
             build_engine(settings.engine, engine_config(settings)),
         )
         self.servicer.attach(self.engine, tokenizer)
-        if settings.follows and not await self._first_weights():
-            return False
-        if settings.warmup:
-            self.servicer.waiting_for = "the warm-up generation"
-            self.warmup_s = await self._phase(
-                "warming up on a first generation", self.servicer.warm_up()
-            )
+        # Warm up before the first weights are in, not after: the learner is often still
+        # loading or warm-starting its model (SFT), and the warm-up does not depend on the
+        # weights; the fetch meanwhile runs in the background.
+        first = await self._start_following() if settings.follows else None
+        try:
+            if settings.warmup:
+                self.servicer.waiting_for = "the warm-up generation"
+                self.warmup_s = await self._phase(
+                    "warming up on a first generation", self.servicer.warm_up()
+                )
+            if first is not None and not await self._first_weights(first):
+                return False
+        finally:
+            if first is not None:
+                first.cancel()  # stopped or failed meanwhile; a no-op once it is done
         self.servicer.set_ready()
         await self._say(f"ready: serving version {self.servicer.gate.version}")
         return True
@@ -139,18 +150,28 @@ class LmSampler:
         await self._say(f"{what}: done in {time.monotonic() - started:.1f} s")
         return result
 
-    async def _first_weights(self) -> bool:
+    async def _start_following(self) -> asyncio.Future[tuple[int, dict[str, Any]] | None]:
+        """Subscribe to the run's versions and start fetching the learner's current one."""
         settings, ctx = self.settings, self.ctx
         address = ctx.resolve(settings.weights_from or "")
-        self.servicer.waiting_for = f"the first weight version from {address}"
         assert self.bus is not None  # connected by start: following needs RLFLEET_NATS_URL
         self.follower = WeightFollower(self.bus, ctx.run_name, address)
         await self.follower.start()
+        return asyncio.ensure_future(
+            self.follower.first(ctx.stop_event, settings.weights_timeout_s)
+        )
+
+    async def _first_weights(
+        self, fetching: asyncio.Future[tuple[int, dict[str, Any]] | None]
+    ) -> bool:
+        settings, ctx = self.settings, self.ctx
+        assert self.follower is not None
+        self.servicer.waiting_for = f"the first weight version from {self.follower.address}"
         first = await self._phase(
             f"waiting for the first weights from {settings.weights_from}",
-            self.follower.first(ctx.stop_event, settings.weights_timeout_s),
+            fetching,
         )
-        if first is None:
+        if first is None or ctx.stop_event.is_set():
             return False
         await self.servicer.load_weights(first[1], first[0])
         await self._say(f"loaded weights v{first[0]}")
@@ -214,4 +235,7 @@ async def main(ctx: ServiceContext[SamplerSettings]) -> None:
         await sampler.close()
 
 
-SPEC = ServiceSpec(kind="sampler", settings=SamplerSettings, main=main)
+# Starts at once: following a learner, it waits for the first weights itself
+# (WeightFollower.first retries for weights_timeout_s), and its engine start, the slowest of an
+# LM run, overlaps the learner's own start and SFT warm start.
+SPEC = ServiceSpec(kind="sampler", settings=SamplerSettings, main=main, needs=needs_nothing)

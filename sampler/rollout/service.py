@@ -10,6 +10,7 @@ from __future__ import annotations
 from sampler.rollout.driver import RolloutDriver
 from sampler.rollout.settings import RolloutSettings
 from services.registry import ServiceContext, ServiceSpec
+from services.start_order import needs_nothing
 
 __all__ = ["SPEC", "main"]
 
@@ -19,4 +20,8 @@ async def main(ctx: ServiceContext[RolloutSettings]) -> None:
     await RolloutDriver(ctx, settings).run()
 
 
-SPEC = ServiceSpec(kind="rollout", settings=RolloutSettings, main=main, grpc=False)
+# Starts at once: the driver waits for each sampler and its reward service to report healthy
+# (RolloutDriver, startup_timeout_s), so its own start overlaps theirs.
+SPEC = ServiceSpec(
+    kind="rollout", settings=RolloutSettings, main=main, grpc=False, needs=needs_nothing
+)

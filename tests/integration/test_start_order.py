@@ -1,0 +1,102 @@
+"""`rlfleet up` starts services as soon as what they need is up, and stops them in reverse
+dependency order (services/start_order.py), with real `heartbeat` services.
+
+When each service started, became healthy and was told to stop is read from its own log: the
+server's "gRPC listening" line (the process is up), the heartbeat's "serving on" line (health
+SERVING, `healthy_after_s` later) and "received SIGTERM" (millisecond timestamps).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.launch import Up, assert_nothing_left, write_config
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
+
+HEALTHY_AFTER_S = 3.0  # long beside a heartbeat's start (about a second), so order is clear
+
+
+def when(run_dir: Path, name: str, text: str) -> float:
+    """The time of the first line of ``name``'s log containing ``text`` (epoch seconds)."""
+    for line in (run_dir / "logs" / f"{name}.log").read_text().splitlines():
+        if text in line:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError(f"no {text!r} in the log of {name}")
+
+
+def test_independent_services_start_together_and_a_dependent_waits(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        f"""\
+        - name: slow-a
+          service: heartbeat
+          after: []
+          settings: {{interval_s: 0.2, healthy_after_s: {HEALTHY_AFTER_S}}}
+        - name: slow-b
+          service: heartbeat
+          after: []
+          settings: {{interval_s: 0.2, healthy_after_s: {HEALTHY_AFTER_S}}}
+        - name: main
+          service: heartbeat
+          main: true
+          after: [slow-a, slow-b]
+          settings: {{interval_s: 0.2, exit_after_s: 1}}
+        """,
+    )
+    up = Up(config, run_dir, services=("slow-a", "slow-b", "main"))
+    try:
+        assert up.wait(60) == 0, up.diagnostics()
+    finally:
+        up.stop()
+    out = up.output
+    assert "rlfleet: starting slow-a, slow-b at once; main after slow-a, slow-b" in out, out
+    assert "rlfleet: starting main (heartbeat): slow-a, slow-b up" in out, out
+    up_at = {name: when(run_dir, name, "gRPC listening on") for name in ("slow-a", "slow-b")}
+    healthy = {name: when(run_dir, name, "serving on") for name in ("slow-a", "slow-b")}
+    # Both processes were up before either was healthy: started together, not one by one.
+    assert up_at["slow-b"] < healthy["slow-a"] and up_at["slow-a"] < healthy["slow-b"], (
+        up_at,
+        healthy,
+    )
+    # The dependent started only once both were healthy.
+    assert when(run_dir, "main", "gRPC listening on") > max(healthy.values())
+    assert_nothing_left(run_dir)
+
+
+def test_stop_goes_in_reverse_dependency_order(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: base
+          service: heartbeat
+          after: []
+          settings: {interval_s: 0.2}
+        - name: top
+          service: heartbeat
+          after: [middle]
+          settings: {interval_s: 0.2}
+        - name: middle
+          service: heartbeat
+          after: [base]
+          settings: {interval_s: 0.2}
+        """,
+    )
+    up = Up(config, run_dir, services=("base", "middle", "top"))
+    try:
+        up.wait_for(r"\[metrics\] service=top", timeout_s=60)
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0, up.diagnostics()  # no main service: a stop is a clean end
+    finally:
+        up.stop()
+    assert "rlfleet: starting base; top after middle; middle after base" in up.output
+    told = {name: when(run_dir, name, "received SIGTERM") for name in ("base", "middle", "top")}
+    stopped = {name: when(run_dir, name, "gRPC server stopped") for name in ("middle", "top")}
+    # Each is told to stop only once the one that needs it has stopped.
+    assert stopped["top"] <= told["middle"] and stopped["middle"] <= told["base"], (told, stopped)
+    assert_nothing_left(run_dir)
