@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = ["accuracy", "extract_answer", "is_correct"]
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# A plain decimal number ("42", "-3.50"): compared exactly without sympy, which is what most
+# arithmetic answers are; anything else goes through math-verify.
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # no "+": math-verify reads "+3" as nothing
 
 # math-verify guards parse/verify with signal.alarm, which only works on the main thread; rewards
 # run in worker threads, so its timeouts are off (None) and the service's per-function time
@@ -35,23 +40,44 @@ def _reference_text(answer: Any) -> str | None:
     return text or None
 
 
+def _plain_number(text: str) -> Decimal | None:
+    if not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # the pattern admits only what Decimal parses; be safe anyway
+        return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse(text: str) -> tuple[Any, ...]:
+    """math-verify's parse, cached: a group's completions share one reference and often one
+    answer, and parsing (sympy) is what scoring costs. Parsed values are never mutated."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return tuple(parse(text, extraction_config=configs, parsing_timeout=None))
+
+
 def is_correct(completion: str, answer: Any) -> bool | None:
     """Whether the completion's answer equals ``answer``; None when there is no reference."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify import verify
 
     reference = _reference_text(answer)
     if reference is None:
         return None
-    predicted = extract_answer(completion)
-    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    gold = parse(reference, extraction_config=configs, parsing_timeout=None)
+    predicted = extract_answer(completion).strip()
+    gold_number, pred_number = _plain_number(reference), _plain_number(predicted)
+    if gold_number is not None and pred_number is not None:
+        return gold_number == pred_number  # "42" == "42.0", as math-verify would say
+    gold = _parse(reference)
     if not gold:
         # Not mathematics ("Paris"): fall back to comparing the texts, case and spacing aside.
         return _normalize(predicted) == _normalize(reference)
-    pred = parse(predicted, extraction_config=configs, parsing_timeout=None)
+    pred = _parse(predicted)
     if not pred:
         return False
-    return bool(verify(gold, pred, timeout_seconds=None))
+    return bool(verify(list(gold), list(pred), timeout_seconds=None))
 
 
 def accuracy(

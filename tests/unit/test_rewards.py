@@ -36,6 +36,20 @@ def test_accuracy(completion: str, answer: object, expected: float | None) -> No
     assert accuracy([completion], answer=[answer]) == [expected]
 
 
+@pytest.mark.parametrize(
+    ("predicted", "reference"),
+    [("42", "42"), ("42.0", "42"), ("-7", "-7"), ("007", "7"), ("41", "42"), ("3.5", "3.50"),
+     ("0.5", "1/2"), ("1,000", "1000"), ("+3", "3"), ("2.0001", "2")],
+)  # fmt: skip
+def test_plain_numbers_are_judged_as_math_verify_judges_them(predicted: str, reference: str):
+    """The fast path for plain decimal numbers (no sympy) agrees with math-verify itself."""
+    from math_verify import parse, verify
+
+    fast = accuracy([f"<answer>{predicted}</answer>"], answer=[reference])
+    slow = float(verify(parse(reference), parse(predicted)))
+    assert fast == [slow], (predicted, reference)
+
+
 def test_accuracy_without_answer_column_abstains_and_last_tag_is_the_answer() -> None:
     assert accuracy(["<answer>1</answer>", "x"]) == [None, None]
     assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
