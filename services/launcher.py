@@ -51,7 +51,13 @@ from services.errors import EXIT_PERMANENT, RlfleetError
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 from services.run_security import LAUNCHER, RunSecurity
-from services.start_order import describe_start, direct_needs, start_needs, stop_waves
+from services.start_order import (
+    describe_start,
+    direct_needs,
+    in_config_order,
+    start_needs,
+    stop_waves,
+)
 
 __all__ = ["FORMATTERS", "Launcher", "format_event", "register_formatter", "verbose_from_env"]
 
@@ -353,6 +359,7 @@ class Launcher:
         )
         self._services: list[_Service] = []
         self._by_name: dict[str, _Service] = {}
+        self._say_starts = False  # print the start plan (set once the services are known)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._stopping = False
@@ -452,7 +459,11 @@ class Launcher:
                 self._by_name[svc.name] = svc
             env = self._child_env(url, config_copy)
             monitor = asyncio.create_task(self._monitor(url))
-            self.say(f"starting {describe_start(list(needs), needs)}")
+            # The start plan and each held-back start, when they say more than "in order" (the
+            # healthy/started lines already show a plain config-order start).
+            self._say_starts = not in_config_order(self.config)
+            if self._say_starts:
+                self.say(f"starting {describe_start(list(needs), needs)}")
             # Every supervisor at once: each starts its service when what it needs is up.
             for svc in self._services:
                 supervisors.append(asyncio.create_task(self._supervise(svc, env, config_copy)))
@@ -563,7 +574,7 @@ class Launcher:
 
             assert self._outcome is not None
             await _first(all_up(), self._outcome, self._stop.wait())
-            if not self._run_ending():
+            if self._say_starts and not self._run_ending():
                 needs = {s.name: s.needs for s in self._services}
                 up = ", ".join(direct_needs(needs, svc.name))  # what the start line named
                 self.say(f"starting {svc.name} ({svc.entry.service}): {up} up")

@@ -29,6 +29,7 @@ from services.registry import get_service
 __all__ = [
     "describe_start",
     "direct_needs",
+    "in_config_order",
     "named_services",
     "needs_nothing",
     "start_needs",
@@ -57,6 +58,11 @@ def _declared(entry: ServiceEntry) -> tuple[str, ...] | None:
         return tuple(entry.after)
     needs = get_service(entry.service).needs
     return None if needs is None else tuple(dict.fromkeys(needs(entry.settings)))
+
+
+def in_config_order(config: RunConfig) -> bool:
+    """True when no service declares what it needs: each waits for all before it, as always."""
+    return all(_declared(entry) is None for entry in config.services)
 
 
 def start_needs(config: RunConfig) -> dict[str, tuple[str, ...]]:
