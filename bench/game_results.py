@@ -7,9 +7,10 @@ Reads the run dir the launcher wrote (`rlfleet up`): the learner's `metrics.json
 curve, return (mean of the last training episodes the learner saw, `charts/episodic_return`)
 against env steps and against wall time since launch (the launcher writes the run's
 `config.yaml` copy at launch, so its mtime is t = 0). Then it plays the saved policy like
-`rlfleet play RUN --episodes N --deterministic` (episode i reset with seed i) and writes
-`bench/results/<name>.json`: `curve`, `eval` (play's summary: mean/std/min/max of return,
-length and the env's `score` where it reports one), `mean_score`, `budget` (env steps, updates,
+`rlfleet play RUN --episodes N --deterministic` (episode i reset with seed i), with `--sampled`
+also with sampled actions, and writes `bench/results/<name>.json`: `curve`, `eval` (play's
+summary: mean/std/min/max of return, length and the env's `score` where it reports one),
+`eval_sampled`, `mean_score` (deterministic), `budget` (env steps, updates,
 launch to the last update in minutes) and the run's config.
 """
 
@@ -57,25 +58,37 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="bench/results/<name>.json")
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--max-steps", type=int, default=10_000, help="per evaluation episode")
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help="also evaluate with sampled actions (`eval_sampled`); Atari policies are usually "
+        "judged so, since a deterministic one can stall (Breakout: never pressing FIRE again)",
+    )
     args = parser.parse_args()
 
     curve = learning_curve(args.run_dir)
     if not curve:
         raise SystemExit(f"{args.run_dir}: no learner metrics with charts/episodic_return")
     config = yaml.safe_load((args.run_dir / "config.yaml").read_text())
-    evaluation = play(
-        args.run_dir,
-        episodes=args.episodes,
-        deterministic=True,
-        max_steps=args.max_steps,
-        runs_root=args.run_dir.parent,
-    ).summary()
+
+    def evaluate(deterministic: bool) -> dict[str, Any]:
+        return play(
+            args.run_dir,
+            episodes=args.episodes,
+            deterministic=deterministic,
+            max_steps=args.max_steps,
+            runs_root=args.run_dir.parent,
+        ).summary()
+
+    evaluation = evaluate(deterministic=True)
+    sampled = evaluate(deterministic=False) if args.sampled else None
     result: dict[str, Any] = {
         "benchmark": "game_results",
         "name": args.name,
         "env_id": evaluation["env_id"],
         "mean_score": evaluation.get("mean_score"),
         "eval": {**evaluation, "max_steps": args.max_steps, "seeds": [0, args.episodes - 1]},
+        **({"eval_sampled": sampled} if sampled else {}),
         "budget": {
             "env_steps": curve[-1]["step"],
             "updates": len(curve),
@@ -90,12 +103,15 @@ def main() -> None:
     for point in [*curve[::every], curve[-1]]:
         minutes, ret = point["wall_s"] / 60, point["episodic_return"]
         print(f"{point['step']:>10.0f} {minutes:>8.1f} {ret:>8.2f}")
-    score = evaluation.get("mean_score")
-    shown = f"score {score:.2f} ± {evaluation['std_score']:.2f}" if score is not None else ""
-    print(
-        f"eval ({args.episodes} episodes, deterministic): return "
-        f"{evaluation['mean_return']:.2f} ± {evaluation['std_return']:.2f} {shown}"
-    )
+    for mode, summary in (("deterministic", evaluation), ("sampled", sampled)):
+        if summary is None:
+            continue
+        score = summary.get("mean_score")
+        shown = f"score {score:.2f} ± {summary['std_score']:.2f}" if score is not None else ""
+        print(
+            f"eval ({args.episodes} episodes, {mode}): return "
+            f"{summary['mean_return']:.2f} ± {summary['std_return']:.2f} {shown}"
+        )
     write_results(ROOT / "bench" / "results" / f"{args.name}.json", result)
 
 
