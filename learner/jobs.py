@@ -177,6 +177,11 @@ class GameJobSettings(StrictModel):
         ge=1,
         description="env steps per fragment (per env) an actor sends to the learner",
     )
+    double_buffer: Literal["on", "off"] = Field(
+        default="off",
+        description="actors step half their envs while the policy infers on the other half "
+        "(two sessions per env server, 2+ envs each); pays on hosts with cores to spare",
+    )
     total_timesteps: int = Field(
         default=500_000, ge=1, description="env steps (transitions, all envs) to train for"
     )
@@ -476,6 +481,7 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
             "seed": s.seed,
             "actor_index": i,
             "rollout_length": s.rollout_length,
+            "double_buffer": s.double_buffer,
             "policy": "learner",
             "learner": "learner",
             # Each actor's share of an update: paces the actor to `versions_ahead` updates ahead.

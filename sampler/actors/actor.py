@@ -1,10 +1,12 @@
 """GameActor: the `game_actor` service kind's batched actor over remote environments.
 
-One tick = one policy forward over all N envs + one concurrent step on every env server. Every
-`rollout_length` ticks the fragment goes to the run's trajectory stream (when publishing), and
-in `learner` mode the newest fetched weight version is swapped in. The actor ends when it has
-taken `total_steps` env steps (exit 0, the demo's end), when the run's status says it is over,
-or on SIGTERM/SIGINT; it always closes its env sessions.
+One tick = one policy forward over all N envs + one concurrent step on every env server (or,
+double-buffered, two half ticks whose env steps overlap the other half's forward: see
+sampler/actors/sampling.py). Every `rollout_length` ticks the fragment goes to the run's
+trajectory stream (when publishing), and in `learner` mode the newest fetched weight version
+is swapped in. The actor ends when it has taken `total_steps` env steps (exit 0, the demo's
+end), when the run's status says it is over, or on SIGTERM/SIGINT; it always closes its env
+sessions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -20,8 +23,9 @@ from typing import Any
 from common.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
 from common.stats import ActorStats
 from learner.client import WeightFollower
-from sampler.actors.envs import EnvGroup
+from sampler.actors.envs import EnvGroup, TickEvents
 from sampler.actors.rollout import FragmentMeta, Rollout
+from sampler.actors.sampling import DoubleBuffer, fill_lock_step
 from sampler.actors.settings import GameActorSettings
 from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
 from services.errors import ConfigError
@@ -53,6 +57,7 @@ class GameActor:
             reconnect_timeout_s=settings.reconnect_timeout_s,
             stop_event=self.stop,
             colocated=settings.colocated,
+            double_buffer=settings.double_buffer == "on",
             name=ctx.name,
         )
         self.follower: WeightFollower | None = None
@@ -118,6 +123,7 @@ class GameActor:
             envs.observation_space,
             envs.action_space,
             has_values=policy.has_values,
+            parts=envs.parts,
         )
         rollout.begin(obs)
         stats = ActorStats(
@@ -127,29 +133,33 @@ class GameActor:
             ctx.run_name, ctx.name, self.incarnation, settings.env_id, envs.addresses, ""
         )
         log.info(
-            "actor %s: %d x %s over %s (steps via %s), policy %s, T=%d, fragments %s",
+            "actor %s: %d x %s over %s (steps via %s)%s, policy %s, T=%d, fragments %s",
             ctx.name,
             envs.num_envs,
             settings.env_id,
             envs.addresses,
             envs.transports,
+            ", double-buffered" if len(envs.parts) > 1 else "",
             settings.policy,
             settings.rollout_length,
             "on" if settings.publishes else "off",
         )
-        total, n = settings.total_steps, envs.num_envs
-        stop = self.stop
-        while not stop.is_set():
-            # The hot loop: one decision and one concurrent env step per tick.
-            decision = policy.act(rollout.current_obs)
-            out = rollout.record(decision)
-            events = await envs.step(decision.env_actions, rollout.current_obs, out)
-            rollout.finish(events)
-            stats.steps += n
+        total, stop = settings.total_steps, self.stop
+
+        async def account(events: TickEvents, steps: int) -> bool:
+            stats.steps += steps
             if events.episodes:
                 await stats.episodes_ended(events.episodes, policy.version)
             if time.monotonic() >= stats.next_report:
                 await stats.report(policy.version)
+            return stop.is_set() or bool(total and stats.steps >= total)
+
+        if len(envs.parts) > 1:
+            fill = DoubleBuffer(self._part_policies(policy), rollout, envs).fill
+        else:
+            fill = functools.partial(fill_lock_step, policy, rollout, envs)
+        while not stop.is_set():
+            await fill(account)
             if rollout.full:
                 if settings.publishes:
                     meta = dataclasses.replace(meta, env_session_id=envs.session_ids)
@@ -170,6 +180,13 @@ class GameActor:
             stats.episodes,
             f", {rollout.sequence} fragments" if settings.publishes else "",
         )
+
+    def _part_policies(self, policy: Behaviour) -> list[Behaviour]:
+        """Who acts for each part: the policy, or a random one drawing for the part's size."""
+        if not isinstance(policy, RandomBehaviour):
+            return [policy for _ in self.envs.parts]
+        seed, space = self.settings.env_seed(), self.envs.action_space
+        return [RandomBehaviour(space, p.stop - p.start, seed + p.start) for p in self.envs.parts]
 
     async def _pace(self, policy: Behaviour) -> None:
         """Credit-based pacing: the learner turns `fragments_per_version` fragments of each actor

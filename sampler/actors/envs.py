@@ -4,6 +4,11 @@ The actor's N envs are split over its servers in order (server j holds envs [sta
 Each tick sends every server its slice of the actions concurrently and writes the answers
 straight into the caller's preallocated rows, so nothing per env runs in Python.
 
+Double-buffered (sampler/actors/sampling.py), each server's share is split over two sessions
+and the envs form two parts: part 0 is every server's first session, part 1 every second one,
+so each part is a contiguous range of env columns. `step(..., part=p)` steps one part's
+sessions, leaving the other part free to be inferred on meanwhile.
+
 A server that drops its stream (restart, network fault, request timeout) must not end the run:
 its envs' step at that tick is recorded as truncated at the observation they were in (reward 0,
 bootstrapped from that observation), and the session is recreated with backoff; its envs start
@@ -115,6 +120,7 @@ class EnvGroup:
         reconnect_timeout_s: float = 60.0,
         stop_event: asyncio.Event | None = None,
         colocated: str = "auto",
+        double_buffer: bool = False,
         name: str = "actor",
     ) -> None:
         self.env_id = env_id
@@ -125,11 +131,27 @@ class EnvGroup:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.stop_event = stop_event or asyncio.Event()
         self.links: list[Link] = []
+        self.parts: list[slice] = []  # env columns of each part
+        self.part_links: list[list[Link]] = []
+        # One part of whole shares, or two: each server's first ceil(c/2) envs, then the rest.
+        shares = [list(zip(addresses, split, strict=True))]
+        if double_buffer:
+            if min(split) < 2:
+                raise InvalidArgument(
+                    "double buffering needs at least 2 envs on every env server", field="num_envs"
+                )
+            shares = [[(a, c - c // 2) for a, c in shares[0]], [(a, c // 2) for a, c in shares[0]]]
         start = 0
-        for address, count in zip(addresses, split, strict=True):
-            link_seed = None if seed is None else seed + start
-            self.links.append(Link(address, start, start + count, link_seed))
-            start += count
+        for part in shares:
+            first = start
+            self.part_links.append([])
+            for address, count in part:
+                link_seed = None if seed is None else seed + start
+                link = Link(address, start, start + count, link_seed)
+                self.links.append(link)
+                self.part_links[-1].append(link)
+                start += count
+            self.parts.append(slice(first, start))
         self.num_envs = start
         self.observation_space: Any = None
         self.action_space: Any = None
@@ -163,20 +185,24 @@ class EnvGroup:
             obs[link.start : link.stop] = first
         return obs
 
-    async def step(self, actions: np.ndarray, obs: np.ndarray, out: StepOut) -> TickEvents:
-        """Step every env with its row of `actions`; `obs` are the observations acted on."""
+    async def step(
+        self, actions: np.ndarray, obs: np.ndarray, out: StepOut, part: int = 0
+    ) -> TickEvents:
+        """Step the part's envs with their rows of `actions`; `obs` are the observations acted
+        on. All arrays are whole rows [N, ...]: only the part's columns are read or written."""
         events = TickEvents()
+        links = self.part_links[part]
         # Link 0 is stepped inline, only the others as tasks: one task fewer per tick than
         # asyncio.gather, which matters at a few hundred microseconds per tick.
-        others = [asyncio.ensure_future(_step(link, actions)) for link in self.links[1:]]
+        others = [asyncio.ensure_future(_step(link, actions)) for link in links[1:]]
         try:
-            results = [await _step(self.links[0], actions)]
+            results = [await _step(links[0], actions)]
             for task in others:
                 results.append(await task)
         finally:
             for task in others:
                 task.cancel()  # only matters when cancelled half way
-        for link, result in zip(self.links, results, strict=True):
+        for link, result in zip(links, results, strict=True):
             if isinstance(result, BaseException):
                 link.failures += 1
                 if not is_transient(result) or link.failures > MAX_CONSECUTIVE_DROPS:

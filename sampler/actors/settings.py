@@ -54,6 +54,12 @@ class GameActorSettings(StrictModel):
     # Env servers on this host: "auto" steps them through a shared-memory ring when the server
     # accepts the offer (docs/colocated.md), else over gRPC; "off" always uses gRPC.
     colocated: Literal["auto", "off"] = "auto"
+    # Double-buffered sampling (sampler/actors/sampling.py): two sessions per env server, one
+    # half of the envs stepping while the policy infers on the other; needs 2+ envs per server.
+    # Off by default: it pays only where cores are spare or the policy is heavy (on the loaded
+    # 2-core build machine: 0.6-0.86x for CartPole's MLP, 1.16-1.23x co-located for Atari's
+    # CNN at 8-16 envs; bench/actor_throughput.py, docs/internals.md).
+    double_buffer: Literal["on", "off"] = "off"
     weights_timeout_s: float = Field(default=600.0, gt=0)  # wait this long for the first version
 
     @model_validator(mode="after")
@@ -64,6 +70,11 @@ class GameActorSettings(StrictModel):
             raise ValueError(
                 f"num_envs={self.num_envs} is fewer than the {len(self.env_servers)} env servers: "
                 "every server needs at least one env"
+            )
+        if self.double_buffer == "on" and min(self.env_split()) < 2:
+            raise ValueError(
+                f"double_buffer 'on' needs at least 2 envs per env server; num_envs="
+                f"{self.num_envs} over {len(self.env_servers)} servers gives some fewer"
             )
         return self
 

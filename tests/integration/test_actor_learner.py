@@ -87,7 +87,10 @@ def _arr(msg: Any) -> np.ndarray:
     return tensor.decode_tree(msg) if hasattr(msg, "tensor") else tensor.decode(msg)
 
 
-async def test_actor_follows_the_learners_versions(nats_url: str, env_server: str) -> None:
+@pytest.mark.parametrize("double_buffer", ["off", "on"])  # on: two halves in flight
+async def test_actor_follows_the_learners_versions(
+    nats_url: str, env_server: str, double_buffer: str
+) -> None:
     run, t_steps, n = f"itest-learn-{uuid.uuid4().hex[:8]}", 16, 4
     async with Bus.connect(nats_url, name="test-learner") as bus:
         await bus.ensure_stream(stream_name(run), [traj_subject(run)])
@@ -102,6 +105,7 @@ async def test_actor_follows_the_learners_versions(nats_url: str, env_server: st
             learner="learner",
             policy_config={"hidden_sizes": HIDDEN},
             stats_interval_s=60,
+            double_buffer=double_buffer,
         )
         ctx = ServiceContext(
             name="actor-0",

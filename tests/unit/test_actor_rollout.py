@@ -4,7 +4,9 @@ A scripted env (its observation is [step in episode, episode count], action 1 te
 time limit of 4 truncates) and a scripted policy (actions from a table, V(s) = 10 * s[0] +
 s[1]) make every field of the fragment predictable: shapes, terminal and truncated steps,
 final observations and values, bootstrap values, episode ids, and the carry-over between
-fragments. Two env servers hold the envs, as in a real actor.
+fragments. Two env servers hold the envs, as in a real actor. Stepped double-buffered (two
+parts of the envs in flight alternately, sampler/actors/sampling.py), the same action table
+gives the same fragments.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from env_server.service import main as serve_envs
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import FragmentMeta, Rollout, fragment_id
+from sampler.actors.sampling import DoubleBuffer
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import channel
@@ -236,3 +239,95 @@ def test_build_refuses_a_partial_fragment() -> None:
     rollout = Rollout(4, 2, space, gym.spaces.Discrete(2), has_values=False)
     with pytest.raises(RuntimeError, match="0 of 4"):
         rollout.build(ScriptedPolicy(np.zeros((1, 2))), FragmentMeta("r", "a", "i", "e", "x", "s"))
+
+
+async def _account(events, steps: int) -> bool:
+    return False
+
+
+@pytest.mark.parametrize("colocated", ["auto", "off"])
+@pytest.mark.asyncio(loop_scope="session")
+async def test_double_buffered_fragments_equal_lock_step_ones(
+    servers: list[str], colocated: str
+) -> None:
+    # The scripted env is a function of its column's actions only, so the same action table
+    # must give the same fragments (column by column) whether the columns step in lock step or
+    # as two parts in flight alternately; only the numbering of episode ids may differ.
+    t_steps, n = 6, 4
+    rng = np.random.default_rng(0)
+    table = (rng.random((t_steps * 2, n)) < 0.3).astype(np.int64)
+    frags = {}
+    for double in (False, True):
+        envs = EnvGroup(servers, [2, 2], SCRIPTED_ID, colocated=colocated, double_buffer=double)
+        first = await envs.open()
+        assert first is not None
+        try:
+            space = (envs.observation_space, envs.action_space)
+            rollout = Rollout(t_steps, n, *space, has_values=True, parts=envs.parts)
+            rollout.begin(first)
+            policy = ScriptedPolicy(table)
+            meta = FragmentMeta("r", "a", "i", SCRIPTED_ID, envs.addresses, "s")
+            if double:
+                assert envs.parts == [slice(0, 2), slice(2, 4)]
+                assert [link.address for link in envs.links] == servers * 2
+                halves = [ScriptedPolicy(table[:, cols]) for cols in envs.parts]
+                sampler = DoubleBuffer(halves, rollout, envs)
+            got = []
+            for _ in range(2):
+                if double:
+                    await sampler.fill(_account)
+                else:
+                    await _run(envs, rollout, policy, t_steps)
+                got.append(rollout.build(policy, meta))
+                rollout.restart()
+            frags[double] = got
+        finally:
+            await envs.close()
+
+    for lock, double in zip(frags[False], frags[True], strict=True):
+        assert (double.num_steps, double.num_envs, double.sequence) == (
+            lock.num_steps,
+            lock.num_envs,
+            lock.sequence,
+        )
+        for name in ("observations", "actions", "logprobs", "rewards", "terminated", "truncated"):
+            np.testing.assert_array_equal(_decode(double, name), _decode(lock, name), name)
+        for name in ("values", "next_observations", "bootstrap_values", "final_indices"):
+            np.testing.assert_array_equal(_decode(double, name), _decode(lock, name), name)
+        for name in ("final_observations", "final_values"):
+            np.testing.assert_array_equal(_decode(double, name), _decode(lock, name), name)
+    # Episode ids: each column's increase exactly after its ends, and no id in two columns.
+    ids = np.concatenate([_decode(f, "episode_ids") for f in frags[True]])
+    done = np.concatenate([_decode(f, "terminated") | _decode(f, "truncated") for f in frags[True]])
+    np.testing.assert_array_equal(ids[0], np.arange(n))
+    for env in range(n):
+        np.testing.assert_array_equal(np.diff(ids[:, env]) > 0, done[:-1, env])
+    per_env = [set(ids[:, env].tolist()) for env in range(n)]
+    assert sum(len(s) for s in per_env) == len(set().union(*per_env))
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_double_buffer_stops_after_the_step_in_flight(servers: list[str]) -> None:
+    # Told to stop after part 0's 3rd step, the sampler still lands part 1's step in flight:
+    # both parts end on the same row, as a lock-step tick would.
+    envs = EnvGroup(servers[:1], [4], SCRIPTED_ID, double_buffer=True)
+    first = await envs.open()
+    try:
+        rollout = Rollout(8, 4, envs.observation_space, envs.action_space, has_values=True,
+                          parts=envs.parts)  # fmt: skip
+        rollout.begin(first)
+        table = np.zeros((8, 4), np.int64)
+        calls: list[int] = []
+
+        async def account(events, steps: int) -> bool:
+            calls.append(steps)
+            return len(calls) == 5  # part 0's 3rd step (0, 1, 0, 1, 0)
+
+        halves = [ScriptedPolicy(table[:, cols]) for cols in envs.parts]
+        await DoubleBuffer(halves, rollout, envs).fill(account)
+    finally:
+        await envs.close()
+    assert calls == [2] * 6
+    assert not rollout.full and [rollout.part_full(p) for p in (0, 1)] == [False, False]
+    assert rollout.t == 3
+    np.testing.assert_array_equal(rollout.obs[3, :, 0], [3, 3, 3, 3])
