@@ -97,6 +97,7 @@ class PPOArgs:
     hidden_size: int = 64
     target_return: float = 475.0  # stop once the mean return of the last episodes reaches it
     return_window: int = 20  # episodes in that mean
+    max_wall_s: float | None = None  # also stop after this many seconds (at an update boundary)
     torch_threads: int = 1
     verbose: bool = True  # print one line per update
 
@@ -191,7 +192,11 @@ def run_baseline(args: PPOArgs) -> dict[str, Any]:
     envs.action_space.seed(args.seed)
     next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32)
 
+    stopped_by_time = False
     for update in range(1, args.num_updates + 1):
+        if args.max_wall_s is not None and time.perf_counter() - start > args.max_wall_s:
+            stopped_by_time = True
+            break
         lr = args.learning_rate
         if args.anneal_lr:
             lr = linear_anneal(update - 1, args.num_updates, args.learning_rate)
@@ -324,6 +329,7 @@ def run_baseline(args: PPOArgs) -> dict[str, Any]:
         "reached_target_wall_s": None if reached_wall_s is None else round(reached_wall_s, 3),
         "final_mean_return": float(np.mean(episode_returns)) if episode_returns else None,
         "episodes": episodes,
+        "stopped_by_time": stopped_by_time,
         "args": dataclasses.asdict(args),
     }
 
@@ -342,7 +348,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[PPOArgs, list[int], Path 
         default = getattr(base, field.name)
         if isinstance(default, bool):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default)
-        elif field.name == "target_kl":
+        elif field.name in ("target_kl", "max_wall_s"):
             parser.add_argument(*flags, type=float, default=default)
         else:
             parser.add_argument(*flags, type=type(default), default=default)
