@@ -17,7 +17,7 @@ from services.config import ServiceRef, StrictModel
 __all__ = ["GameActorSettings"]
 
 # An optional ServiceRef. `ServiceRef | None` would hide the marker inside the union, where the
-# load-time check of instance names (services.config._service_refs) does not look.
+# load-time check of instance names (services.config.service_refs) does not look.
 OptionalServiceRef = Annotated[str | None, *get_args(ServiceRef)[1:]]
 
 
