@@ -16,8 +16,8 @@ from services.config import ServiceRef, StrictModel
 
 __all__ = ["GameActorSettings"]
 
-# An optional ServiceRef. `ServiceRef | None` would hide the marker inside the union, where the
-# load-time check of instance names (services.config.service_refs) does not look.
+# An optional ServiceRef, spelled with the marker outside the union. (The load-time check of
+# instance names, services.config.service_refs, now finds `ServiceRef | None` as well.)
 OptionalServiceRef = Annotated[str | None, *get_args(ServiceRef)[1:]]
 
 
