@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +34,7 @@ if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import env_server.envs  # noqa: F401  (registers Snake-v0 and the Atari ids for the local side)
-from bench.env_throughput import start_server
+from bench.env_throughput import run_facts, start_server, write_result
 from common.behaviour import TorchBehaviour
 from common.policy_config import PolicyConfig
 from sampler.actors.envs import EnvGroup, TickEvents
@@ -156,11 +153,6 @@ async def compare(args: argparse.Namespace, address: str, num_envs: int) -> dict
     }
 
 
-def _versions() -> dict[str, str]:
-    names = ("gymnasium", "grpcio", "numpy", "torch")
-    return {n: metadata.version(n) for n in names} | {"python": platform.python_version()}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env-id", default="CartPole-v1")
@@ -206,17 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         "double_buffer_ratio_at_64": row_64["double_ratio_shm"] if row_64 else None,
         "double_buffer_grpc_ratio_at_64": row_64["double_ratio_grpc"] if row_64 else None,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-        },
-        "versions": _versions(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **run_facts(load_before, ("gymnasium", "grpcio", "numpy", "torch")),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -159,9 +159,28 @@ def start_server(port: int) -> subprocess.Popen[bytes]:
     return server
 
 
-def _versions() -> dict[str, str]:
-    names = ("gymnasium", "grpcio", "protobuf", "numpy")
-    return {n: metadata.version(n) for n in names} | {"python": platform.python_version()}
+def run_facts(load_before: tuple[float, ...], packages: tuple[str, ...]) -> dict[str, Any]:
+    """Where and when the numbers were taken (also bench/actor_throughput.py's)."""
+    versions = {n: metadata.version(n) for n in packages}
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            # other work on the machine skews both sides; interleaved rounds keep it fair-ish
+            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+            "niceness": os.nice(0),  # < 0 when run with `nice -n -N` to shield it from that load
+        },
+        "versions": versions | {"python": platform.python_version()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,21 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_at_64": at_64,
         "target_colocated_ratio_at_64": COLOCATED_TARGET_AT_64,
         "colocated_ratio_at_64": colocated_at_64,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            # other work on the machine skews both sides; interleaved rounds keep it fair-ish
-            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-            "niceness": os.nice(0),  # < 0 when run with `nice -n -N` to shield it from that load
-        },
-        "versions": _versions(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **run_facts(load_before, ("gymnasium", "grpcio", "protobuf", "numpy")),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

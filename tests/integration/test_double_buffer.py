@@ -20,17 +20,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import pytest_asyncio
 import yaml
 
 from common.behaviour import Decision
-from env_server.service import EnvServerSettings
-from env_server.service import main as serve_envs
 from sampler.actors.actor import GameActor
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import Rollout
@@ -41,26 +38,12 @@ from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import wait_for_health
 from tests.fixtures.launch import Up, assert_nothing_left
+from tests.integration import test_actor_random
 from tests.integration.test_actor_random import Events, _arr, _fragments
 
 REPO = Path(__file__).resolve().parents[2]
-SERVERS = ("env-double-a", "env-double-b")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env_servers() -> AsyncIterator[dict[str, str]]:
-    started = []
-    for name in SERVERS:
-        ctx = ServiceContext(
-            name=name, kind="env_server", settings=EnvServerSettings(), port=free_port()
-        )
-        started.append((ctx, asyncio.create_task(serve_envs(ctx))))
-    for ctx, _ in started:
-        await asyncio.to_thread(wait_for_health, f"127.0.0.1:{ctx.port}", 30)
-    yield {ctx.name: f"127.0.0.1:{ctx.port}" for ctx, _ in started}
-    for ctx, task in started:
-        ctx.stop_event.set()
-        await asyncio.wait_for(task, 30)
+# The two in-process env servers of the random-actor tests (a module-scoped fixture).
+env_servers = test_actor_random.env_servers
 
 
 @pytest.mark.timeout(60)
