@@ -15,7 +15,6 @@ step to a mean return of 475 over the last 20 episodes), ``final_mean_return``. 
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from typing import Any
 import yaml
 
 from bench.ppo_baseline import PPOArgs, run_baseline
+from bench.venvs import ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 475.0
@@ -193,25 +193,11 @@ def system(
 
 
 def ensure_compare_venv(venv: Path) -> Path:
-    """The comparison venv's python, created from the pinned lock on first use (or when the lock
-    changed). Raises RuntimeError with pip's last lines when it cannot be made."""
-    python = venv / "bin" / "python"
-    digest = hashlib.sha256(COMPARE_REQUIREMENTS.read_bytes()).hexdigest()
-    marker = venv / ".requirements.sha256"
-    if python.exists() and marker.exists() and marker.read_text().strip() == digest:
-        return python
-    print(f"creating {venv} from {COMPARE_REQUIREMENTS.name} (a few minutes)", flush=True)
-    steps = [
-        [sys.executable, "-m", "venv", "--clear", str(venv)],
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python",
-         "-r", str(COMPARE_REQUIREMENTS)],
-    ]  # fmt: skip
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:4])} failed: {(proc.stdout + proc.stderr)[-1500:]}")
-    marker.write_text(digest + "\n")
-    return python
+    """The comparison venv's python (``bench.venvs.ensure_venv`` from the pinned lock, which
+    lists every package, hence ``--no-deps``)."""
+    return ensure_venv(
+        venv, COMPARE_REQUIREMENTS, pip_flags=("--no-deps", "--ignore-requires-python")
+    )
 
 
 def compare_versions(python: Path) -> dict[str, str]:

@@ -1,0 +1,167 @@
+"""The reference side of bench/grpo_vs_trl.py: TRL's GRPOTrainer on the example's GRPO job.
+
+Run by grpo_vs_trl.py in ``bench/.venv-trl`` (TRL is never a project dependency), with the
+repository root on PYTHONPATH, so it reads the same prompts (``common.datasets``), scores with
+the same reward functions (the reward service's ``accuracy`` and ``format``, called in
+process) and evaluates with the learner's own ``learner.lm.evaluate.generate_greedy`` on the
+same held-out prompts, at update 0 and every ``--eval-every`` updates; the evaluation's time
+counts, as it does in rlfleet's learner. Training stops at the first update that ends past
+``--budget-s`` seconds after ``--started`` (the time.time() at which grpo_vs_trl.py started
+this process).
+
+Writes ``<out>/eval.jsonl`` (``time_s`` since the start, ``update``, ``accuracy``, ``eval_s``)
+and ``<out>/log.jsonl`` (the trainer's per-update logs with ``time_s``).
+
+Not run by hand; see grpo_vs_trl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", type=Path, required=True, help="the job as JSON (grpo_vs_trl)")
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, required=True)
+    parser.add_argument("--started", type=float, required=True)
+    parser.add_argument("--eval-every", type=int, required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+    job = json.loads(args.job.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    train(job, args)
+
+
+def train(job: dict[str, Any], args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.datasets import iter_tasks, take
+    from learner.lm.evaluate import generate_greedy
+    from reward_service.rewards import accuracy, format_reward
+
+    group, prompts_per_update = job["group_size"], job["groups_per_update"]
+    updates = job["max_updates"]
+    tasks = take(iter_tasks(job["dataset"], split="train"), updates * prompts_per_update)
+    train_set = Dataset.from_list(
+        [{"prompt": t.prompt, "answer": t.extra["answer"]} for t in tasks]
+    )
+    eval_tasks = take(iter_tasks(job["dataset"], split="eval"), job["eval_count"])
+    weights, rewards = [], []
+    for spec in job["rewards"]:
+        rewards.append(_reward(accuracy if spec["name"] == "accuracy" else format_reward, spec))
+        weights.append(spec["weight"])
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir=str(args.out / "trainer"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=job["seed"],
+        max_steps=updates,
+        # One update: groups_per_update prompts x group_size completions, one optimizer step
+        # over all of them (the job's minibatch_size is the whole batch), one pass.
+        per_device_train_batch_size=prompts_per_update * group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=job["epochs"],
+        num_generations=group,
+        max_completion_length=job["max_tokens"],
+        temperature=job["temperature"],
+        top_p=1.0,
+        top_k=0,
+        shuffle_dataset=False,  # the job's prompt order
+        learning_rate=job["learning_rate"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_epsilon=1e-8,  # the learner's AdamW
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        # The grpo preset: PPO clip 0.2, KL 0.04 (k3) to the frozen start, group-std-normalised
+        # advantages, per-sequence token mean then mean over sequences.
+        beta=0.04,
+        epsilon=0.2,
+        scale_rewards="group",
+        loss_type="grpo",
+        reward_weights=weights,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+    class Clock(TrainerCallback):
+        """Held-out accuracy at update 0 and every eval_every updates; the stop at the budget."""
+
+        def __init__(self) -> None:
+            self.evals = (args.out / "eval.jsonl").open("w")
+            self.logs = (args.out / "log.jsonl").open("w")
+
+        def evaluate(self, model: Any, update: int) -> None:
+            began = time.perf_counter()
+            texts = generate_greedy(
+                model, tokenizer, eval_tasks, max_tokens=job["max_tokens"], batch_size=64
+            )
+            scores = accuracy(texts, answer=[t.extra["answer"] for t in eval_tasks])
+            record = {
+                "time_s": time.time() - args.started,
+                "update": update,
+                "accuracy": sum(s or 0.0 for s in scores) / len(scores),
+                "eval_s": time.perf_counter() - began,
+            }
+            self.evals.write(json.dumps(record) + "\n")
+            self.evals.flush()
+            print(f"update {update}: eval accuracy {record['accuracy']:.3f}", flush=True)
+
+        def on_train_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.evaluate(kw["model"], 0)
+
+        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            record = {"time_s": time.time() - args.started, "update": state.global_step}
+            self.logs.write(json.dumps({**record, **(logs or {})}) + "\n")
+            self.logs.flush()
+
+        def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step % args.eval_every == 0:
+                self.evaluate(kw["model"], state.global_step)
+            if time.time() - args.started >= args.budget_s:
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        args=config,
+        train_dataset=train_set,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
+    trainer.train()
+
+
+def _reward(fn: Any, spec: dict[str, Any]) -> Any:
+    """A TRL reward function (completions plus the dataset's columns as keywords) around one of
+    the reward service's functions, with the job's kwargs."""
+    kwargs = spec.get("kwargs") or {}
+
+    def reward(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
+        return fn(completions, answer=answer, **kwargs)
+
+    reward.__name__ = spec["name"]
+    return reward
+
+
+if __name__ == "__main__":
+    main()
