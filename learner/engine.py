@@ -141,6 +141,7 @@ class TrainEngine(Protocol):
     def set_lr(self, lr: float) -> None: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self) -> None: ...
+    def accumulation_boundary(self, last: bool) -> None: ...
 
 
 class Engine:
@@ -183,6 +184,13 @@ class Engine:
     def step(self) -> None:
         """Optimizer step (clips gradients first) and zero the gradients."""
         self.ds.step()
+
+    def accumulation_boundary(self, last: bool) -> None:
+        """Whether the next ``backward`` ends an optimizer step's micro-batches. Before it,
+        gradients only accumulate: under ZeRO 1 and 2 DeepSpeed would otherwise reduce and
+        partition them after every backward, which sums them wrongly. The config has
+        ``gradient_accumulation_steps`` 1, so ``backward`` does not rescale the loss."""
+        self.ds.set_gradient_accumulation_boundary(last)
 
     @property
     def lr(self) -> float:

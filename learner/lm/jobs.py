@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from learner.lm.settings import check_preset
+from learner.lm.settings import check_micro_batch_size, check_preset
 from services.config import StrictModel, unknown_key
 from services.references import is_reference
 from services.registry import JobSpec, get_service
@@ -135,8 +135,12 @@ class LMJobSettings(StrictModel):
         "train_batch_size": "use groups_per_update (prompts per update); the rollout batch is "
         "groups_per_update x group_size completions",
         "per_device_train_batch_size": "use minibatch_size (sequences per optimizer step)",
-        "gradient_accumulation_steps": "not a knob: minibatch_size is the sequences per "
-        "optimizer step",
+        "gradient_accumulation_steps": "use micro_batch_size (sequences per forward/backward); "
+        "minibatch_size / micro_batch_size micro-batches accumulate into each optimizer step",
+        "ppo_micro_batch_size": "micro_batch_size",
+        "ppo_micro_batch_size_per_gpu": "micro_batch_size",
+        "micro_batch_size_per_gpu": "micro_batch_size",
+        "train_micro_batch_size_per_gpu": "micro_batch_size",
         "generation_batch_size": "use prompts_per_call (prompts per sampler call)",
         "lr": "learning_rate",
         "epochs_per_update": "epochs",
@@ -231,6 +235,13 @@ class LMJobSettings(StrictModel):
     minibatch_size: int = Field(
         default=64, ge=1, description="sequences (completions) per optimizer step"
     )
+    micro_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="sequences per forward/backward pass, at most minibatch_size: gradients "
+        "accumulate into one optimizer step per minibatch, same loss, less activation memory "
+        "(null: the whole minibatch)",
+    )
     max_policy_lag: int = Field(
         default=1,
         ge=0,
@@ -295,6 +306,11 @@ class LMJobSettings(StrictModel):
                 raise unknown_key(key, list(Preset.model_fields), _ALGO_ALIASES)
         return check_preset(info.data["preset"], overrides)
 
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _splits_minibatch(cls, size: int | None, info: ValidationInfo) -> int | None:
+        return check_micro_batch_size(size, info.data.get("minibatch_size"))
+
     @model_validator(mode="after")
     def _check(self) -> LMJobSettings:
         from learner.lm.settings import LMLearnerSettings
@@ -326,6 +342,7 @@ def _learner(s: LMJobSettings) -> dict[str, Any]:
         "groups_per_update": s.groups_per_update,
         "epochs": s.epochs,
         "minibatch_size": s.minibatch_size,
+        "micro_batch_size": s.micro_batch_size,
         "learning_rate": s.learning_rate,
         "total_updates": s.total_updates,
         "max_policy_lag": s.max_policy_lag,

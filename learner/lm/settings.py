@@ -21,6 +21,7 @@ __all__ = [
     "LMLearnerSettings",
     "LoraSettings",
     "SFTSettings",
+    "check_micro_batch_size",
     "check_preset",
     "check_preset_name",
 ]
@@ -35,6 +36,17 @@ def check_preset_name(name: str) -> str:
     except LookupError as exc:  # UnknownNameError lists the known ones
         raise ValueError(str(exc)) from None
     return name
+
+
+def check_micro_batch_size(size: int | None, minibatch_size: int | None) -> int | None:
+    """``size`` unless it exceeds ``minibatch_size`` (None: that failed already): micro-batches
+    split a minibatch (a last one may be smaller)."""
+    if size is not None and minibatch_size is not None and size > minibatch_size:
+        raise ValueError(
+            f"micro_batch_size ({size}) must be at most minibatch_size ({minibatch_size}): "
+            "micro-batches split each minibatch"
+        )
+    return size
 
 
 def check_preset(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +113,10 @@ class LMLearnerSettings(StrictModel):
     groups_per_update: int = Field(default=8, ge=1)  # prompts (groups) per update, after filters
     epochs: int = Field(default=1, ge=1)  # passes over each batch
     minibatch_size: int = Field(default=64, ge=1)  # sequences per optimizer step
+    # Sequences per forward/backward pass: a minibatch's micro-batches accumulate gradients into
+    # its one optimizer step, with the same loss; peak activation memory follows this. None: the
+    # whole minibatch at once. At most minibatch_size.
+    micro_batch_size: int | None = Field(default=None, ge=1)
     learning_rate: float = Field(default=1e-4, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     total_updates: int = Field(default=100, ge=1)
@@ -134,6 +150,11 @@ class LMLearnerSettings(StrictModel):
         if "preset" not in info.data:  # the preset name failed already
             return overrides
         return check_preset(info.data["preset"], overrides)
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _splits_minibatch(cls, size: int | None, info: ValidationInfo) -> int | None:
+        return check_micro_batch_size(size, info.data.get("minibatch_size"))
 
     @model_validator(mode="after")
     def _consistent(self) -> LMLearnerSettings:

@@ -7,7 +7,13 @@
 2. ``minibatch_loss``: the loss of one minibatch: the policy loss the preset names, plus KL,
    entropy and CHORD's SFT term;
 
-and ``lm_update`` runs them: epochs x shuffled minibatches of ``minibatch_loss`` on the engine.
+and ``lm_update`` runs them: epochs x shuffled minibatches of ``minibatch_loss`` on the engine,
+one optimizer step per minibatch. With ``micro_batch_size`` a minibatch runs forward and
+backward in micro-batches of that many sequences whose gradients accumulate into its one step
+(see ``minibatch_loss``: each micro-batch's aggregates are weighted by its share of the
+minibatch's normaliser, so the sum is the minibatch's loss and its gradient), and the no-grad
+passes of ``prepare`` chunk by it too: peak activation memory follows ``micro_batch_size``, not
+the minibatch.
 Every algorithmic piece is a registered pure function from ``learner.algos`` chosen by the
 ``Preset``. Metrics are CleanRL-named: ``losses/policy_loss`` is the policy-gradient term alone
 (as on the game side), ``losses/loss`` the total that is minimised.
@@ -16,7 +22,7 @@ Every algorithmic piece is a registered pure function from ``learner.algos`` cho
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,12 +74,38 @@ def _forward_logp(
 
 
 @torch.no_grad()
-def _no_grad_logp(model: TrainEngine | nn.Module, batch: Batch, minibatch: int) -> Tensor:
+def _no_grad_logp(model: TrainEngine | nn.Module, batch: Batch, chunk: int) -> Tensor:
     parts = []
-    for start in range(0, len(batch), minibatch):
-        rows = torch.arange(start, min(start + minibatch, len(batch)))
+    for start in range(0, len(batch), chunk):
+        rows = torch.arange(start, min(start + chunk, len(batch)))
         parts.append(_forward_logp(model, batch, rows, False)[0])
     return torch.cat(parts)  # [B, L-1]
+
+
+# What each aggregation (learner.algos.aggregate) divides by, from its [b, T] mask: tokens, or
+# sequences with at least one token. Every one is linear in the loss, so the aggregate of a whole
+# minibatch is the sum over its micro-batches of their aggregates, each weighted by its share of
+# this normaliser (``seq-mean-token-sum-norm``'s default norm, T, is the same in every part:
+# ``Batch.select`` keeps the padded length).
+_NORMALISERS: dict[str, Callable[[Tensor], Tensor]] = {
+    "token-mean": lambda mask: mask.sum(),
+    "seq-mean-token-mean": lambda mask: (mask.sum(-1) > 0).sum(),
+    "seq-mean-token-sum-norm": lambda mask: (mask.sum(-1) > 0).sum(),
+}
+
+
+def _share(mode: str, part: Tensor, whole: Tensor | None) -> float:
+    """The weight of a micro-batch's ``mode`` aggregate over mask ``part`` ``[b, T]`` in that of
+    its minibatch (mask ``whole``): its share of the normaliser (1 when ``whole`` is None)."""
+    if whole is None:
+        return 1.0
+    if mode not in _NORMALISERS:
+        raise ValueError(
+            f"micro_batch_size: aggregation {mode!r} has no known normaliser to split a minibatch "
+            f"by (known: {', '.join(sorted(_NORMALISERS))}); unset micro_batch_size"
+        )
+    count = _NORMALISERS[mode]
+    return float(count(part)) / max(float(count(whole)), 1.0)
 
 
 @dataclass
@@ -104,7 +136,7 @@ def _old_logp(
     mask: Tensor,
     stale: Tensor,
     preset: Preset,
-    minibatch_size: int,
+    chunk: int,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """pi_old ``[B, L-1]`` as ``preset.old_logp`` chooses it per row (see
     ``learner.algos.presets.OldLogp``), the truncated-IS weights ``[B, L-1]`` and metrics.
@@ -129,7 +161,7 @@ def _old_logp(
     rows = recompute.nonzero().squeeze(-1)  # [R]
     if len(rows):
         sub = batch.select(rows)
-        recomputed = _no_grad_logp(engine, sub, minibatch_size)  # [R, L-1]
+        recomputed = _no_grad_logp(engine, sub, chunk)  # [R, L-1]
         old_logp[rows] = recomputed
         weights, tis_metrics = truncated_is_weights(
             recomputed, sub.rollout_logp, mask[rows], cap=preset.tis_cap or float("inf")
@@ -149,13 +181,16 @@ def prepare(
     *,
     pad_id: int,
     minibatch_size: int = 32,
+    micro_batch_size: int | None = None,
     version: int | None = None,
 ) -> Prepared:
     """Collate ``samples`` (whole groups) and compute, once, everything the minibatches need.
 
     ``version`` is the learner's current policy version: samples of an older one are stale
     (see ``preset.old_logp``); None treats every sample as sampled by the current weights.
+    The forward passes run ``micro_batch_size`` sequences at a time (None: ``minibatch_size``).
     """
+    chunk = micro_batch_size or minibatch_size
     batch = collate(samples, pad_id)
     rl_rows = (~batch.expert).nonzero().squeeze(-1)  # [R]
     mask = batch.mask & ~batch.expert[:, None]  # [B, L-1] RL tokens
@@ -164,11 +199,11 @@ def prepare(
     expert_mask = batch.mask & batch.expert[:, None]  # [B, L-1] CHORD's SFT tokens
 
     stale = _stale_rows(samples, version)  # [B]
-    old_logp, tis, metrics = _old_logp(engine, batch, mask, stale, preset, minibatch_size)
+    old_logp, tis, metrics = _old_logp(engine, batch, mask, stale, preset, chunk)
     ref_logp = None
     if preset.kl_beta > 0:
         assert reference is not None, "kl_beta > 0 needs a reference model"
-        ref_logp = _no_grad_logp(reference, batch, minibatch_size)
+        ref_logp = _no_grad_logp(reference, batch, chunk)
 
     # Advantages over the RL rows (group statistics never see expert completions).
     token_rewards = None
@@ -193,31 +228,61 @@ def prepare(
 
 
 def minibatch_loss(
-    engine: TrainEngine, prep: Prepared, rows: Tensor, preset: Preset, step: int
+    engine: TrainEngine,
+    prep: Prepared,
+    rows: Tensor,
+    preset: Preset,
+    step: int,
+    *,
+    minibatch: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
     """The loss to minimise on ``rows`` of the prepared batch, its metrics, and CHORD's (empty
-    when the minibatch has no expert rows, so they are averaged over the ones that had)."""
+    when the minibatch has no expert rows, so they are averaged over the ones that had).
+
+    ``minibatch``: the rows of the minibatch ``rows`` is a micro-batch of (None: ``rows`` is the
+    minibatch). Then each aggregate is weighted by the micro-batch's share of the minibatch's
+    normaliser, so the micro-batches' losses (and gradients) sum to the minibatch's; the metrics
+    then describe the micro-batch alone, its loss terms weighted so (``lm_update`` reports the
+    minibatch's own)."""
     entropy_grad = preset.entropy_coef != 0
     logp, entropy = _forward_logp(engine, prep.batch, rows, entropy_grad)  # [b, L-1] each
+    return _objective(prep, rows, logp, entropy, preset, step, minibatch)
+
+
+def _objective(
+    prep: Prepared,
+    rows: Tensor,
+    logp: Tensor,  # [b, L-1] the policy's log-probs of ``rows``
+    entropy: Tensor,  # [b, L-1]
+    preset: Preset,
+    step: int,
+    minibatch: Tensor | None,
+) -> tuple[Tensor, dict[str, float], dict[str, float]]:
+    """``minibatch_loss`` from the policy's log-probs and entropy of ``rows``."""
     m, em = prep.mask[rows], prep.expert_mask[rows]
+    whole_m = None if minibatch is None else prep.mask[minibatch]
+    whole_em = em if minibatch is None else prep.expert_mask[minibatch]
+    share = _share(preset.aggregation, m, whole_m)
     loss_tok, loss_metrics = POLICY_LOSSES.get(preset.policy_loss)(
         logp, prep.old_logp[rows], prep.adv[rows], m, **preset.loss_kwargs
     )
-    pg_loss = aggregate(
+    pg_loss = share * aggregate(
         loss_tok * prep.tis[rows], m, preset.aggregation, **preset.aggregation_kwargs
     )
     loss = pg_loss
     metrics = {"losses/policy_loss": float(pg_loss.detach())}
     if prep.ref_logp is not None and not preset.kl_in_reward:
         kl = kl_penalty(logp, prep.ref_logp[rows], estimator=preset.kl_estimator)  # [b, L-1]
-        kl_loss = aggregate(kl, m, preset.aggregation, **preset.aggregation_kwargs)
+        kl_loss = share * aggregate(kl, m, preset.aggregation, **preset.aggregation_kwargs)
         loss = loss + preset.kl_beta * kl_loss
         metrics["losses/kl"] = float(kl_loss.detach())
-    if entropy_grad:
-        loss = loss - preset.entropy_coef * aggregate(entropy, m, "token-mean")
+    if preset.entropy_coef != 0:
+        entropy_term = aggregate(entropy, m, "token-mean") * _share("token-mean", m, whole_m)
+        loss = loss - preset.entropy_coef * entropy_term
     chord: dict[str, float] = {}
-    if preset.chord and bool(em.any()):
+    if preset.chord and bool(whole_em.any()):  # the minibatch's expert rows decide
         sft = aggregate(sft_loss(logp, em, phi=preset.chord_phi), em, "token-mean")
+        sft = sft * _share("token-mean", em, None if minibatch is None else whole_em)
         mu = preset.chord_mu(step)
         loss = chord_mix(loss, sft, mu)
         chord = {"losses/sft": float(sft.detach()), "charts/chord_mu": mu}
@@ -225,6 +290,44 @@ def minibatch_loss(
     metrics["charts/entropy"] = float(masked_mean(entropy.detach(), m))
     metrics.update({f"losses/{key}": float(value) for key, value in loss_metrics.items()})
     return loss, metrics, chord
+
+
+def _train_minibatch(
+    engine: TrainEngine,
+    prep: Prepared,
+    rows: Tensor,
+    preset: Preset,
+    step: int,
+    micro_batch_size: int | None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One optimizer step on the minibatch ``rows``, forward and backward ``micro_batch_size``
+    rows at a time (None: all at once); returns the minibatch's metrics and CHORD's."""
+    if micro_batch_size is None or micro_batch_size >= len(rows):
+        loss, metrics, chord = minibatch_loss(engine, prep, rows, preset, step)
+        engine.backward(loss)
+        engine.step()
+        return metrics, chord
+    entropy_grad = preset.entropy_coef != 0
+    parts = rows.split(micro_batch_size)
+    logps, entropies = [], []
+    try:
+        for i, part in enumerate(parts):
+            logp, entropy = _forward_logp(engine, prep.batch, part, entropy_grad)  # [b, L-1]
+            loss, _, _ = _objective(prep, part, logp, entropy, preset, step, rows)
+            engine.accumulation_boundary(last=i == len(parts) - 1)
+            engine.backward(loss)
+            logps.append(logp.detach())
+            entropies.append(entropy.detach())
+    finally:  # every later backward ends its step again (SFT, a failed update's retry)
+        engine.accumulation_boundary(last=True)
+    engine.step()
+    # The metrics of the whole minibatch, as without micro-batches: from the same log-probs
+    # (element-wise work on [b, L-1] tensors, no forward pass).
+    with torch.no_grad():
+        _, metrics, chord = _objective(
+            prep, rows, torch.cat(logps), torch.cat(entropies), preset, step, None
+        )
+    return metrics, chord
 
 
 def lm_update(
@@ -238,12 +341,22 @@ def lm_update(
     step: int,
     epochs: int = 1,
     minibatch_size: int = 32,
+    micro_batch_size: int | None = None,
     version: int | None = None,
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
     """Train on ``samples`` (whole groups) at the learner's policy ``version`` (see
     ``prepare``); returns scalar metrics (CleanRL-style names), each the mean over the
-    minibatches that had it."""
+    minibatches that had it.
+
+    ``micro_batch_size``: sequences per forward/backward pass (None: the minibatch); the
+    gradients of a minibatch's micro-batches accumulate into its one optimizer step, with the
+    same loss (and metrics) as the minibatch at once."""
+    if micro_batch_size is not None and not 1 <= micro_batch_size <= minibatch_size:
+        raise ValueError(
+            f"micro_batch_size ({micro_batch_size}) must lie in [1, minibatch_size "
+            f"({minibatch_size})]"
+        )
     engine.set_lr(lr)
     prep = prepare(
         engine,
@@ -252,6 +365,7 @@ def lm_update(
         preset,
         pad_id=pad_id,
         minibatch_size=minibatch_size,
+        micro_batch_size=micro_batch_size,
         version=version,
     )
     sums: dict[str, float] = collections.defaultdict(float)
@@ -261,9 +375,7 @@ def lm_update(
         order = torch.randperm(len(prep.batch), generator=generator)
         for start in range(0, len(prep.batch), minibatch_size):
             rows = order[start : start + minibatch_size]
-            loss, metrics, chord = minibatch_loss(engine, prep, rows, preset, step)
-            engine.backward(loss)
-            engine.step()
+            metrics, chord = _train_minibatch(engine, prep, rows, preset, step, micro_batch_size)
             steps += 1
             for key, value in metrics.items():
                 sums[key] += value

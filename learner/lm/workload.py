@@ -111,7 +111,7 @@ class LMWorkload:
             zero_stage=s.zero_stage,
             precision=s.precision,
             gradient_clipping=s.max_grad_norm,
-            train_micro_batch_size=s.minibatch_size,
+            train_micro_batch_size=s.micro_batch_size or s.minibatch_size,
             device=s.device,
             cache_dir=s.cache_dir,
         )
@@ -298,6 +298,7 @@ class LMWorkload:
             step=progress.updates,
             epochs=s.epochs,
             minibatch_size=s.minibatch_size,
+            micro_batch_size=s.micro_batch_size,
             version=progress.version,  # older samples are stale: preset.old_logp
             generator=generator,
         )

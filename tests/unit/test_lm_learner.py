@@ -37,6 +37,9 @@ class PlainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def accumulation_boundary(self, last: bool) -> None:
+        """Plain autograd accumulates in ``.grad`` by itself."""
+
     def step(self) -> None:
         self.opt.step()
         self.opt.zero_grad()
