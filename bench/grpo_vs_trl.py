@@ -26,6 +26,7 @@ the issue's target is >= 1.0 at each.
 
     python bench/grpo_vs_trl.py                 # 2 x 15 minutes, plus the SFT model once
     python bench/grpo_vs_trl.py --minutes 2     # smoke check (ratios at 40/80/120 s)
+    python bench/grpo_vs_trl.py --only rlfleet --set algo.old_logp=recompute --out X.json
 
 Prints the accuracy table and writes bench/results/grpo_vs_trl.json (curves of both sides:
 accuracy vs wall time and vs update, updates done, launch to first update).
@@ -243,13 +244,25 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=15.0, help="wall budget of each side")
     parser.add_argument("--eval-every", type=int, default=10, help="updates between evaluations")
     parser.add_argument("--only", choices=SIDES, nargs="+", default=list(SIDES))
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="job keys for the rlfleet side, YAML values, dotted for nested "
+                        "ones: engine=hf, algo.old_logp=recompute (an ablation)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     job, settings = load_job(args.config)
+    overrides = {}
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = job
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = overrides[key] = yaml.safe_load(value)
     budget_s = args.minutes * 60
     checkpoints = [budget_s / 3, 2 * budget_s / 3, budget_s]
     payload: dict[str, Any] = {"machine": machine({"config": str(args.config)})}
+    payload["rlfleet_overrides"] = overrides
     model = post_sft_model(settings)
     sides: dict[str, dict] = {}
     for name in args.only:
