@@ -16,7 +16,13 @@ from learner.lm.batch import Sample, decode_group
 from learner.lm.jobs import LM_JOBS
 from learner.lm.settings import LMLearnerSettings
 from learner.lm.update import lm_update
-from tests.unit.test_lm_learner import _group, _moved, load_causal_lm_copy, tok_model
+from tests.unit.test_lm_learner import (
+    PlainEngine,
+    _group,
+    _moved,
+    load_causal_lm_copy,
+    tok_model,
+)
 
 __all__ = ["tok_model"]  # the shared fixture (a tiny real model and its tokenizer)
 
@@ -41,32 +47,18 @@ ANSWERS = [  # completions of different lengths, so micro-batches hold different
 ]
 
 
-class SGDEngine:
-    """The Engine surface lm_update uses over a plain module and SGD (whose step is the gradient
-    itself, unlike Adam's first step, which is its sign), recording each step's gradient."""
+class SGDEngine(PlainEngine):
+    """PlainEngine over SGD (whose step is the gradient itself, unlike Adam's first step, which
+    is its sign), recording each step's gradient."""
 
     def __init__(self, module: torch.nn.Module, lr: float = 0.05) -> None:
-        self.module = module
+        super().__init__(module)
         self.opt = torch.optim.SGD(module.parameters(), lr=lr)
         self.grads: list[torch.Tensor] = []
 
-    def __call__(self, **kwargs: Any) -> Any:
-        return self.module(**kwargs)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def accumulation_boundary(self, last: bool) -> None:
-        """Plain autograd accumulates in ``.grad`` by itself."""
-
     def step(self) -> None:
         self.grads.append(_flat_grads(self.module.parameters()))
-        self.opt.step()
-        self.opt.zero_grad()
+        super().step()
 
 
 def _flat_grads(params: Iterator[torch.nn.Parameter] | list[torch.Tensor]) -> torch.Tensor:
