@@ -50,7 +50,7 @@ import yaml
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lm_common import RESULTS_DIR, ROOT, WORK_DIR, machine, write_results
+from bench.lm_common import RESULTS_DIR, ROOT, WORK_DIR, machine, stop_process, write_results
 from bench.venvs import ensure_venv
 
 RESULTS = RESULTS_DIR / "grpo_vs_trl.json"
@@ -139,7 +139,7 @@ def run_rlfleet(job: dict[str, Any], model: Path, budget_s: float, eval_every: i
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
         _wait_until(proc, started + budget_s)
-        _stop(proc, signal.SIGINT)
+        stop_process(proc, signal.SIGINT, group=True, wait_s=120)
     evals, updates = [], []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -183,7 +183,7 @@ def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float
                                 start_new_session=True)  # fmt: skip
         # It stops itself after the update that crosses the budget; a minute of grace.
         _wait_until(proc, started + budget_s + 60)
-        _stop(proc, signal.SIGTERM)
+        stop_process(proc, signal.SIGTERM, group=True, wait_s=120)
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     updates = [
         {"time_s": r["time_s"], "update": r["update"],
@@ -202,18 +202,6 @@ def _number(value: Any) -> float | None:
 def _wait_until(proc: subprocess.Popen, deadline: float) -> None:
     while proc.poll() is None and time.time() < deadline:
         time.sleep(1.0)
-
-
-def _stop(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    """``sig`` to the process group, then SIGKILL if it is not gone within two minutes."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 # --------------------------------------------------------------------------- the comparison

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -242,14 +243,20 @@ def reward_service_process(run_dir: Path, name: str = "reward") -> tuple[subproc
     return proc, f"127.0.0.1:{port}"
 
 
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop_process(
+    proc: subprocess.Popen, sig: int = signal.SIGTERM, *, group: bool = False, wait_s: float = 30
+) -> None:
+    """``sig`` to the process (its whole group with ``group``: one started with
+    ``start_new_session``), then SIGKILL if it is not gone within ``wait_s``."""
+    if proc.poll() is not None:
+        return
+    send = (lambda s: os.killpg(proc.pid, s)) if group else proc.send_signal
+    send(sig)
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()
 
 
 # --------------------------------------------------------------------------- weight versions
