@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import uuid
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -25,6 +26,7 @@ from google.rpc import status_pb2
 
 from env_server.client.shm_ring import (
     DONE,
+    MAX_ERROR_BYTES,
     STEP,
     RingLayout,
     SlotViews,
@@ -51,7 +53,11 @@ class ClientRing:
         self._doorbell_name = listener.getsockname()[1:].decode()  # abstract: b"\0name"
         self._conn: socket.socket | None = None
         self._slots: list[SlotViews] = layout.views(shm.buf)
+        self._answers = [_AnswerViews.of(slot) for slot in self._slots]
         self._seq = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the doorbell's reader runs on it
+        self._waiter: asyncio.Future[bytes] | None = None  # the step awaiting its DONE packet
+        self._unclaimed: bytes | None = None  # a packet no step was waiting for
 
     @classmethod
     def create(cls, layout: RingLayout) -> ClientRing:
@@ -95,6 +101,10 @@ class ClientRing:
             raise Unavailable(f"doorbell peer (pid {pid}) runs as uid {uid}, not this user")
         conn.setblocking(False)
         self._conn = conn
+        # One reader for the ring's life, not one per step (sock_recv registers and removes
+        # the fd each time): a step costs two system calls fewer and no asyncio plumbing.
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(conn.fileno(), self._on_readable)
         self._listener.close()
         self._listener = None
         self._shm.unlink()  # both sides have it mapped: the name is no longer needed
@@ -102,23 +112,34 @@ class ClientRing:
     async def step(self, actions: Any, timeout_s: float) -> StepResult:
         """One step through the ring; the arrays returned are read-only views of the slot,
         valid until `slots` more steps have been taken."""
-        conn = self._conn
-        if conn is None:
+        conn, loop = self._conn, self._loop
+        if conn is None or loop is None:
             raise Unavailable("the co-located ring is closed")
-        seq = next(self._seq)
-        slot = self._slots[seq % self.layout.slots]
-        _put_actions(slot.actions, actions)
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await loop.sock_sendall(conn, STEP.pack(seq, seq % self.layout.slots))
-                packet = await loop.sock_recv(conn, DONE.size + (64 << 10))
-        except TimeoutError:
+        if self._unclaimed is not None:  # an earlier step's caller gave up before its answer
             self.close()
-            raise Unavailable(f"no co-located step answer within {timeout_s:g}s") from None
+            raise Unavailable("the co-located ring is out of step (a step was abandoned)")
+        seq = next(self._seq)
+        index = seq % self.layout.slots
+        slot = self._slots[index]
+        _put_actions(slot.actions, actions)
+        waiter: asyncio.Future[bytes] = loop.create_future()
+        self._waiter = waiter
+        try:
+            # One packet in flight on a fresh socket buffer: a send never blocks here.
+            conn.send(STEP.pack(seq, index))
         except OSError as exc:
             self.close()
             raise Unavailable(f"the env server's doorbell failed: {exc}") from None
+        timer = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            packet = await waiter
+        except TimeoutError:
+            self.close()
+            raise Unavailable(f"no co-located step answer within {timeout_s:g}s") from None
+        finally:
+            timer.cancel()
+            if self._waiter is waiter:
+                self._waiter = None
         if len(packet) < DONE.size:
             self.close()
             raise Unavailable("the env server closed the co-located ring (it ended or restarted)")
@@ -128,10 +149,35 @@ class ClientRing:
             raise Unavailable(f"doorbell answered step {got_seq}, expected {seq}")
         if error_bytes:
             raise _error(packet[DONE.size : DONE.size + error_bytes])
-        return _result(slot, episodes, bool(has_final))
+        return self._answers[index].result(slot, episodes, bool(has_final))
+
+    def _on_readable(self) -> None:
+        """The doorbell's reader: hand the packet to the waiting step (b"" when closed)."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            packet = conn.recv(DONE.size + MAX_ERROR_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            packet = b""
+        if not packet and self._loop is not None:  # EOF stays readable: stop watching
+            self._loop.remove_reader(conn.fileno())
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(packet)
+        elif packet:
+            self._unclaimed = packet
 
     def close(self) -> None:
         """Idempotent: the server sees the doorbell close and detaches its side."""
+        if self._conn is not None and self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(Exception):  # e.g. from another thread once the loop ended
+                self._loop.remove_reader(self._conn.fileno())
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(b"")  # a step still waiting learns the ring is closed
         for sock in (self._conn, self._listener):
             if sock is not None:
                 sock.close()
@@ -159,30 +205,55 @@ def _put_actions(out: np.ndarray, actions: Any) -> None:
     out[...] = array
 
 
+def _expire(waiter: asyncio.Future[bytes]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
 def _readonly(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
 
 
-def _result(slot: SlotViews, episodes: int, has_final: bool) -> StepResult:
-    return StepResult(
-        observations=_readonly(slot.observations),
-        rewards=_readonly(slot.rewards),
-        terminated=_readonly(slot.terminated),
-        truncated=_readonly(slot.truncated),
-        infos={},  # not carried by the ring (docs/colocated.md)
-        final_observations=_readonly(slot.final_observations) if has_final else None,
-        episodes=[
-            EpisodeStats(
-                int(slot.episode_index[k]),
-                float(slot.episode_return[k]),
-                int(slot.episode_length[k]),
-                bool(slot.episode_truncated[k]),
-            )
-            for k in range(episodes)
-        ],
-    )
+@dataclass(frozen=True)
+class _AnswerViews:
+    """Read-only views of one slot's answer arrays, made once per ring rather than per step."""
+
+    observations: np.ndarray
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    final_observations: np.ndarray
+
+    @classmethod
+    def of(cls, slot: SlotViews) -> _AnswerViews:
+        return cls(
+            observations=_readonly(slot.observations),
+            rewards=_readonly(slot.rewards),
+            terminated=_readonly(slot.terminated),
+            truncated=_readonly(slot.truncated),
+            final_observations=_readonly(slot.final_observations),
+        )
+
+    def result(self, slot: SlotViews, episodes: int, has_final: bool) -> StepResult:
+        return StepResult(
+            observations=self.observations,
+            rewards=self.rewards,
+            terminated=self.terminated,
+            truncated=self.truncated,
+            infos={},  # not carried by the ring (docs/colocated.md)
+            final_observations=self.final_observations if has_final else None,
+            episodes=[
+                EpisodeStats(
+                    int(slot.episode_index[k]),
+                    float(slot.episode_return[k]),
+                    int(slot.episode_length[k]),
+                    bool(slot.episode_truncated[k]),
+                )
+                for k in range(episodes)
+            ],
+        )
 
 
 def _error(payload: bytes) -> RlfleetError:

@@ -157,8 +157,9 @@ async def test_bad_offers_and_packets_get_clear_errors(servers: dict[str, str]) 
             await session.step(np.full(4, 7))
         # A malformed doorbell packet is answered with an error, and the ring goes on.
         loop = asyncio.get_running_loop()  # the server's too: no blocking calls here
-        await loop.sock_sendall(ring._conn, b"garbage")
-        reply = await asyncio.wait_for(loop.sock_recv(ring._conn, 1 << 16), 10)
+        ring._waiter = loop.create_future()  # where the ring's reader puts the next packet
+        ring._conn.send(b"garbage")
+        reply = await asyncio.wait_for(ring._waiter, 10)
         error = status_pb2.Status.FromString(reply[DONE.size :])
         assert DONE.unpack_from(reply)[4] > 0 and "doorbell packet" in error.message
         assert (await session.step(np.zeros(4, np.int64))).rewards.tolist() == [1.0] * 4
@@ -172,6 +173,28 @@ async def test_bad_offers_and_packets_get_clear_errors(servers: dict[str, str]) 
         offer.host_id = host_id() or ""
         with pytest.raises(InvalidArgument, match="segment_bytes 1 is not"):
             await session._request(colocate=offer)
+
+
+async def test_a_step_abandoned_mid_wait_ends_the_ring_not_the_server(
+    servers: dict[str, str],
+) -> None:
+    async with EnvSession(servers[AUTO]) as session:
+        await session.create("CartPole-v1", 4, seed=0)
+        await session.reset()
+        assert await session.colocate()
+        waiting = asyncio.ensure_future(session.step(np.zeros(4, np.int64)))
+        await asyncio.sleep(0)  # sent, not answered yet
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0.5)  # its answer comes in with no step waiting for it
+        with pytest.raises(Unavailable, match="out of step"):
+            await session.step(np.zeros(4, np.int64))
+    async with EnvSession(servers[AUTO]) as session:  # the server serves on
+        await session.create("CartPole-v1", 4, seed=0)
+        await session.reset()
+        assert await session.colocate()
+        assert (await session.step(np.zeros(4, np.int64))).rewards.tolist() == [1.0] * 4
 
 
 async def test_a_ring_over_the_servers_limit_is_resource_exhausted() -> None:
