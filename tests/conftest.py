@@ -18,11 +18,13 @@ def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     reuse each other's kernels instead of each compiling them, and nothing is written to the
     user's shared cache (sampler `compile_cache: shared`, ~/.cache/rlfleet/compile). Either
     variable exported already wins (point it at a lasting folder to keep the kernels across
-    sessions)."""
+    sessions). TMPDIR too (samplers put inductor's precompiled header there): one short folder
+    of the session's, so the header is built once per session, not in the user's cache."""
     root = tmp_path_factory.mktemp("compile-cache")
-    added = [name for name in _COMPILE_CACHES if name not in os.environ]
+    added = [name for name in (*_COMPILE_CACHES, "TMPDIR") if name not in os.environ]
     for name in added:
-        os.environ[name] = str(root / _COMPILE_CACHES[name])
+        os.environ[name] = str(root / _COMPILE_CACHES.get(name, "tmp"))
+    (root / "tmp").mkdir()
     yield
     for name in added:
         os.environ.pop(name, None)

@@ -101,20 +101,34 @@ def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
     """vLLM reads these at import and in its spawned processes: set before importing it.
 
     Compile caches where ``settings.compile_cache`` says (compile_cache_root; VLLM_CACHE_ROOT
-    or TORCHINDUCTOR_CACHE_DIR set already win), the temp folder under the run directory; no
-    usage stats, no hub lookups.
+    or TORCHINDUCTOR_CACHE_DIR set already win), the temp folder (temp_dir); no usage stats, no
+    hub lookups.
     """
-    cache = Path(run_dir).resolve() / "cache"
     compiled = compile_cache_root(run_dir, settings)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(compiled / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled / "inductor"))
-    tmp = cache / "tmp"
-    if len(str(tmp)) <= _MAX_TMPDIR_CHARS and "TMPDIR" not in os.environ:
+    tmp = temp_dir(run_dir, settings)
+    if tmp is not None and "TMPDIR" not in os.environ:
         tmp.mkdir(parents=True, exist_ok=True)
-        os.environ["TMPDIR"] = str(tmp)  # vLLM's IPC sockets, not left in /tmp
+        os.environ["TMPDIR"] = str(tmp)
+
+
+def temp_dir(run_dir: Path, settings: SamplerSettings) -> Path | None:
+    """The sampler's TMPDIR: ``tmp`` in the user's rlfleet cache, or with ``compile_cache: run``
+    in the run directory's ``cache/``; None (the system's) when that path is too long for the
+    Unix sockets vLLM makes in it.
+
+    It holds more than vLLM's IPC sockets: inductor keeps its precompiled C++ header (a ~150 MB
+    ``.gch``, about 8 s of g++ on the 2-core build machine) under the temp folder whatever
+    TORCHINDUCTOR_CACHE_DIR says. A temp folder per run rebuilt it at every compiling engine's
+    start and left a copy in every run directory; a shared one builds it once.
+    """
+    base = Path(run_dir).resolve() if settings.compile_cache == "run" else None
+    tmp = (base / "cache" / "tmp") if base is not None else user_cache_dir().resolve() / "tmp"
+    return tmp if len(str(tmp)) <= _MAX_TMPDIR_CHARS else None
 
 
 @contextlib.asynccontextmanager

@@ -7,12 +7,19 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from sampler.lm.service import compile_cache_lock, compile_cache_root, configure_environment
+from sampler.lm.service import (
+    compile_cache_lock,
+    compile_cache_root,
+    configure_environment,
+    temp_dir,
+)
 from sampler.lm.settings import SamplerSettings
 
 _SET = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE",
@@ -44,9 +51,9 @@ def test_shared_is_the_default_under_the_users_cache(env: Path, tmp_path: Path) 
     assert versioned.name.startswith("vllm-") and "-torch-" in versioned.name
     assert "+" not in versioned.name  # 2.13.0+cpu -> 2.13.0_cpu
     assert (vllm.name, inductor) == ("vllm", versioned / "inductor")
-    # The temp folder stays in the run directory (vLLM's IPC sockets; not set at all when that
-    # path is too long for a socket, as pytest's tmp_path usually is).
-    assert os.environ.get("TMPDIR") in (None, str((tmp_path / "run").resolve() / "cache" / "tmp"))
+    # The temp folder (inductor's precompiled header) is the user cache's, not the run's; not
+    # set at all when that path is too long for a Unix socket.
+    assert os.environ.get("TMPDIR") in (None, str(env.resolve() / ".cache" / "rlfleet" / "tmp"))
 
 
 def test_shared_follows_xdg_cache_home_and_rlfleet_cache_dir(
@@ -77,7 +84,27 @@ def test_run_keeps_the_caches_in_the_run_directory(env: Path, tmp_path: Path) ->
     vllm, inductor = _configured(tmp_path / "run", compile_cache="run")
     cache = (tmp_path / "run").resolve() / "cache"
     assert (vllm, inductor) == (cache / "vllm", cache / "inductor")
+    assert os.environ.get("TMPDIR") in (None, str(cache / "tmp"))
     assert not (env / ".cache").exists()  # nothing under the user's cache
+
+
+def test_every_run_gets_the_same_short_temp_folder(
+    env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # inductor's precompiled header lives in the temp folder: one folder for all runs means
+    # one header. A short cache folder (socket paths), as pytest's tmp_path is not.
+    short = Path(tempfile.mkdtemp(prefix="rlf-", dir="/tmp"))
+    try:
+        monkeypatch.setenv("RLFLEET_CACHE_DIR", str(short))
+        for run in ("a", "b"):
+            monkeypatch.delenv("TMPDIR", raising=False)
+            _configured(short / run)
+            assert os.environ["TMPDIR"] == str(short.resolve() / "tmp")
+        assert (short / "tmp").is_dir() and not (short / "a").exists()
+        monkeypatch.setenv("RLFLEET_CACHE_DIR", str(short / ("x" * 60)))  # too long: the system's
+        assert temp_dir(short / "a", SamplerSettings(model_path="unused")) is None
+    finally:
+        shutil.rmtree(short)
 
 
 def test_a_path_is_used_as_the_cache_root(
