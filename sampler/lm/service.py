@@ -56,8 +56,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = service_name(sampler_pb2, "SamplerService")
-# Unix socket paths (vLLM's ZMQ IPC, under TMPDIR) must stay under ~107 bytes.
-_MAX_TMPDIR_CHARS = 60
+# Unix socket paths (vLLM's ZMQ IPC: a folder, "/" and a uuid4) must stay under ~107 bytes.
+_MAX_SOCKET_DIR_CHARS = 60
 PHASE_NOTICE_S = 20.0  # a phase still going on is announced again this often
 T = TypeVar("T")
 
@@ -101,8 +101,9 @@ def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
     """vLLM reads these at import and in its spawned processes: set before importing it.
 
     Compile caches where ``settings.compile_cache`` says (compile_cache_root; VLLM_CACHE_ROOT
-    or TORCHINDUCTOR_CACHE_DIR set already win), the temp folder (temp_dir); no usage stats, no
-    hub lookups.
+    or TORCHINDUCTOR_CACHE_DIR set already win), the temp folder (temp_dir), vLLM's IPC sockets
+    in the run directory's ``cache/ipc`` (VLLM_RPC_BASE_PATH, when that path is short enough for
+    a socket; else they go to the temp folder); no usage stats, no hub lookups.
     """
     compiled = compile_cache_root(run_dir, settings)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
@@ -110,25 +111,25 @@ def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(compiled / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled / "inductor"))
-    tmp = temp_dir(run_dir, settings)
-    if tmp is not None and "TMPDIR" not in os.environ:
-        tmp.mkdir(parents=True, exist_ok=True)
-        os.environ["TMPDIR"] = str(tmp)
+    ipc = Path(run_dir).resolve() / "cache" / "ipc"
+    for name, folder in (("TMPDIR", temp_dir(run_dir, settings)), ("VLLM_RPC_BASE_PATH", ipc)):
+        if len(str(folder)) <= _MAX_SOCKET_DIR_CHARS and name not in os.environ:
+            folder.mkdir(parents=True, exist_ok=True)
+            os.environ[name] = str(folder)
 
 
-def temp_dir(run_dir: Path, settings: SamplerSettings) -> Path | None:
-    """The sampler's TMPDIR: ``tmp`` in the user's rlfleet cache, or with ``compile_cache: run``
-    in the run directory's ``cache/``; None (the system's) when that path is too long for the
-    Unix sockets vLLM makes in it.
+def temp_dir(run_dir: Path, settings: SamplerSettings) -> Path:
+    """The sampler's TMPDIR (unless too long for a socket: then the system's): ``tmp`` in the
+    user's rlfleet cache, or with ``compile_cache: run`` in the run directory's ``cache/``.
 
-    It holds more than vLLM's IPC sockets: inductor keeps its precompiled C++ header (a ~150 MB
-    ``.gch``, about 8 s of g++ on the 2-core build machine) under the temp folder whatever
-    TORCHINDUCTOR_CACHE_DIR says. A temp folder per run rebuilt it at every compiling engine's
-    start and left a copy in every run directory; a shared one builds it once.
+    Inductor keeps its precompiled C++ header (a ~150 MB ``.gch``, about 8 s of g++ on the
+    2-core build machine) under the temp folder whatever TORCHINDUCTOR_CACHE_DIR says. A temp
+    folder per run rebuilt it at every compiling engine's start and left a copy in every run
+    directory; a shared one builds it once.
     """
-    base = Path(run_dir).resolve() if settings.compile_cache == "run" else None
-    tmp = (base / "cache" / "tmp") if base is not None else user_cache_dir().resolve() / "tmp"
-    return tmp if len(str(tmp)) <= _MAX_TMPDIR_CHARS else None
+    if settings.compile_cache == "run":
+        return Path(run_dir).resolve() / "cache" / "tmp"
+    return user_cache_dir().resolve() / "tmp"
 
 
 @contextlib.asynccontextmanager

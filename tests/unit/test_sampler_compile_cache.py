@@ -22,8 +22,8 @@ from sampler.lm.service import (
 )
 from sampler.lm.settings import SamplerSettings
 
-_SET = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE",
-        "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE")  # fmt: skip
+_SET = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_RPC_BASE_PATH",
+        "VLLM_CPU_KVCACHE_SPACE", "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE")  # fmt: skip
 _LOCATION = ("RLFLEET_CACHE_DIR", "XDG_CACHE_HOME")
 
 
@@ -98,11 +98,19 @@ def test_every_run_gets_the_same_short_temp_folder(
         monkeypatch.setenv("RLFLEET_CACHE_DIR", str(short))
         for run in ("a", "b"):
             monkeypatch.delenv("TMPDIR", raising=False)
+            monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
             _configured(short / run)
             assert os.environ["TMPDIR"] == str(short.resolve() / "tmp")
-        assert (short / "tmp").is_dir() and not (short / "a").exists()
-        monkeypatch.setenv("RLFLEET_CACHE_DIR", str(short / ("x" * 60)))  # too long: the system's
-        assert temp_dir(short / "a", SamplerSettings(model_path="unused")) is None
+            # vLLM's sockets stay with the run (they outlive a killed engine)
+            ipc = short.resolve() / run / "cache" / "ipc"
+            assert os.environ["VLLM_RPC_BASE_PATH"] == str(ipc) and ipc.is_dir()
+        assert (short / "tmp").is_dir()
+        run = SamplerSettings(model_path="unused", compile_cache="run")
+        assert temp_dir(short / "a", run) == short.resolve() / "a" / "cache" / "tmp"
+        monkeypatch.delenv("TMPDIR")
+        monkeypatch.setenv("RLFLEET_CACHE_DIR", str(short / ("x" * 60)))  # too long for a socket
+        _configured(short / "a")
+        assert "TMPDIR" not in os.environ  # the system's
     finally:
         shutil.rmtree(short)
 
