@@ -50,6 +50,7 @@ import yaml
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.job_overrides import apply_overrides, parse_overrides
 from bench.lm_common import RESULTS_DIR, ROOT, WORK_DIR, machine, stop_process, write_results
 from bench.venvs import ensure_venv
 
@@ -239,14 +240,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     job, settings = load_job(args.config)
-    overrides = {}
-    for item in args.overrides:
-        key, _, value = item.partition("=")
-        *parents, leaf = key.split(".")
-        node = job
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = overrides[key] = yaml.safe_load(value)
+    overrides = parse_overrides(args.overrides)
+    apply_overrides(job, overrides)
     budget_s = args.minutes * 60
     checkpoints = [budget_s / 3, 2 * budget_s / 3, budget_s]
     payload: dict[str, Any] = {"machine": machine({"config": str(args.config)})}

@@ -48,6 +48,7 @@ if not __package__:
     sys.path.insert(0, str(ROOT))
 
 from bench import ppo_cartpole_runs as runs  # noqa: E402
+from bench.job_overrides import apply_overrides, parse_overrides  # noqa: E402
 from bench.ppo_cartpole_report import print_report, summarize  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "cartpole_ppo.yaml"
@@ -242,12 +243,12 @@ def main() -> int:
         if args.quick
         else ROOT / "bench/results/ppo_cartpole.json"
     )
-    overrides = dict(_key_value(kv) for kv in args.set)
+    overrides = parse_overrides(args.set)
     config = yaml.safe_load(args.config.read_text())
-    config["job"].update(overrides)
+    apply_overrides(config["job"], overrides)
     appo = yaml.safe_load(args.appo_config.read_text()) if args.appo else None
     if appo is not None:
-        appo["job"].update(overrides)
+        apply_overrides(appo["job"], overrides)
 
     result: dict[str, Any] = {}
     if args.only and out.exists():  # keep the sections not run now
@@ -288,13 +289,6 @@ def main() -> int:
     print_report(result)
     print(f"wrote {out}")
     return 0
-
-
-def _key_value(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--set wants KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
 
 
 def _git() -> dict[str, Any]:
