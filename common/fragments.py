@@ -15,12 +15,31 @@ from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
 
-__all__ = ["FragmentArrays", "FragmentMeta", "build_fragment", "fragment_id"]
+__all__ = [
+    "FragmentArrays",
+    "FragmentMeta",
+    "build_fragment",
+    "fragment_id",
+    "producer_id",
+    "producer_of",
+]
+
+
+def producer_id(run: str, actor: str, incarnation: str) -> str:
+    """`<run>/<actor>/<incarnation>`: one actor incarnation, whose fragments are numbered from 0."""
+    return f"{run}/{actor}/{incarnation}"
 
 
 def fragment_id(run: str, actor: str, incarnation: str, sequence: int) -> str:
     """`<run>/<actor>/<incarnation>/<sequence>`: unique across restarts; the Nats-Msg-Id."""
-    return f"{run}/{actor}/{incarnation}/{sequence}"
+    return f"{producer_id(run, actor, incarnation)}/{sequence}"
+
+
+def producer_of(fragment_id: str, sequence: int) -> str | None:
+    """The producer part of an id of the recommended form `<producer>/<sequence>`, or None
+    when the id is not of that form (a producer that numbers its fragments otherwise)."""
+    producer, _, tail = fragment_id.rpartition("/")
+    return producer if producer and tail == str(sequence) else None
 
 
 @dataclass(frozen=True)

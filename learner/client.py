@@ -382,6 +382,10 @@ class WeightFollower:
         self.version = -1  # newest version fetched (handed over or pending)
         self._announced = -1
         self._digests: dict[int, str] = {}  # announced version -> manifest digest
+        # WeightsPublished.taken_sequences of the newest fetched version (what `taken` tells),
+        # and of the newest announced one, which becomes it once that version is fetched.
+        self._taken: dict[str, int] = {}
+        self._announced_taken: tuple[int, dict[str, int]] = (-1, {})
         self._wake = asyncio.Event()
         self._arrived = asyncio.Event()  # a newer version was fetched
         self._pending: tuple[int, dict[str, Any]] | None = None
@@ -444,10 +448,21 @@ class WeightFollower:
                 waiter.cancel()
         return self.version > version
 
+    def taken(self, producer: str) -> int | None:
+        """The highest sequence of ``producer``'s fragments the learner had taken off the
+        stream when it published the newest fetched version, or None when it said none.
+
+        Told with the fetched version rather than the announced one: an actor that goes on as
+        soon as the learner has taken its fragments should go on with the weights that came
+        of them, not with the previous ones while those are still on their way."""
+        return self._taken.get(producer)
+
     async def _watch(self, sub: Any) -> None:
         async with sub:
             async for delivery in sub:
                 version = int(delivery.message.version)
+                if version > self._announced_taken[0]:
+                    self._announced_taken = (version, dict(delivery.message.taken_sequences))
                 if version > max(self._announced, self.version):
                     self._announced = version
                     self._digests = {version: delivery.message.manifest_digest}
@@ -474,6 +489,8 @@ class WeightFollower:
             if version > self.version:
                 self.version = version
                 self._pending = (version, state)
+                if self._announced_taken[0] == version:
+                    self._taken = self._announced_taken[1]
                 self._arrived.set()
                 log.info("fetched weights v%d from %s", version, self.address)
 

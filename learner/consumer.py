@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from services.errors import InvalidArgument, RlfleetError
 __all__ = [
     "AppliedWindow",
     "Ledger",
+    "TakenSequences",
     "TrajectoryConsumer",
     "Verdict",
     "next_version",
@@ -88,16 +89,51 @@ def next_version(learner_dir: Path, updates: int, version: int) -> int:
 
 
 async def publish_version(
-    store: Any, bus: Bus, run: str, named: dict[str, Any], learner_dir: Path, address: str
+    store: Any,
+    bus: Bus,
+    run: str,
+    named: dict[str, Any],
+    learner_dir: Path,
+    address: str,
+    taken: Mapping[str, int] | None = None,
 ) -> int:
     """Store ``named`` tensors as the next version, remember it in ``state.json``, announce it
-    on the bus (WeightsPublished, with the WeightService ``address``); returns the version."""
+    on the bus (WeightsPublished, with the WeightService ``address`` and the ``taken``
+    sequences per producer); returns the version."""
     from learner.weights import announce
 
     manifest = await asyncio.to_thread(store.publish, named)
     write_atomic(learner_dir / "state.json", json.dumps({"version": manifest.version}) + "\n")
-    await announce(bus, run, manifest, address)
+    await announce(bus, run, manifest, address, taken_sequences=taken)
     return int(manifest.version)
+
+
+class TakenSequences:
+    """Per producer, the highest sequence the learner has taken off the stream (applied or
+    dropped), announced with every version: actors keep a bounded number of fragments
+    outstanding against it (sampler/actors/actor.py, ``Actor._pace``). A credit counted from
+    the version an actor started at is not enough: the learner takes fragments in stream order,
+    so an actor that starts a version late leaves the other actors' extra credit spent and the
+    pipeline one fragment short for the whole run.
+
+    Not checkpointed: after a restart a producer is absent until its next fragment is taken
+    (its actor paces on versions meanwhile). Holds the ``limit`` producers taken from last.
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._sequences: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def note(self, producer: str | None, sequence: int) -> None:
+        if producer is None or sequence < 0:
+            return
+        previous = self._sequences.pop(producer, -1)
+        self._sequences[producer] = max(previous, sequence)  # redeliveries come out of order
+        while len(self._sequences) > self.limit:
+            self._sequences.popitem(last=False)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._sequences)
 
 
 async def settle(call: Any) -> None:

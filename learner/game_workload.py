@@ -38,6 +38,7 @@ from common.artifacts import (
     policy_description,
     save_policy,
 )
+from common.fragments import producer_of
 from common.policies import build_policy
 from learner.algos import constant, linear_anneal
 from learner.consumer import now
@@ -181,7 +182,14 @@ class GameWorkload:
 
     def envelope(self, message: Any) -> Envelope:
         steps = int(message.num_steps) * int(message.num_envs)
-        return Envelope(message.fragment_id, int(message.policy_version), {"steps": steps})
+        sequence = int(message.sequence)
+        return Envelope(
+            message.fragment_id,
+            int(message.policy_version),
+            {"steps": steps},
+            producer=producer_of(message.fragment_id, sequence),
+            sequence=sequence,
+        )
 
     def decode(self, message: Any) -> Fragment:
         assert self.spaces is not None

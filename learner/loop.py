@@ -44,6 +44,7 @@ from google.protobuf import timestamp_pb2
 from learner.consumer import (
     AppliedWindow,
     Ledger,
+    TakenSequences,
     TrajectoryConsumer,
     next_version,
     now,
@@ -109,6 +110,7 @@ class LearnerLoop:
         self.checkpointed_updates = 0  # the updates the latest checkpoint on disk includes
         self.generator = torch.Generator().manual_seed(self.settings.seed)  # minibatch order
         self.ledger = Ledger(self.dirs["learner"] / "applied.jsonl")
+        self.taken = TakenSequences()  # announced with each version: the actors' flow control
         self.engine: Engine | None = None
         self.store: WeightStore | None = None
         self.bus: Bus | None = None
@@ -153,7 +155,13 @@ class LearnerLoop:
         assert self.store is not None and self.bus is not None and self.server is not None
         named = await asyncio.to_thread(self.workload.weights)
         self.progress.version = await publish_version(
-            self.store, self.bus, self.run_name, named, self.dirs["learner"], self.server.address
+            self.store,
+            self.bus,
+            self.run_name,
+            named,
+            self.dirs["learner"],
+            self.server.address,
+            self.taken.snapshot(),
         )
 
     # ------------------------------------------------------------------ the run
@@ -242,6 +250,7 @@ class LearnerLoop:
             if delivery is None:
                 return None
             envelope = w.envelope(delivery.message)
+            self.taken.note(envelope.producer, envelope.sequence)
             verdict = triage(
                 envelope.id, envelope.policy_version, p.version, s.max_policy_lag, p.applied, ids
             )

@@ -294,9 +294,15 @@ def add_weight_service(servicer: Any, server: grpc.aio.Server) -> None:
 
 
 async def announce(
-    bus: Bus, run: str, manifest: weights_pb2.WeightManifest, endpoint: str
+    bus: Bus,
+    run: str,
+    manifest: weights_pb2.WeightManifest,
+    endpoint: str,
+    *,
+    taken_sequences: Mapping[str, int] | None = None,
 ) -> events_pb2.WeightsPublished:
-    """Tell the run that ``manifest``'s version can be fetched from ``endpoint`` (host:port).
+    """Tell the run that ``manifest``'s version can be fetched from ``endpoint`` (host:port),
+    and (game workloads) which fragments of each producer have been taken (TakenSequences).
 
     A core NATS event on ``rlfleet.v1.events.<run>.weights``: only live subscribers need it, and
     a sampler that missed one asks GetManifest for the latest anyway.
@@ -311,6 +317,7 @@ async def announce(
         endpoint=endpoint,
         time=now,
         num_tensors=len(manifest.tensors),
+        taken_sequences=taken_sequences or {},
     )
     msg_id = f"{run}/weights/{manifest.version}/{manifest.digest[:16]}"
     await bus.publish_event(events_subject(run, "weights"), event, headers={MSG_ID_HEADER: msg_id})

@@ -84,6 +84,10 @@ class Envelope:
     id: str
     policy_version: int  # the oldest policy that produced it: its lag is judged on this
     fields: dict[str, Any] = field(default_factory=dict)  # more for its ledger lines
+    # For flow control (learner.consumer.TakenSequences): who produced it and its position
+    # among that producer's messages; None where the workload's producers do not pace on it.
+    producer: str | None = None
+    sequence: int = -1
 
 
 class LoopSettings(Protocol):

@@ -132,9 +132,20 @@ class ServiceEntry(StrictModel):
     # The services that must be up before this one starts (services/start_order.py); None:
     # what its kind declares, else every service listed before it. [] starts it at once.
     after: list[str] | None = None
+    # The CPUs (Linux CPU ids) its processes may run on, set by `rlfleet up` with
+    # sched_setaffinity; None: wherever the OS schedules them. Checked against the CPUs the
+    # launcher itself may use when the run starts.
+    cpus: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     # Raw mapping as written; after validate_run_config/load_run_config it is an instance of
     # the kind's settings model (Any, not a union, keeps pydantic's error paths clean).
     settings: Any = Field(default_factory=dict)
+
+    @field_validator("cpus")
+    @classmethod
+    def _distinct(cls, cpus: list[int] | None) -> list[int] | None:
+        if cpus is not None and len(set(cpus)) != len(cpus):
+            raise ValueError(f"CPU ids repeated in {cpus}")
+        return cpus
 
     @field_validator("settings", mode="before")
     @classmethod

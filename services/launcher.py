@@ -47,7 +47,7 @@ from services.cli import ENV_EXIT_REASON
 from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.console import DEFAULT_INTERVAL_S, PROGRESS_EVENTS, Console
 from services.dashboard.live import LiveView
-from services.errors import EXIT_PERMANENT, RlfleetError
+from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 from services.run_security import LAUNCHER, RunSecurity
@@ -272,6 +272,38 @@ class _Service:
         return "(no reason given)"
 
 
+def _child_setup(cpus: list[int] | None) -> Callable[[], None] | None:
+    """The ``preexec_fn`` of a service: SIGTERM at the launcher's death, and its CPUs."""
+    on_parent_death = parent_death_signal(signal.SIGTERM)
+    if not cpus:
+        return on_parent_death
+
+    def setup() -> None:
+        if on_parent_death is not None:
+            on_parent_death()
+        os.sched_setaffinity(0, cpus)  # before exec: every thread it starts inherits it
+
+    return setup
+
+
+def check_cpus(config: RunConfig) -> None:
+    """ConfigError naming the service whose ``cpus`` this process may not run on."""
+    pinned = [(i, e) for i, e in enumerate(config.services) if e.cpus]
+    if not pinned:
+        return
+    if not hasattr(os, "sched_getaffinity"):
+        i, entry = pinned[0]
+        raise ConfigError(f"services[{i}] ({entry.name}).cpus: CPU pinning needs Linux")
+    usable = sorted(os.sched_getaffinity(0))
+    for i, entry in pinned:
+        missing = sorted(set(entry.cpus or ()) - set(usable))
+        if missing:
+            raise ConfigError(
+                f"services[{i}] ({entry.name}).cpus: CPU {missing} not available here "
+                f"(this process may use CPUs {usable})"
+            )
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -333,6 +365,7 @@ class Launcher:
         # Validate here too (cheap when already validated), so a config built in Python gets
         # the same before-anything-starts guarantee as a loaded file.
         self.config = validate_run_config(config, environ=environ)
+        check_cpus(self.config)
         self.config_path = Path(config_path) if config_path is not None else None
         self.out = out or sys.stdout
         self.environ = dict(os.environ if environ is None else environ)
@@ -653,7 +686,7 @@ class Launcher:
                 stderr=asyncio.subprocess.STDOUT,
                 env=child_env,
                 start_new_session=True,
-                preexec_fn=parent_death_signal(signal.SIGTERM),
+                preexec_fn=_child_setup(svc.entry.cpus),
             )
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             header = f"=== {stamp} start {svc.starts} pid {svc.process.pid}: {shlex.join(argv)}\n"

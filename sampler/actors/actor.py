@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from common.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
+from common.fragments import producer_id
 from common.stats import ActorStats
 from learner.client import WeightFollower
 from sampler.actors.envs import EnvGroup, TickEvents
@@ -46,6 +47,8 @@ class GameActor:
         self.settings = settings
         self.stop = ctx.stop_event
         self.incarnation = uuid.uuid4().hex[:12]
+        # Whose fragments these are, as the learner reports what it took (flow control, _pace).
+        self.producer = producer_id(ctx.run_name, ctx.name, self.incarnation)
         self.bus: Bus | None = None
         self.envs = EnvGroup(
             [ctx.resolve(name) for name in settings.env_servers],
@@ -63,7 +66,7 @@ class GameActor:
         self.follower: WeightFollower | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._paced_base, self._paced_count = -1, 0  # see _pace
+        self._paced_base, self._paced_count = -1, 0  # see _pace_on_versions
 
     async def run(self) -> None:
         settings = self.settings
@@ -165,7 +168,7 @@ class GameActor:
                     meta = dataclasses.replace(meta, env_session_id=envs.session_ids)
                     await self._publish(rollout.build(policy, meta))
                 rollout.restart()
-                await self._pace(policy)
+                await self._pace(policy, rollout.sequence)
                 self._swap_weights(policy)
             if total and stats.steps >= total:
                 break
@@ -188,16 +191,46 @@ class GameActor:
         seed, space = self.settings.env_seed(), self.envs.action_space
         return [RandomBehaviour(space, p.stop - p.start, seed + p.start) for p in self.envs.parts]
 
-    async def _pace(self, policy: Behaviour) -> None:
-        """Credit-based pacing: the learner turns `fragments_per_version` fragments of each actor
-        into one new version, so after `k` fragments this actor waits for version
-        `base + ceil(k / fragments_per_version) - versions_ahead`. It thus collects
-        `versions_ahead` updates ahead (overlapping the learner's training; 1 for PPO, the
-        staleness bound for APPO) but never more: an actor that outruns the learner only makes
-        fragments the learner drops as too stale."""
+    async def _pace(self, policy: Behaviour, built: int) -> None:
+        """Flow control (learner mode): keep at most `fragments_per_version * (versions_ahead +
+        1)` of this actor's fragments outstanding, i.e. built but not yet taken by the learner
+        (WeightsPublished.taken_sequences, learner.consumer.TakenSequences). The actor thus
+        collects `versions_ahead` updates ahead (overlapping the learner's training; 1 for PPO,
+        the staleness bound for APPO) but never more: an actor that outruns the learner only
+        makes fragments the learner drops as too stale. `built` is how many fragments this
+        incarnation has built so far.
+
+        Until the learner has announced taking any of them (start-up, a learner restart) the
+        credit is counted in versions instead (`_pace_on_versions`)."""
         per_version = self.settings.fragments_per_version
         if not per_version or self.follower is None:
             return
+        follower = self.follower
+        if follower.taken(self.producer) is None:
+            await self._pace_on_versions(policy, per_version)
+            return
+        self._paced_base, self._paced_count = -1, 0  # a fresh count if it is needed again
+        limit = per_version * (self.settings.versions_ahead + 1)
+        deadline = time.monotonic() + self.settings.version_wait_s
+        while not self.stop.is_set():
+            taken = follower.taken(self.producer)
+            if taken is None or built - (taken + 1) < limit:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not await follower.wait_newer(follower.version, self.stop, left):
+                if not self.stop.is_set():
+                    log.warning(
+                        "%d fragments outstanding and no new version for %.0fs: going on",
+                        built - (taken + 1),
+                        self.settings.version_wait_s,
+                    )
+                return
+
+    async def _pace_on_versions(self, policy: Behaviour, per_version: int) -> None:
+        """The credit before the learner reports what it took: after `k` fragments since the
+        count began (at version `base`), wait for version
+        `base + ceil(k / fragments_per_version) - versions_ahead`."""
+        assert self.follower is not None
         if self._paced_base < 0:
             self._paced_base = policy.version
         self._paced_count += 1

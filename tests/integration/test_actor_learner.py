@@ -21,6 +21,7 @@ import pytest_asyncio
 import torch
 
 from common import tensor
+from common.fragments import producer_of
 from common.policies import PolicyConfig, build_policy
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
@@ -70,8 +71,9 @@ class StandInLearner:
         self.server.set_serving()
         return self.server.address
 
-    async def publish(self, critic_bias: float) -> int:
-        """A new version: a fresh network whose critic output is shifted by `critic_bias`."""
+    async def publish(self, critic_bias: float, taken: dict[str, int] | None = None) -> int:
+        """A new version: a fresh network whose critic output is shifted by `critic_bias`,
+        announced with the `taken` sequences per producer (WeightsPublished.taken_sequences)."""
         env = gym.make("CartPole-v1")
         config = PolicyConfig(hidden_sizes=HIDDEN)
         net = build_policy(env.observation_space, env.action_space, config)
@@ -79,7 +81,7 @@ class StandInLearner:
             net.critic[-1].bias.fill_(critic_bias)
         manifest = await asyncio.to_thread(self.store.publish, net.state_dict())
         self.nets[manifest.version] = net
-        await announce(self.bus, self.run, manifest, self.server.address)
+        await announce(self.bus, self.run, manifest, self.server.address, taken_sequences=taken)
         return manifest.version
 
 
@@ -160,6 +162,80 @@ async def test_actor_follows_the_learners_versions(
         np.testing.assert_allclose(_arr(f.values).reshape(-1), value.numpy(), atol=1e-4)
         np.testing.assert_allclose(_arr(f.logprobs).reshape(-1), logp.numpy(), atol=1e-4)
         np.testing.assert_allclose(_arr(f.bootstrap_values), bootstrap.numpy(), atol=1e-4)
+
+
+async def test_actor_keeps_its_outstanding_fragments_bounded_by_what_the_learner_took(
+    nats_url: str, env_server: str
+) -> None:
+    """Flow control: one fragment per version and one version ahead allow 2 fragments built
+    but not taken. Before the learner reports taking any, the credit counts versions (2
+    fragments on v0); then it follows the reported sequences, whatever the versions say."""
+    run = f"itest-pace-{uuid.uuid4().hex[:8]}"
+    async with Bus.connect(nats_url, name="test-learner") as bus:
+        await bus.ensure_stream(stream_name(run), [traj_subject(run)])
+        learner = StandInLearner(run, bus)
+        address = await learner.start()
+        settings = GameActorSettings(
+            env_servers=["env"],
+            env_id="CartPole-v1",
+            num_envs=2,
+            rollout_length=4,
+            policy="learner",
+            learner="learner",
+            policy_config={"hidden_sizes": HIDDEN},
+            stats_interval_s=60,
+            fragments_per_version=1,
+            versions_ahead=1,
+        )
+        ctx = ServiceContext(
+            name="actor-0",
+            kind="game_actor",
+            settings=settings,
+            run_name=run,
+            nats_url=nats_url,
+            endpoints={"env": env_server, "learner": address},
+        )
+        actor = asyncio.create_task(GameActor(ctx, settings).run())
+        frags: list[trajectory_pb2.RolloutFragment] = []
+        stop_pull = asyncio.Event()
+
+        async def consume() -> None:
+            async for d in bus.pull(
+                stream_name(run),
+                "learner",
+                traj_subject(run),
+                trajectory_pb2.RolloutFragment,
+                timeout_s=0.2,
+                stop_event=stop_pull,
+            ):
+                frags.append(d.message)
+                await d.ack()
+
+        async def settled(count: int) -> None:
+            await _until(lambda: len(frags) >= count)
+            await asyncio.sleep(1.0)  # and no more come
+            assert len(frags) == count, [f.policy_version for f in frags]
+
+        consumer = asyncio.create_task(consume())
+        try:
+            await learner.publish(critic_bias=0.0)
+            await settled(2)  # v0 and one version ahead on it
+            producer = producer_of(frags[0].fragment_id, frags[0].sequence)
+            assert producer is not None
+            # Version 1 took fragment 0: one outstanding, so one more.
+            await learner.publish(critic_bias=1.0, taken={producer: 0})
+            await settled(3)
+            # Version 2 took fragments 1 and 2: none outstanding, two more. (A credit counted
+            # in versions would allow one: 4 fragments by v2.)
+            await learner.publish(critic_bias=2.0, taken={producer: 2})
+            await settled(5)
+        finally:
+            ctx.stop_event.set()
+            await asyncio.wait_for(actor, 30)
+            stop_pull.set()
+            await asyncio.wait_for(consumer, 10)
+            await learner.server.stop(0)
+    assert [f.policy_version for f in frags] == [0, 0, 1, 2, 2]
 
 
 async def _until(condition: Any, timeout_s: float = 30.0) -> None:

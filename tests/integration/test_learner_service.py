@@ -174,6 +174,9 @@ async def test_learner_crash_and_restart_applies_every_fragment_once(
                 )
             assert (status.updates, status.messages_consumed, status.policy_version) == (5, 10, 5)
             assert status.samples_consumed == 10 * T * N and "losses/policy_loss" in status.metrics
+            # Each version tells what it took of each producer (the actors' flow control).
+            taken = {w.version: dict(w.taken_sequences) for w in watcher.weights}
+            assert taken[0] == {} and taken[5] == {f"{run}/actor-0/inc": 9}
             learner.send_signal(signal.SIGKILL)  # updates 4 and 5 are lost with the process
             assert await learner.wait() == -signal.SIGKILL
             versions_before = max(w.version for w in watcher.weights)

@@ -10,6 +10,7 @@ the job a Python game of Snake-v0 boards on the Python GameLink SDK with the rea
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -113,6 +114,38 @@ def test_the_command_runs_with_its_environment_and_a_clean_exit_finishes_it(
         assert "main service once finished" in up.output
         assert "hello from once in once" in (run_dir / "logs" / "once.log").read_text()
         assert_nothing_left(run_dir)
+    finally:
+        up.stop()
+
+
+def test_a_service_runs_on_the_cpus_its_entry_names_and_unknown_cpus_fail_first(
+    tmp_path: Path,
+) -> None:
+    last = sorted(os.sched_getaffinity(0))[-1]
+    report = "import os; print('on cpus', sorted(os.sched_getaffinity(0)))"
+    entry = f"""\
+        - name: pinned
+          service: process
+          main: true
+          cpus: [{{cpus}}]
+          settings:
+            command: [{sys.executable}, -c, "{report}"]
+        """
+    config, run_dir = write_config(tmp_path, entry.format(cpus=last), name="pinned")
+    up = Up(config, run_dir, services=("pinned",), budget_s=30)
+    try:
+        assert up.wait() == 0, up.diagnostics()
+        assert f"on cpus [{last}]" in (run_dir / "logs" / "pinned.log").read_text()
+    finally:
+        up.stop()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config, run_dir = write_config(bad, entry.format(cpus=4095), name="pinned")
+    up = Up(config, run_dir, budget_s=30)
+    try:
+        assert up.wait() != 0
+        assert "services[0] (pinned).cpus: CPU [4095] not available here" in up.output
+        assert not (run_dir / "logs" / "pinned.log").exists()  # nothing started
     finally:
         up.stop()
 

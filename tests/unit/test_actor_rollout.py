@@ -21,6 +21,7 @@ import pytest_asyncio
 
 from common import tensor
 from common.behaviour import Decision
+from common.fragments import producer_id, producer_of
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
@@ -143,6 +144,11 @@ async def test_fragment_from_scripted_run(servers: list[str]) -> None:
 
     assert frag.fragment_id == fragment_id("run-a", "actor-0", "inc1", 0) == "run-a/actor-0/inc1/0"
     assert (frag.sequence, frag2.sequence, frag2.fragment_id) == (0, 1, "run-a/actor-0/inc1/1")
+    # The learner reports what it took per producer, which it reads off the id.
+    producer = producer_id("run-a", "actor-0", "inc1")
+    assert producer_of(frag2.fragment_id, frag2.sequence) == producer == "run-a/actor-0/inc1"
+    assert producer_of(frag2.fragment_id, 7) is None  # an id not of the form <producer>/<seq>
+    assert producer_of("7", 7) is None
     assert (frag.num_steps, frag.num_envs, frag.policy_version) == (t_steps, n, 7)
     assert frag.env_address == ",".join(servers)
 

@@ -36,6 +36,40 @@ def test_cartpole_example_expands_into_servers_learner_and_actors() -> None:
     assert learner.policy == actors[0].policy_config
 
 
+@pytest.mark.parametrize(
+    ("knobs", "usable", "placed"),
+    [
+        ("", {0, 1, 2, 3}, True),  # auto: the learner on the last CPU, the rest on the others
+        ("  cpu_placement: 'off'\n", {0, 1, 2, 3}, False),
+        ("", {0}, False),  # nothing to split
+        ("  learner_ranks: 2\n", {0, 1, 2, 3}, False),  # its ranks need CPUs of their own
+    ],
+)
+def test_game_jobs_give_the_learner_a_cpu_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, knobs: str, usable: set[int], placed: bool
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: usable)
+    body = (
+        (ROOT / "examples" / "cartpole_ppo.yaml").read_text().replace("job:\n", "job:\n" + knobs, 1)
+    )
+    config = load_run_config(_write(tmp_path, body), environ={})
+    cpus = {e.name: e.cpus for e in config.services}
+    if placed:
+        assert cpus == {"env-0": [0, 1, 2], "learner": [3], "actor-0": [0, 1, 2],
+                        "actor-1": [0, 1, 2]}  # fmt: skip
+    else:
+        assert set(cpus.values()) == {None}
+
+
+@pytest.mark.parametrize(
+    ("cpus", "message"), [("[0, 0]", "CPU ids repeated"), ("[-1]", "greater than or equal")]
+)
+def test_bad_service_cpus_fail_at_load(tmp_path: Path, cpus: str, message: str) -> None:
+    body = f"run: {{name: r}}\nservices:\n  - {{name: hb, service: heartbeat, cpus: {cpus}}}\n"
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(_write(tmp_path, body), environ={})
+
+
 def test_external_env_servers_are_not_started(tmp_path: Path) -> None:
     path = _write(
         tmp_path,

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from learner.consumer import AppliedWindow, triage
+from learner.consumer import AppliedWindow, TakenSequences, triage
 from learner.loop import LearnerLoop
 from learner.workload import Envelope, Progress
 from services.errors import InvalidArgument
@@ -44,6 +44,18 @@ def test_applied_window_forgets_the_oldest_ids_and_round_trips() -> None:
     again = AppliedWindow(3, window.to_list())
     again.add("e")
     assert again.to_list() == ["c", "d", "e"]
+
+
+def test_taken_sequences_keep_each_producers_highest_for_the_latest_producers() -> None:
+    taken = TakenSequences(limit=2)
+    taken.note("run/a/1", 3)
+    taken.note("run/a/1", 1)  # a redelivery, out of order: no step back
+    taken.note(None, 5)  # a message whose producer does not pace on it
+    taken.note("run/b/1", -1)  # nor one without a sequence
+    taken.note("run/b/1", 0)
+    assert taken.snapshot() == {"run/a/1": 3, "run/b/1": 0}
+    taken.note("run/c/1", 7)  # over the limit: the producer taken from longest ago goes
+    assert taken.snapshot() == {"run/b/1": 0, "run/c/1": 7}
 
 
 def test_progress_round_trips_and_reads_earlier_counter_names() -> None:
@@ -183,3 +195,30 @@ async def test_gather_drops_stale_invalid_filtered_and_duplicates_then_train_led
     assert ledger[1]["error"] == "bad payload" and ledger[2]["reason"] == "no signal"
     applied = ledger[3]
     assert (applied["update"], applied["version"], applied["lag"], applied["size"]) == (1, 5, 1, 2)
+
+
+class Sequenced(TwoPerUpdate):
+    """Messages of one producer whose ids are their sequence numbers."""
+
+    def envelope(self, message: Message) -> Envelope:
+        sequence = int(message.id)
+        return Envelope(message.id, message.version, producer="run/actor-0/x", sequence=sequence)
+
+
+async def test_gather_notes_every_message_it_takes_applied_or_dropped(tmp_path: Path) -> None:
+    ctx = SimpleNamespace(
+        run_name="t", run_dir=tmp_path, name="learner", stop_event=asyncio.Event()
+    )
+    loop = LearnerLoop(ctx, Sequenced())  # type: ignore[arg-type]
+    loop.progress.version = 5
+    messages = [
+        Message(id="0", version=5, payload="ok"),
+        Message(id="1", version=5, payload="bad"),  # terminated: taken all the same
+        Message(id="3", version=2, payload="ok"),  # stale: dropped, taken
+        Message(id="2", version=5, payload="ok"),  # out of order: the highest stays 3
+    ]
+    loop.consumer = Inbox([Settled(m) for m in messages])  # type: ignore[assignment]
+    gathered = await loop._gather()
+    assert gathered is not None and gathered[0] == ["ok", "ok"]
+    assert loop.taken.snapshot() == {"run/actor-0/x": 3}
+    loop.ledger.close()

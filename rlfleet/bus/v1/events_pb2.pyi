@@ -70,7 +70,14 @@ class Metrics(_message.Message):
     def __init__(self, run: _Optional[str] = ..., source: _Optional[str] = ..., step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., scalars: _Optional[_Mapping[str, float]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class WeightsPublished(_message.Message):
-    __slots__ = ("run", "version", "manifest_digest", "total_bytes", "endpoint", "time", "num_tensors")
+    __slots__ = ("run", "version", "manifest_digest", "total_bytes", "endpoint", "time", "num_tensors", "taken_sequences")
+    class TakenSequencesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +85,7 @@ class WeightsPublished(_message.Message):
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     run: str
     version: int
     manifest_digest: str
@@ -85,7 +93,8 @@ class WeightsPublished(_message.Message):
     endpoint: str
     time: _timestamp_pb2.Timestamp
     num_tensors: int
-    def __init__(self, run: _Optional[str] = ..., version: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., endpoint: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_tensors: _Optional[int] = ...) -> None: ...
+    taken_sequences: _containers.ScalarMap[str, int]
+    def __init__(self, run: _Optional[str] = ..., version: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., endpoint: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_tensors: _Optional[int] = ..., taken_sequences: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run", "state", "message", "source", "time")
