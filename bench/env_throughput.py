@@ -4,7 +4,9 @@ The server runs as its own process (`python -m services.cli serve env_server --p
 client steps Session streams in lock step, and every side uses the same pre-generated random
 actions, so policy cost is excluded. Two remote columns: gRPC (StepRequest messages) and
 co-located (the same server, steps through a shared-memory ring: docs/colocated.md). Also
-measures the round-trip latency of one single-env step on each.
+measures the round-trip latency of one single-env step on each, and the floor of the gRPC
+column: a bare Python gRPC echo of the same message sizes (bench/grpc_echo.py) in the same run,
+which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`).
 
     python bench/env_throughput.py                     # CartPole-v1 at 1, 16, 64, 256 envs
     python bench/env_throughput.py --envs 64 --seconds 5
@@ -34,6 +36,7 @@ import numpy as np
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.grpc_echo import round_trip_us
 from env_server.client import EnvSession
 from services.ports import free_port
 from services.server import wait_for_health
@@ -100,6 +103,26 @@ async def _open(address: str, env_id: str, num_envs: int, colocated: bool) -> En
     return session
 
 
+def _message_bytes(env_id: str, num_envs: int) -> tuple[int, int]:
+    """About what one step's StepRequest and StepResponse carry: the actions; the observations,
+    rewards (float32) and the two flags, each with some room for the envelope."""
+    env = gym.make(env_id)
+    obs_bytes = int(np.prod(env.observation_space.shape)) * env.observation_space.dtype.itemsize
+    action_bytes = max(int(np.prod(env.action_space.shape or (1,))), 1) * 8
+    env.close()
+    return num_envs * action_bytes + 64, num_envs * (obs_bytes + 4 + 2) + 128
+
+
+async def grpc_ceiling(echo: str, env_id: str, row: dict[str, Any]) -> None:
+    """The best remote/local ratio a lock-step gRPC stream could reach: the in-process step
+    time plus a bare echo of the step's message sizes, no protobuf and no work at all."""
+    request_bytes, reply_bytes = _message_bytes(env_id, row["num_envs"])
+    echo_us = await round_trip_us(echo, request_bytes, reply_bytes)
+    local_step_us = row["num_envs"] / row["local_sps"] * 1e6
+    row["echo_round_trip_us"] = echo_us
+    row["grpc_ceiling_ratio"] = local_step_us / (local_step_us + echo_us)
+
+
 async def compare(address: str, env_id: str, num_envs: int, seconds: float, rounds: int) -> dict:
     """Alternate short in-process, gRPC and co-located rounds (the build machines are shared
     and noisy, so interleaving keeps background load from favouring one side); the medians."""
@@ -159,6 +182,13 @@ def start_server(port: int) -> subprocess.Popen[bytes]:
     return server
 
 
+def start_echo(port: int) -> subprocess.Popen[bytes]:
+    """bench/grpc_echo.py's server (ready once a channel to it is: round_trip_us waits)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench" / "grpc_echo.py"), "serve", "--port", str(port)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
 def run_facts(load_before: tuple[float, ...], packages: tuple[str, ...]) -> dict[str, Any]:
     """Where and when the numbers were taken (also bench/actor_throughput.py's)."""
     versions = {n: metadata.version(n) for n in packages}
@@ -194,34 +224,45 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
-    port = free_port()
-    server = start_server(port)
+    port, echo_port = free_port(), free_port()
+    server, echo = start_server(port), start_echo(echo_port)
     address = f"127.0.0.1:{port}"
     rows: list[dict[str, Any]] = []
     try:
         for n in args.envs:
             rows.append(asyncio.run(compare(address, args.env_id, n, args.seconds, args.rounds)))
+            asyncio.run(grpc_ceiling(f"127.0.0.1:{echo_port}", args.env_id, rows[-1]))
         latency = asyncio.run(bench_latency(address, args.env_id, args.latency_steps))
         latency_shm = asyncio.run(
             bench_latency(address, args.env_id, args.latency_steps, colocated=True)
         )
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for process in (server, echo):
+            process.terminate()
+            process.wait(timeout=30)
 
     print(f"{args.env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
     print(
-        f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'co-located':>12} {'ratio':>7}"
+        f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'ceiling':>8} "
+        f"{'co-located':>12} {'ratio':>7}"
     )
     for r in rows:
         n, lo, re_, ratio = r["num_envs"], r["local_sps"], r["remote_sps"], r["ratio"]
-        co, co_ratio = r["colocated_sps"], r["colocated_ratio"]
-        print(f"{n:>6} {lo:>12,.0f} {re_:>12,.0f} {ratio:>7.2f} {co:>12,.0f} {co_ratio:>7.2f}")
+        co, co_ratio, ceiling = r["colocated_sps"], r["colocated_ratio"], r["grpc_ceiling_ratio"]
+        print(
+            f"{n:>6} {lo:>12,.0f} {re_:>12,.0f} {ratio:>7.2f} {ceiling:>8.2f} "
+            f"{co:>12,.0f} {co_ratio:>7.2f}"
+        )
+    print(
+        "ceiling: in-process step time / (that + a bare gRPC echo of the step's message sizes, "
+        "bench/grpc_echo.py), the best a lock-step gRPC stream could do here"
+    )
     for name, lat in (("gRPC", latency), ("co-located", latency_shm)):
         p50, p99 = lat["p50_us"], lat["p99_us"]
         print(f"single-env step round trip, {name}: p50 {p50:.0f} us, p99 {p99:.0f} us")
     row_64 = next((r for r in rows if r["num_envs"] == 64), None)
     at_64 = row_64["ratio"] if row_64 else None
+    ceiling_at_64 = row_64["grpc_ceiling_ratio"] if row_64 else None
     colocated_at_64 = row_64["colocated_ratio"] if row_64 else None
     if row_64 is not None:
         for name, got, target in (
@@ -241,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency_single_env_colocated": latency_shm,
         "target_ratio_at_64": TARGET_AT_64,
         "ratio_at_64": at_64,
+        "grpc_ceiling_ratio_at_64": ceiling_at_64,
         "target_colocated_ratio_at_64": COLOCATED_TARGET_AT_64,
         "colocated_ratio_at_64": colocated_at_64,
         **run_facts(load_before, ("gymnasium", "grpcio", "protobuf", "numpy")),
