@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -12,7 +12,7 @@ from env_server.game_link.mount import GameLinkMount
 from env_server.game_link.settings import GameLinkSettings
 from env_server.servicer import EnvService
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
-from services.config import StrictModel
+from services.config import StrictModel, Switch
 from services.errors import RlfleetError
 from services.grpc_names import service_name
 from services.registry import ServiceContext, ServiceSpec
@@ -34,7 +34,7 @@ class EnvServerSettings(StrictModel):
     session_idle_timeout_s: float = Field(default=600.0, ge=0)
     # The co-located fast path (docs/colocated.md): "auto" lets a client on this host step
     # through a shared-memory ring it offers; "off" declines every offer (clients use gRPC).
-    colocated: Literal["auto", "off"] = "auto"
+    colocated: Annotated[Literal["auto", "off"], Switch] = "auto"
     # The largest ring a session may attach (all slots), against a client that asks for much.
     colocated_max_bytes: int = Field(default=1 << 30, ge=1 << 20)
     # Env ids created once at start so a typo or a missing package fails the start, not a run.

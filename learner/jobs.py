@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from learner.settings import check_device, check_game_algo
-from services.config import StrictModel, error_at
+from services.config import StrictModel, Switch, error_at
 from services.registry import JobSpec, get_service
 
 __all__ = [
@@ -178,12 +178,12 @@ class GameJobSettings(StrictModel):
         ge=1,
         description="env steps per fragment (per env) an actor sends to the learner",
     )
-    double_buffer: Literal["on", "off"] = Field(
+    double_buffer: Annotated[Literal["on", "off"], Switch] = Field(
         default="off",
         description="actors step half their envs while the policy infers on the other half "
         "(two sessions per env server, 2+ envs each); pays on hosts with cores to spare",
     )
-    cpu_placement: Literal["auto", "off"] = Field(
+    cpu_placement: Annotated[Literal["auto", "off"], Switch] = Field(
         default="auto",
         description="auto: with one learner rank and 2+ CPUs, `rlfleet up` runs the learner on "
         "a CPU of its own and every other service on the rest; off: the OS places them",

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from services.errors import ConfigError
 from services.registry import JOBS_GROUP, entry_point_registry, get_job, get_service
@@ -38,6 +45,7 @@ __all__ = [
     "ServiceEntry",
     "ServiceRef",
     "StrictModel",
+    "Switch",
     "YamlSource",
     "address_refs",
     "error_at",
@@ -55,6 +63,18 @@ _NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 Loc = tuple[str | int, ...]
 EnvPath = tuple[str, ...]  # a key path named by an environment variable (no list indices)
 M = TypeVar("M", bound=BaseModel)
+
+
+def _switch_word(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted on/off/yes/no as a boolean: back to the word it stood for."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+# A knob spelled with words such as "on"/"off"/"auto": Annotated[Literal[...], Switch], so that
+# `double_buffer: off` means "off" and not False.
+Switch = BeforeValidator(_switch_word)
 
 
 class StrictModel(BaseModel):

@@ -48,6 +48,7 @@ from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.console import DEFAULT_INTERVAL_S, PROGRESS_EVENTS, Console
 from services.dashboard.live import LiveView
 from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError
+from services.placement import ENV_CPUS, format_cpus
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 from services.run_security import LAUNCHER, RunSecurity
@@ -270,20 +271,6 @@ class _Service:
             if last:
                 return last
         return "(no reason given)"
-
-
-def _child_setup(cpus: list[int] | None) -> Callable[[], None] | None:
-    """The ``preexec_fn`` of a service: SIGTERM at the launcher's death, and its CPUs."""
-    on_parent_death = parent_death_signal(signal.SIGTERM)
-    if not cpus:
-        return on_parent_death
-
-    def setup() -> None:
-        if on_parent_death is not None:
-            on_parent_death()
-        os.sched_setaffinity(0, cpus)  # before exec: every thread it starts inherits it
-
-    return setup
 
 
 def check_cpus(config: RunConfig) -> None:
@@ -673,6 +660,8 @@ class Launcher:
             reg.ENV_METRICS_PORT: str(svc.metrics_port),
             ENV_EXIT_REASON: str(svc.reason_path),
         }
+        if svc.entry.cpus:  # the service pins itself once started up (services/placement.py)
+            child_env[ENV_CPUS] = format_cpus(svc.entry.cpus)
         svc.reason_path.unlink(missing_ok=True)  # a reason is about this start only
         svc.starts += 1
         with svc.log_path.open("ab") as log:
@@ -686,7 +675,7 @@ class Launcher:
                 stderr=asyncio.subprocess.STDOUT,
                 env=child_env,
                 start_new_session=True,
-                preexec_fn=_child_setup(svc.entry.cpus),
+                preexec_fn=parent_death_signal(signal.SIGTERM),
             )
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             header = f"=== {stamp} start {svc.starts} pid {svc.process.pid}: {shlex.join(argv)}\n"

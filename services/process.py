@@ -36,6 +36,7 @@ from pydantic import Field, field_validator
 from services.bus.nats_server import parent_death_signal
 from services.config import StrictModel
 from services.errors import ConfigError
+from services.placement import pin_to_assigned_cpus
 from services.registry import ServiceContext, ServiceSpec
 
 __all__ = [
@@ -210,6 +211,7 @@ async def main(ctx: ServiceContext[ProcessSettings]) -> None:
     cwd = working_dir(settings, ctx.config_dir)
     if not await _wait_for_peers(ctx):
         return
+    pin_to_assigned_cpus()  # the command inherits them
     # Own process group: a stop reaches whatever the command starts. Parent-death signal: the
     # command ends when this supervisor dies, however it dies.
     try:

@@ -49,6 +49,7 @@ from services.errors import (
     current_request_id,
     request_id_var,
 )
+from services.placement import pin_to_assigned_cpus
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -404,6 +405,8 @@ class GrpcServer:
         on the loop, queued behind earlier updates so they apply in call order.
         """
         self._serving = serving
+        if serving:
+            pin_to_assigned_cpus()  # started up: onto the CPUs `rlfleet up` chose, if any
         if self._server is None:
             return  # start() applies it
         previous = self._health_update

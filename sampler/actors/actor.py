@@ -30,6 +30,7 @@ from sampler.actors.sampling import DoubleBuffer, fill_lock_step
 from sampler.actors.settings import GameActorSettings
 from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
 from services.errors import ConfigError
+from services.placement import pin_to_assigned_cpus
 from services.registry import ServiceContext
 
 __all__ = ["GameActor"]
@@ -120,6 +121,7 @@ class GameActor:
         policy = await self._make_policy()
         if policy is None:
             return
+        pin_to_assigned_cpus()  # started up (imports, sessions, weights): onto its CPUs, if any
         rollout = Rollout(
             settings.rollout_length,
             envs.num_envs,

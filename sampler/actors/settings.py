@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import Field, model_validator
 
 from common.policy_config import PolicyConfig
-from services.config import ServiceRef, StrictModel
+from services.config import ServiceRef, StrictModel, Switch
 
 __all__ = ["GameActorSettings"]
 
@@ -53,13 +53,13 @@ class GameActorSettings(StrictModel):
     reconnect_timeout_s: float = Field(default=60.0, gt=0)  # give up on a dead env server after
     # Env servers on this host: "auto" steps them through a shared-memory ring when the server
     # accepts the offer (docs/colocated.md), else over gRPC; "off" always uses gRPC.
-    colocated: Literal["auto", "off"] = "auto"
+    colocated: Annotated[Literal["auto", "off"], Switch] = "auto"
     # Double-buffered sampling (sampler/actors/sampling.py): two sessions per env server, one
     # half of the envs stepping while the policy infers on the other; needs 2+ envs per server.
     # Off by default: it pays only where cores are spare or the policy is heavy (on the loaded
     # 2-core build machine: 0.6-0.86x for CartPole's MLP, 1.16-1.23x co-located for Atari's
     # CNN at 8-16 envs; bench/actor_throughput.py, docs/internals.md).
-    double_buffer: Literal["on", "off"] = "off"
+    double_buffer: Annotated[Literal["on", "off"], Switch] = "off"
     weights_timeout_s: float = Field(default=600.0, gt=0)  # wait this long for the first version
 
     @model_validator(mode="after")

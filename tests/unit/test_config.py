@@ -274,3 +274,12 @@ def test_embedded_nats_restarts_are_bounded_in_config(tmp_path: Path) -> None:
         load_run_config(path, environ={})
     assert RunConfig.model_validate({"run": {"name": "r"}, "services": [
         {"name": "a", "service": "heartbeat"}]}).nats.restarts == 5  # fmt: skip
+
+
+def test_assigned_cpus_are_read_from_the_environment_and_bad_values_ignored() -> None:
+    from services.placement import assigned_cpus, format_cpus
+
+    assert assigned_cpus({"RLFLEET_CPUS": format_cpus([0, 3])}) == [0, 3]
+    for raw in ("", " ", "0,x", "-1"):
+        assert assigned_cpus({"RLFLEET_CPUS": raw}) is None
+    assert assigned_cpus({}) is None

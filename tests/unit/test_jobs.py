@@ -40,7 +40,7 @@ def test_cartpole_example_expands_into_servers_learner_and_actors() -> None:
     ("knobs", "usable", "placed"),
     [
         ("", {0, 1, 2, 3}, True),  # auto: the learner on the last CPU, the rest on the others
-        ("  cpu_placement: 'off'\n", {0, 1, 2, 3}, False),
+        ("  cpu_placement: off\n  double_buffer: off\n", {0, 1, 2, 3}, False),  # YAML's off
         ("", {0}, False),  # nothing to split
         ("  learner_ranks: 2\n", {0, 1, 2, 3}, False),  # its ranks need CPUs of their own
     ],
