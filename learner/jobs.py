@@ -15,7 +15,6 @@ the `game:` expansions share all of it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -23,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from learner.settings import check_device, check_game_algo
 from services.config import StrictModel, Switch, error_at
+from services.placement import own_cpu_for
 from services.registry import JobSpec, get_service
 
 __all__ = [
@@ -511,19 +511,14 @@ def _actor_entries(
 
 
 def _place_cpus(entries: list[dict[str, Any]], s: GameJobSettings) -> list[dict[str, Any]]:
-    """``cpu_placement: auto``: the learner on the last CPU this process may use, the other
-    services on the rest. The learner's update is the critical path of a PPO run, and actors,
-    env servers and games time-sliced onto its core slow every update (CartPole, 2 cores: the
-    learner's update took 56-78 ms pinned against 77-95 ms placed by the OS; docs/internals.md).
-    Nothing is pinned with several learner ranks or fewer than 2 CPUs."""
-    if s.cpu_placement != "auto" or s.learner_ranks != 1 or not hasattr(os, "sched_getaffinity"):
+    """``cpu_placement: auto``: the learner on a CPU of its own, the others on the rest
+    (services.placement.own_cpu_for). The learner's update is the critical path of a PPO run:
+    actors, env servers and games time-sliced onto its core slow every update (CartPole, 2
+    cores: 56-78 ms an update pinned against 77-95 ms placed by the OS; docs/internals.md).
+    Not with several learner ranks, which need CPUs of their own."""
+    if s.cpu_placement != "auto" or s.learner_ranks != 1:
         return entries
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return entries
-    for entry in entries:
-        entry["cpus"] = cpus[-1:] if entry["service"] == "learner" else cpus[:-1]
-    return entries
+    return own_cpu_for(entries, "learner")
 
 
 PPO_JOB = JobSpec(kind="ppo", settings=GameJobSettings, expand=expand)

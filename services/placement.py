@@ -14,8 +14,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["ENV_CPUS", "assigned_cpus", "format_cpus", "pin_to_assigned_cpus"]
+__all__ = [
+    "ENV_CPUS",
+    "assigned_cpus",
+    "format_cpus",
+    "own_cpu_for",
+    "pin_to_assigned_cpus",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +47,70 @@ def assigned_cpus(environ: Mapping[str, str] = os.environ) -> list[int] | None:
     return cpus if all(cpu >= 0 for cpu in cpus) else None
 
 
-def pin_to_assigned_cpus() -> list[int] | None:
-    """Pin every thread of this process to the assigned CPUs (once; later calls do nothing).
+def own_cpu_for(
+    entries: list[dict[str, Any]], name: str, environ: Mapping[str, str] = os.environ
+) -> list[dict[str, Any]]:
+    """Run-file service entries with `cpus` set: the entry called `name` on CPUs of its own,
+    as many as the threads each service computes with (OMP_NUM_THREADS, which `rlfleet up`
+    sets to 1 unless given), the last ones this process may use; every other entry on the
+    rest. Unchanged when that leaves the others no CPU, or off Linux. For a job whose one
+    process is the critical path (a learner whose update the rest of the run waits for): the
+    others time-sliced onto its cores slow every step of it."""
+    if not hasattr(os, "sched_getaffinity"):
+        return entries
+    try:
+        threads = max(int(environ.get("OMP_NUM_THREADS") or 1), 1)
+    except ValueError:
+        threads = 1
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= threads:
+        return entries
+    for entry in entries:
+        entry["cpus"] = cpus[-threads:] if entry["name"] == name else cpus[:-threads]
+    return entries
 
-    Each existing thread is pinned by its id (affinity is per thread); threads started later
-    inherit it from the thread that starts them. Returns the CPUs, or None when none are
-    assigned, this is not Linux, or it was done already."""
+
+def pin_to_assigned_cpus() -> list[int] | None:
+    """Pin every thread of this process and of the processes it has started (a vLLM engine's
+    core and workers) to the assigned CPUs, once; later calls do nothing.
+
+    Affinity is per thread, so each existing one is pinned by its id; threads and processes
+    started later inherit it from the thread that starts them. Returns the CPUs, or None when
+    none are assigned, this is not Linux, or it was done already."""
     global _pinned
     cpus = assigned_cpus()
     if _pinned or cpus is None or not hasattr(os, "sched_setaffinity"):
         return None
     _pinned = True
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]  # no /proc: this thread only
-    for tid in threads:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:
-            pass  # the thread ended meanwhile
-        except OSError as exc:  # a CPU not available to this process after all
-            log.warning("could not pin to CPUs %s: %s", cpus, exc)
-            return None
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        for tid in _threads(pid):
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass  # the thread ended meanwhile
+            except OSError as exc:  # a CPU not available to this process after all
+                log.warning("could not pin to CPUs %s: %s", cpus, exc)
+                return None
     log.info("running on CPUs %s", format_cpus(cpus))
     return cpus
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]  # gone, or no /proc: its main thread, if any
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux /proc/<pid>/task/<tid>/children), depth first."""
+    found: list[int] = []
+    for tid in _threads(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as children:
+                kids = [int(child) for child in children.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            found += [kid, *_descendants(kid)]
+    return found

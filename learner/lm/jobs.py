@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from learner.lm.settings import check_micro_batch_size, check_preset
-from services.config import StrictModel, unknown_key
+from services.config import StrictModel, Switch, unknown_key
+from services.placement import own_cpu_for
 from services.references import is_reference
 from services.registry import JobSpec, get_service
 
@@ -267,6 +268,12 @@ class LMJobSettings(StrictModel):
         default=1, ge=1, description="rollout drivers sending prompts to the samplers"
     )
     engine: Literal["vllm", "hf"] = Field(default="vllm", description="samplers' inference engine")
+    cpu_placement: Annotated[Literal["auto", "off"], Switch] = Field(
+        default="off",
+        description="auto: with 2+ CPUs, `rlfleet up` runs the learner on CPUs of its own and "
+        "the samplers, drivers and reward service on the rest; off (default: no gain measured "
+        "on 2 cores, docs/internals.md): the OS places them",
+    )
     sampler: dict[str, Any] = Field(
         default_factory=dict, description="extra sampler settings, passed to every sampler"
     )
@@ -439,7 +446,7 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
             {"name": f"rollout-{i}", "service": "rollout", "restarts": s.restarts,
              "settings": driver}
         )  # fmt: skip
-    return entries
+    return own_cpu_for(entries, "learner") if s.cpu_placement == "auto" else entries
 
 
 def prepare(settings: LMJobSettings, run_dir: Path) -> None:

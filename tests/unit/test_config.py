@@ -6,6 +6,9 @@ per-service settings checks run against a real settings model through the real r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -283,3 +286,30 @@ def test_assigned_cpus_are_read_from_the_environment_and_bad_values_ignored() ->
     for raw in ("", " ", "0,x", "-1"):
         assert assigned_cpus({"RLFLEET_CPUS": raw}) is None
     assert assigned_cpus({}) is None
+
+
+def test_a_service_pins_its_threads_and_the_processes_it_started_once(tmp_path: Path) -> None:
+    # In a process of its own: pinning is for the rest of a process's life.
+    script = """\
+import os, subprocess, sys, threading, time
+from services.placement import pin_to_assigned_cpus
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+worker = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+worker.start()
+time.sleep(0.2)
+first, again = pin_to_assigned_cpus(), pin_to_assigned_cpus()
+mine = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+print(first, again, sorted(mine), sorted(os.sched_getaffinity(child.pid)))
+child.kill()
+"""
+    last = sorted(os.sched_getaffinity(0))[-1]
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "RLFLEET_CPUS": str(last)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == f"[{last}] None [({last},)] [{last}]"

@@ -45,6 +45,7 @@ def test_cartpole_example_expands_into_servers_learner_and_actors() -> None:
         ("  learner_ranks: 2\n", {0, 1, 2, 3}, False),  # its ranks need CPUs of their own
     ],
 )
+@pytest.mark.usefixtures("one_thread")
 def test_game_jobs_give_the_learner_a_cpu_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, knobs: str, usable: set[int], placed: bool
 ) -> None:
@@ -57,6 +58,40 @@ def test_game_jobs_give_the_learner_a_cpu_of_its_own(
     if placed:
         assert cpus == {"env-0": [0, 1, 2], "learner": [3], "actor-0": [0, 1, 2],
                         "actor-1": [0, 1, 2]}  # fmt: skip
+    else:
+        assert set(cpus.values()) == {None}
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_a_learner_computing_with_more_threads_gets_as_many_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    body = (ROOT / "examples" / "cartpole_ppo.yaml").read_text()
+    cpus = {}
+    for threads in ("2", "4"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        config = load_run_config(_write(tmp_path, body), environ={})
+        cpus[threads] = (config.service("learner").cpus, config.service("actor-0").cpus)
+    assert cpus == {"2": ([2, 3], [0, 1]), "4": (None, None)}  # 4: none left for the others
+
+
+@pytest.mark.parametrize("placement", ["auto", "off"])
+@pytest.mark.usefixtures("one_thread")
+def test_lm_jobs_give_the_learner_a_cpu_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    body = (ROOT / "examples" / "grpo_arith.yaml").read_text()
+    body = body.replace("job:\n", f"job:\n  cpu_placement: {placement}\n", 1)
+    config = load_run_config(_write(tmp_path, body), environ={})
+    cpus = {e.name: e.cpus for e in config.services}
+    if placement == "auto":
+        assert cpus == {"reward": [0], "learner": [1], "sampler-0": [0], "rollout-0": [0]}
     else:
         assert set(cpus.values()) == {None}
 
