@@ -10,6 +10,7 @@ and log-probabilities that the learner's own module reproduces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -89,6 +90,55 @@ def _arr(msg: Any) -> np.ndarray:
     return tensor.decode_tree(msg) if hasattr(msg, "tensor") else tensor.decode(msg)
 
 
+@contextlib.asynccontextmanager
+async def running_actor(
+    bus: Bus, run: str, nats_url: str, env_server: str, learner: str, **knobs: Any
+) -> AsyncIterator[tuple[asyncio.Task[None], list[trajectory_pb2.RolloutFragment]]]:
+    """A learner-mode actor (`knobs`: more GameActorSettings) and the fragments it publishes,
+    pulled and acked as they come; the actor is stopped on exit."""
+    settings = GameActorSettings(
+        env_servers=["env"],
+        env_id="CartPole-v1",
+        policy="learner",
+        learner="learner",
+        policy_config={"hidden_sizes": HIDDEN},
+        stats_interval_s=60,
+        **knobs,
+    )
+    ctx = ServiceContext(
+        name="actor-0",
+        kind="game_actor",
+        settings=settings,
+        run_name=run,
+        nats_url=nats_url,
+        endpoints={"env": env_server, "learner": learner},
+    )
+    actor = asyncio.create_task(GameActor(ctx, settings).run())
+    frags: list[trajectory_pb2.RolloutFragment] = []
+    stop_pull = asyncio.Event()
+
+    async def consume() -> None:
+        async for d in bus.pull(
+            stream_name(run),
+            "learner",
+            traj_subject(run),
+            trajectory_pb2.RolloutFragment,
+            timeout_s=0.2,
+            stop_event=stop_pull,
+        ):
+            frags.append(d.message)
+            await d.ack()
+
+    consumer = asyncio.create_task(consume())
+    try:
+        yield actor, frags
+    finally:
+        ctx.stop_event.set()
+        await asyncio.wait_for(actor, 30)
+        stop_pull.set()
+        await asyncio.wait_for(consumer, 10)
+
+
 @pytest.mark.parametrize("double_buffer", ["off", "on"])  # on: two halves in flight
 async def test_actor_follows_the_learners_versions(
     nats_url: str, env_server: str, double_buffer: str
@@ -98,54 +148,19 @@ async def test_actor_follows_the_learners_versions(
         await bus.ensure_stream(stream_name(run), [traj_subject(run)])
         learner = StandInLearner(run, bus)
         address = await learner.start()
-        settings = GameActorSettings(
-            env_servers=["env"],
-            env_id="CartPole-v1",
-            num_envs=n,
-            rollout_length=t_steps,
-            policy="learner",
-            learner="learner",
-            policy_config={"hidden_sizes": HIDDEN},
-            stats_interval_s=60,
-            double_buffer=double_buffer,
-        )
-        ctx = ServiceContext(
-            name="actor-0",
-            kind="game_actor",
-            settings=settings,
-            run_name=run,
-            nats_url=nats_url,
-            endpoints={"env": env_server, "learner": address},
-        )
-        actor = asyncio.create_task(GameActor(ctx, settings).run())
-        frags: list[trajectory_pb2.RolloutFragment] = []
-        stop_pull = asyncio.Event()
-
-        async def consume() -> None:
-            async for d in bus.pull(
-                stream_name(run),
-                "learner",
-                traj_subject(run),
-                trajectory_pb2.RolloutFragment,
-                timeout_s=0.2,
-                stop_event=stop_pull,
-            ):
-                frags.append(d.message)
-                await d.ack()
-
-        consumer = asyncio.create_task(consume())
+        knobs = {"num_envs": n, "rollout_length": t_steps, "double_buffer": double_buffer}
         try:
-            await asyncio.sleep(1.0)  # the learner has no version yet: the actor must wait
-            assert not frags and not actor.done()
-            await learner.publish(critic_bias=0.0)
-            await _until(lambda: len(frags) >= 3)
-            await learner.publish(critic_bias=100.0)
-            await _until(lambda: any(f.policy_version == 1 for f in frags) and len(frags) >= 8)
+            async with running_actor(bus, run, nats_url, env_server, address, **knobs) as (
+                actor,
+                frags,
+            ):
+                await asyncio.sleep(1.0)  # the learner has no version yet: the actor must wait
+                assert not frags and not actor.done()
+                await learner.publish(critic_bias=0.0)
+                await _until(lambda: len(frags) >= 3)
+                await learner.publish(critic_bias=100.0)
+                await _until(lambda: any(f.policy_version == 1 for f in frags) and len(frags) >= 8)
         finally:
-            ctx.stop_event.set()
-            await asyncio.wait_for(actor, 30)
-            stop_pull.set()
-            await asyncio.wait_for(consumer, 10)
             await learner.server.stop(0)
 
     versions = [f.policy_version for f in frags]
@@ -175,65 +190,30 @@ async def test_actor_keeps_its_outstanding_fragments_bounded_by_what_the_learner
         await bus.ensure_stream(stream_name(run), [traj_subject(run)])
         learner = StandInLearner(run, bus)
         address = await learner.start()
-        settings = GameActorSettings(
-            env_servers=["env"],
-            env_id="CartPole-v1",
-            num_envs=2,
-            rollout_length=4,
-            policy="learner",
-            learner="learner",
-            policy_config={"hidden_sizes": HIDDEN},
-            stats_interval_s=60,
-            fragments_per_version=1,
-            versions_ahead=1,
-        )
-        ctx = ServiceContext(
-            name="actor-0",
-            kind="game_actor",
-            settings=settings,
-            run_name=run,
-            nats_url=nats_url,
-            endpoints={"env": env_server, "learner": address},
-        )
-        actor = asyncio.create_task(GameActor(ctx, settings).run())
-        frags: list[trajectory_pb2.RolloutFragment] = []
-        stop_pull = asyncio.Event()
-
-        async def consume() -> None:
-            async for d in bus.pull(
-                stream_name(run),
-                "learner",
-                traj_subject(run),
-                trajectory_pb2.RolloutFragment,
-                timeout_s=0.2,
-                stop_event=stop_pull,
-            ):
-                frags.append(d.message)
-                await d.ack()
-
-        async def settled(count: int) -> None:
-            await _until(lambda: len(frags) >= count)
-            await asyncio.sleep(1.0)  # and no more come
-            assert len(frags) == count, [f.policy_version for f in frags]
-
-        consumer = asyncio.create_task(consume())
+        knobs = {"num_envs": 2, "rollout_length": 4, "fragments_per_version": 1}
         try:
-            await learner.publish(critic_bias=0.0)
-            await settled(2)  # v0 and one version ahead on it
-            producer = producer_of(frags[0].fragment_id, frags[0].sequence)
-            assert producer is not None
-            # Version 1 took fragment 0: one outstanding, so one more.
-            await learner.publish(critic_bias=1.0, taken={producer: 0})
-            await settled(3)
-            # Version 2 took fragments 1 and 2: none outstanding, two more. (A credit counted
-            # in versions would allow one: 4 fragments by v2.)
-            await learner.publish(critic_bias=2.0, taken={producer: 2})
-            await settled(5)
+            async with running_actor(bus, run, nats_url, env_server, address, **knobs) as (
+                _,
+                frags,
+            ):
+
+                async def settled(count: int) -> None:
+                    await _until(lambda: len(frags) >= count)
+                    await asyncio.sleep(1.0)  # and no more come
+                    assert len(frags) == count, [f.policy_version for f in frags]
+
+                await learner.publish(critic_bias=0.0)
+                await settled(2)  # v0 and one version ahead on it
+                producer = producer_of(frags[0].fragment_id, frags[0].sequence)
+                assert producer is not None
+                # Version 1 took fragment 0: one outstanding, so one more.
+                await learner.publish(critic_bias=1.0, taken={producer: 0})
+                await settled(3)
+                # Version 2 took fragments 1 and 2: none outstanding, two more. (A credit
+                # counted in versions would allow one: 4 fragments by v2.)
+                await learner.publish(critic_bias=2.0, taken={producer: 2})
+                await settled(5)
         finally:
-            ctx.stop_event.set()
-            await asyncio.wait_for(actor, 30)
-            stop_pull.set()
-            await asyncio.wait_for(consumer, 10)
             await learner.server.stop(0)
     assert [f.policy_version for f in frags] == [0, 0, 1, 2, 2]
 
