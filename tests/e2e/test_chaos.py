@@ -54,7 +54,9 @@ def test_random_kills_lose_and_double_nothing(tmp_path: Path) -> None:
     seed = int(os.environ.get("RLFLEET_CHAOS_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
     order = rng.sample(VICTIMS, len(VICTIMS))
-    total = 40_000  # 256 transitions per update: ~156 updates, room for four kill windows
+    # 256 transitions per update: ~234 updates, room for four kill windows and their recoveries
+    # even when a quiet machine trains at 15 updates a second.
+    total = 60_000
     config, run_dir = chaos_config(tmp_path, total)
     up = Up(config, run_dir, services=SERVICES, budget_s=600)
     faults: list[str] = []
@@ -66,15 +68,20 @@ def test_random_kills_lose_and_double_nothing(tmp_path: Path) -> None:
             up.wait_until(f"update {at}", lambda at=at: applied_updates(run_dir) >= at)
             time.sleep(rng.uniform(0.0, 1.5))  # not always right after an update
             pid = current_pid(run_dir, victim)
+            incarnations = audit_ledger(run_dir).incarnations
             os.kill(pid, signal.SIGKILL)
             killed_at = applied_updates(run_dir)
             faults.append(f"{victim} (pid {pid}) at update {killed_at}")
+
             # Recovered once training has gone two updates past the kill (after a learner
-            # restart the ledger first rolls back to its checkpoint).
-            up.wait_until(
-                f"recovery from killing {victim}",
-                lambda k=killed_at: applied_updates(run_dir) >= k + 2,
-            )
+            # restart the ledger first rolls back to its checkpoint) and a killed actor's new
+            # incarnation has had a fragment taken.
+            def recovered(k: int = killed_at, v: str = victim, n: int = incarnations) -> bool:
+                if applied_updates(run_dir) < k + 2:
+                    return False
+                return not v.startswith("actor") or audit_ledger(run_dir).incarnations > n
+
+            up.wait_until(f"recovery from killing {victim}", recovered)
         assert up.wait() == 0, "the run failed"
         audit = audit_ledger(run_dir)
         print(f"chaos seed {seed}: killed {'; '.join(faults)}; {audit}")
