@@ -91,7 +91,9 @@ EOF
 }
 
 if [[ -n "${RLFLEET_WHEELHOUSE_REBUILD:-}" || ! -f "$out/.complete" ]]; then
-    # Other keys' wheelhouses are outdated (a dependency changed): 700 MB each, not kept.
+    # Other keys' wheelhouses are outdated (a dependency changed): 700 MB each, not kept. (The
+    # folder exists first: on a new machine find would fail on it, and set -e end the script.)
+    mkdir -p "$CACHE/wheelhouse"
     find "$CACHE/wheelhouse" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended \
         -regex '.*/[0-9a-f]{16}' -exec rm -rf {} +
     mkdir -p "$out/deps"
