@@ -128,7 +128,16 @@ def _timed(engine: Engine, step: str, *argv: str, **env: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def images(docker_engine: Engine) -> Iterator[dict[str, str]]:
+def base_image(docker_engine: Engine) -> str:
+    """BASE_IMAGE, made locally first when it is the project's own (deploy/scripts/base-image.sh,
+    cached): a new engine has none, and a build FROM a missing image tries to pull it."""
+    if BASE_IMAGE == "rlfleet/base:bookworm":
+        _timed(docker_engine, "base image", str(SCRIPTS / "base-image.sh"))
+    return BASE_IMAGE
+
+
+@pytest.fixture(scope="session")
+def images(docker_engine: Engine, base_image: str) -> Iterator[dict[str, str]]:
     """rlfleet/slim:TAG and rlfleet/trainer:TAG built from the local base image (cached).
     RLFLEET_TEST_IMAGES=<tag> uses images already built under that tag instead (iterating on
     the compose tests without a rebuild; never set in CI)."""
@@ -139,8 +148,6 @@ def images(docker_engine: Engine) -> Iterator[dict[str, str]]:
         engine.docker("image", "inspect", *names.values())
         yield {**names, "tag": prebuilt}
         return
-    if BASE_IMAGE == "rlfleet/base:bookworm":
-        _timed(engine, "base image", str(SCRIPTS / "base-image.sh"))
     wheelhouse = _timed(
         engine, "wheelhouse", str(SCRIPTS / "wheelhouse.sh"), PYTHON=sys.executable
     ).strip()

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.conftest import BASE_IMAGE, DOCKERFILES, REPO, Engine, venv_tool
+from tests.deploy.conftest import DOCKERFILES, REPO, Engine, venv_tool
 
 COMPOSE_FILES = [REPO / "deploy" / "compose.yaml", REPO / "deploy" / "compose.gpu.yaml"]
 TARGET = 475.0
@@ -74,13 +74,13 @@ def test_compose_config_resolves_every_profile() -> None:
 
 
 @pytest.mark.slow
-def test_cuda_dockerfile_parses_and_starts_building(docker_engine: Engine) -> None:
+def test_cuda_dockerfile_parses_and_starts_building(docker_engine: Engine, base_image: str) -> None:
     """It cannot be built here (no CUDA base, no index): the engine must still accept the file
     and run its first instructions on a local base, failing only where it needs the network."""
     dockerfile = REPO / "deploy" / "docker" / "trainer-cuda.Dockerfile"
     result = docker_engine.run(
         "docker", "build", "--network=none", "--force-rm", "-f", str(dockerfile),
-        "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", str(dockerfile.parent),
+        "--build-arg", f"BASE_IMAGE={base_image}", str(dockerfile.parent),
         check=False, env={"DOCKER_BUILDKIT": "0"},
     )  # fmt: skip
     out = result.stdout + result.stderr
