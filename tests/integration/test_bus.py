@@ -551,5 +551,10 @@ async def test_a_reference_to_a_corrupted_payload_is_terminated(bus: Bus) -> Non
     with pytest.raises(InvalidArgument, match="another digest than its reference"):
         await _next(pulled)
     await pulled.aclose()
+    # The term is not confirmed (nats-py sends it and goes on): give the server a moment.
+    deadline = asyncio.get_running_loop().time() + 5.0
     info = await bus.js.consumer_info(stream, "refs-bad")
+    while info.num_ack_pending and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+        info = await bus.js.consumer_info(stream, "refs-bad")
     assert info.num_pending == 0 and info.num_ack_pending == 0  # terminated, not redelivered
