@@ -6,14 +6,17 @@ actions, so policy cost is excluded. Two remote columns: gRPC (StepRequest messa
 co-located (the same server, steps through a shared-memory ring: docs/colocated.md). Also
 measures the round-trip latency of one single-env step on each, and the floor of the gRPC
 column: a bare Python gRPC echo of the same message sizes (bench/grpc_echo.py) in the same run,
-which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`).
+which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`). A third remote
+column steps the co-located ring with busy polling on both ends (`colocated_busy_poll_us`, a
+second server started with it): no scheduler wake-up per step, at the cost of busy cores.
 
     python bench/env_throughput.py                     # CartPole-v1 at 1, 16, 64, 256 envs
-    python bench/env_throughput.py --envs 64 --seconds 5
+    python bench/env_throughput.py --envs 64 --seconds 5 --busy-poll-us 1000
 
 Prints a table and writes bench/results/env_throughput.json (machine, versions, ratios).
 Targets at 64 envs on the 2-core build machine: gRPC >= 0.8x in-process steps/s
-(`ratio_at_64`), co-located >= 0.9x (`colocated_ratio_at_64`).
+(`ratio_at_64`), co-located >= 0.9x (`colocated_ratio_at_64` with the default blocking
+doorbells, `colocated_busy_poll_ratio_at_64` with busy polling).
 """
 
 from __future__ import annotations
@@ -94,10 +97,12 @@ class RemoteRun:
         return steps * self.num_envs / elapsed
 
 
-async def _open(address: str, env_id: str, num_envs: int, colocated: bool) -> EnvSession:
+async def _open(
+    address: str, env_id: str, num_envs: int, colocated: bool, busy_poll_us: int = 0
+) -> EnvSession:
     session = EnvSession(address)
     await session.create(env_id, num_envs, seed=0)
-    if colocated and not await session.colocate():
+    if colocated and not await session.colocate(busy_poll_us=busy_poll_us):
         raise RuntimeError(f"the server declined the co-located ring: {session.colocate_reason}")
     await session.reset()
     return session
@@ -123,28 +128,41 @@ async def grpc_ceiling(echo: str, env_id: str, row: dict[str, Any]) -> None:
     row["grpc_ceiling_ratio"] = local_step_us / (local_step_us + echo_us)
 
 
-async def compare(address: str, env_id: str, num_envs: int, seconds: float, rounds: int) -> dict:
-    """Alternate short in-process, gRPC and co-located rounds (the build machines are shared
-    and noisy, so interleaving keeps background load from favouring one side); the medians."""
+async def compare(
+    addresses: tuple[str, str],
+    env_id: str,
+    num_envs: int,
+    seconds: float,
+    rounds: int,
+    busy_poll_us: int,
+) -> dict:
+    """Alternate short in-process, gRPC, co-located and busy-polled co-located rounds (the
+    build machines are shared and noisy, so interleaving keeps background load from favouring
+    one side); the medians. `addresses`: the plain server, the busy-polling one."""
+    plain, polling = addresses
     local = LocalRun(env_id, num_envs)
     local.measure(0.2)  # warm up
-    grpc_session = await _open(address, env_id, num_envs, colocated=False)
-    shm_session = await _open(address, env_id, num_envs, colocated=True)
+    sessions = [
+        await _open(plain, env_id, num_envs, colocated=False),
+        await _open(plain, env_id, num_envs, colocated=True),
+        await _open(polling, env_id, num_envs, colocated=True, busy_poll_us=busy_poll_us),
+    ]
     try:
-        remote, colocated = RemoteRun(grpc_session, num_envs), RemoteRun(shm_session, num_envs)
-        await remote.measure(0.2)
-        await colocated.measure(0.2)
-        local_sps, remote_sps, shm_sps = [], [], []
+        remotes = [RemoteRun(session, num_envs) for session in sessions]
+        for remote in remotes:
+            await remote.measure(0.2)
+        local_sps: list[float] = []
+        remote_sps: list[list[float]] = [[] for _ in remotes]
         for _ in range(rounds):
             local_sps.append(local.measure(seconds / rounds))
-            remote_sps.append(await remote.measure(seconds / rounds))
-            shm_sps.append(await colocated.measure(seconds / rounds))
+            for remote, sps in zip(remotes, remote_sps, strict=True):
+                sps.append(await remote.measure(seconds / rounds))
     finally:
-        await grpc_session.close()
-        await shm_session.close()
+        for session in sessions:
+            await session.close()
     local.envs.close()
-    lo, re = float(np.median(local_sps)), float(np.median(remote_sps))
-    co = float(np.median(shm_sps))
+    lo = float(np.median(local_sps))
+    re, co, polled = (float(np.median(sps)) for sps in remote_sps)
     return {
         "num_envs": num_envs,
         "local_sps": lo,
@@ -152,14 +170,16 @@ async def compare(address: str, env_id: str, num_envs: int, seconds: float, roun
         "ratio": re / lo,
         "colocated_sps": co,
         "colocated_ratio": co / lo,
+        "colocated_busy_poll_sps": polled,
+        "colocated_busy_poll_ratio": polled / lo,
     }
 
 
 async def bench_latency(
-    address: str, env_id: str, count: int, *, colocated: bool = False
+    address: str, env_id: str, count: int, *, colocated: bool = False, busy_poll_us: int = 0
 ) -> dict[str, float]:
     """Round-trip time of single-env steps, in microseconds."""
-    async with await _open(address, env_id, 1, colocated) as session:
+    async with await _open(address, env_id, 1, colocated, busy_poll_us) as session:
         actions = _actions(1)
         times = []
         for k in range(count + 50):
@@ -170,8 +190,9 @@ async def bench_latency(
     return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99))}
 
 
-def start_server(port: int) -> subprocess.Popen[bytes]:
+def start_server(port: int, busy_poll_us: int = 0) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_LOG_LEVEL": "WARNING"}
+    env["RLFLEET_ENV_SERVER__COLOCATED_BUSY_POLL_US"] = str(busy_poll_us)
     cmd = [sys.executable, "-m", "services.cli", "serve", "env_server", "--port", str(port)]
     server = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
@@ -220,75 +241,100 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="per side and env count")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per side")
     parser.add_argument("--latency-steps", type=int, default=2000)
+    parser.add_argument(
+        "--busy-poll-us", type=int, default=5000, help="both ends of the busy-polled column"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
-    port, echo_port = free_port(), free_port()
-    server, echo = start_server(port), start_echo(echo_port)
-    address = f"127.0.0.1:{port}"
+    port, poll_port, echo_port = free_port(), free_port(), free_port()
+    servers = [start_server(port), start_server(poll_port, args.busy_poll_us)]
+    echo = start_echo(echo_port)
+    addresses = (f"127.0.0.1:{port}", f"127.0.0.1:{poll_port}")
     rows: list[dict[str, Any]] = []
     try:
         for n in args.envs:
-            rows.append(asyncio.run(compare(address, args.env_id, n, args.seconds, args.rounds)))
+            row = compare(addresses, args.env_id, n, args.seconds, args.rounds, args.busy_poll_us)
+            rows.append(asyncio.run(row))
             asyncio.run(grpc_ceiling(f"127.0.0.1:{echo_port}", args.env_id, rows[-1]))
-        latency = asyncio.run(bench_latency(address, args.env_id, args.latency_steps))
-        latency_shm = asyncio.run(
-            bench_latency(address, args.env_id, args.latency_steps, colocated=True)
-        )
+        latencies = {
+            name: asyncio.run(
+                bench_latency(address, args.env_id, args.latency_steps, **how)  # type: ignore[arg-type]
+            )
+            for name, address, how in (
+                ("gRPC", addresses[0], {}),
+                ("co-located", addresses[0], {"colocated": True}),
+                (
+                    "co-located busy-poll",
+                    addresses[1],
+                    {"colocated": True, "busy_poll_us": args.busy_poll_us},
+                ),
+            )
+        }
     finally:
-        for process in (server, echo):
+        for process in (*servers, echo):
             process.terminate()
             process.wait(timeout=30)
 
-    print(f"{args.env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
-    print(
-        f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'ceiling':>8} "
-        f"{'co-located':>12} {'ratio':>7}"
-    )
-    for r in rows:
-        n, lo, re_, ratio = r["num_envs"], r["local_sps"], r["remote_sps"], r["ratio"]
-        co, co_ratio, ceiling = r["colocated_sps"], r["colocated_ratio"], r["grpc_ceiling_ratio"]
-        print(
-            f"{n:>6} {lo:>12,.0f} {re_:>12,.0f} {ratio:>7.2f} {ceiling:>8.2f} "
-            f"{co:>12,.0f} {co_ratio:>7.2f}"
-        )
-    print(
-        "ceiling: in-process step time / (that + a bare gRPC echo of the step's message sizes, "
-        "bench/grpc_echo.py), the best a lock-step gRPC stream could do here"
-    )
-    for name, lat in (("gRPC", latency), ("co-located", latency_shm)):
-        p50, p99 = lat["p50_us"], lat["p99_us"]
-        print(f"single-env step round trip, {name}: p50 {p50:.0f} us, p99 {p99:.0f} us")
-    row_64 = next((r for r in rows if r["num_envs"] == 64), None)
-    at_64 = row_64["ratio"] if row_64 else None
-    ceiling_at_64 = row_64["grpc_ceiling_ratio"] if row_64 else None
-    colocated_at_64 = row_64["colocated_ratio"] if row_64 else None
-    if row_64 is not None:
-        for name, got, target in (
-            ("gRPC", at_64, TARGET_AT_64),
-            ("co-located", colocated_at_64, COLOCATED_TARGET_AT_64),
-        ):
-            verdict = "meets" if got >= target else "MISSES"
-            print(f"target {name} >= {target}x in-process at 64 envs: {verdict} ({got:.2f}x)")
-
+    print_table(args.env_id, rows, latencies, args.busy_poll_us)
+    row_64 = next((r for r in rows if r["num_envs"] == 64), {})
     result = {
         "benchmark": "env_throughput",
         "env_id": args.env_id,
         "seconds_per_side": args.seconds,
         "rounds": args.rounds,
+        "colocated_busy_poll_us": args.busy_poll_us,
         "rows": rows,
-        "latency_single_env": latency,
-        "latency_single_env_colocated": latency_shm,
+        "latency_single_env": latencies["gRPC"],
+        "latency_single_env_colocated": latencies["co-located"],
+        "latency_single_env_colocated_busy_poll": latencies["co-located busy-poll"],
         "target_ratio_at_64": TARGET_AT_64,
-        "ratio_at_64": at_64,
-        "grpc_ceiling_ratio_at_64": ceiling_at_64,
+        "ratio_at_64": row_64.get("ratio"),
+        "grpc_ceiling_ratio_at_64": row_64.get("grpc_ceiling_ratio"),
         "target_colocated_ratio_at_64": COLOCATED_TARGET_AT_64,
-        "colocated_ratio_at_64": colocated_at_64,
+        "colocated_ratio_at_64": row_64.get("colocated_ratio"),
+        "colocated_busy_poll_ratio_at_64": row_64.get("colocated_busy_poll_ratio"),
         **run_facts(load_before, ("gymnasium", "grpcio", "protobuf", "numpy")),
     }
     write_result(args.out, result)
     return 0
+
+
+def print_table(
+    env_id: str, rows: list[dict[str, Any]], latencies: dict[str, dict[str, float]], poll_us: int
+) -> None:
+    print(f"{env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
+    print(
+        f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'ceiling':>8} "
+        f"{'co-located':>12} {'ratio':>7} {'busy-poll':>12} {'ratio':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['num_envs']:>6} {r['local_sps']:>12,.0f} {r['remote_sps']:>12,.0f} "
+            f"{r['ratio']:>7.2f} {r['grpc_ceiling_ratio']:>8.2f} {r['colocated_sps']:>12,.0f} "
+            f"{r['colocated_ratio']:>7.2f} {r['colocated_busy_poll_sps']:>12,.0f} "
+            f"{r['colocated_busy_poll_ratio']:>7.2f}"
+        )
+    print(
+        "ceiling: in-process step time / (that + a bare gRPC echo of the step's message sizes, "
+        f"bench/grpc_echo.py), the best a lock-step gRPC stream could do here; busy-poll: "
+        f"co-located with colocated_busy_poll_us={poll_us} on both ends"
+    )
+    for name, lat in latencies.items():
+        p50, p99 = lat["p50_us"], lat["p99_us"]
+        print(f"single-env step round trip, {name}: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    row_64 = next((r for r in rows if r["num_envs"] == 64), None)
+    if row_64 is None:
+        return
+    for name, key, target in (
+        ("gRPC", "ratio", TARGET_AT_64),
+        ("co-located", "colocated_ratio", COLOCATED_TARGET_AT_64),
+        ("co-located busy-poll", "colocated_busy_poll_ratio", COLOCATED_TARGET_AT_64),
+    ):
+        got = row_64[key]
+        verdict = "meets" if got >= target else "MISSES"
+        print(f"target {name} >= {target}x in-process at 64 envs: {verdict} ({got:.2f}x)")
 
 
 if __name__ == "__main__":

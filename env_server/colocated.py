@@ -35,7 +35,7 @@ from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2
 from services.errors import InvalidArgument, ResourceExhausted, RlfleetError, to_status
 
-__all__ = ["Declined", "ServerRing"]
+__all__ = ["Declined", "RingPoller", "ServerRing"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,29 @@ _SHM_DIR = "/dev/shm"  # where POSIX shm_open names live on Linux (multiprocessi
 class Declined(Exception):
     """The offer cannot be used here (another host or namespace, spaces); not the client's
     fault: the session goes on over gRPC."""
+
+
+class RingPoller:
+    """Busy polling of one server's rings (env_server/client/shm_ring.py): after a ring's step
+    is answered, every ring's doorbell is polled until `busy_poll_us` passes with no packet, so
+    a client that answers fast (or another session's half of a double-buffered actor) finds
+    this server awake. Back to the event loop after `_MAX_POLL_S` at the latest, so gRPC
+    requests and timers are served however busy the rings are."""
+
+    _MAX_POLL_S = 0.01
+
+    def __init__(self, busy_poll_us: int) -> None:
+        self.poll_s = busy_poll_us / 1e6
+        self.rings: set[ServerRing] = set()
+
+    def poll(self) -> None:
+        started = last_answer = time.perf_counter()
+        while (now := time.perf_counter()) - last_answer < self.poll_s:
+            if now - started > self._MAX_POLL_S:
+                return
+            for ring in list(self.rings):
+                if ring.answer_waiting():
+                    last_answer = time.perf_counter()
 
 
 class ServerRing:
@@ -58,9 +81,11 @@ class ServerRing:
         max_bytes: int,
         on_steps: Callable[[int], None],
         on_close: Callable[[], None],
+        poller: RingPoller | None = None,
     ) -> None:
         """Check the offer, attach the segment and connect the doorbell; Declined when this
-        server cannot, InvalidArgument/ResourceExhausted when the offer is wrong."""
+        server cannot, InvalidArgument/ResourceExhausted when the offer is wrong. With a
+        `poller`, answers are followed by busy polling of the server's rings."""
         if not request.segment_name or not request.doorbell:
             raise InvalidArgument("colocate: segment_name and doorbell must be set")
         if not 1 <= request.slots <= MAX_SLOTS:
@@ -95,6 +120,7 @@ class ServerRing:
             )
         self.pool = pool
         self.on_steps = on_steps
+        self._poller = poller
         self._on_close: Callable[[], None] | None = None  # set once attached and connected
         self.last_used = time.monotonic()
         self._loop = asyncio.get_running_loop()
@@ -111,21 +137,29 @@ class ServerRing:
         self._sock.setblocking(False)
         self._loop.add_reader(self._sock.fileno(), self._on_doorbell)
         self._on_close = on_close
+        if poller is not None:
+            poller.rings.add(self)
 
     @property
     def open(self) -> bool:
         return self._sock.fileno() >= 0
 
     def _on_doorbell(self) -> None:
+        """The doorbell's reader: answer the step it rings for, then let the poller go on."""
+        if self.answer_waiting() and self._poller is not None:
+            self._poller.poll()
+
+    def answer_waiting(self) -> bool:
+        """Answer the doorbell's next packet if one is there; True when a step was answered."""
         try:
             packet = self._sock.recv(STEP.size + 1)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             packet = b""
         if not packet:  # the client closed the ring, or died
             self.close()
-            return
+            return False
         self.last_used = time.monotonic()
         reply = self._answer(packet)
         try:
@@ -133,6 +167,8 @@ class ServerRing:
         except OSError as exc:  # gone while we stepped; a full buffer cannot happen in order
             log.info("co-located client left mid-step (%s): ring closed", exc)
             self.close()
+            return False
+        return True
 
     def _answer(self, packet: bytes) -> bytes:
         seq, slot_index = 0, 0
@@ -175,6 +211,8 @@ class ServerRing:
                 self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
         self._slots = []
+        if self._poller is not None:
+            self._poller.rings.discard(self)
         close_quietly(self._shm)
         on_close, self._on_close = self._on_close, None
         if on_close is not None:

@@ -40,7 +40,7 @@ from google.protobuf import struct_pb2
 from common import spaces, tensor
 from env_server import registry
 from env_server.client.types import StepResult
-from env_server.colocated import Declined, ServerRing
+from env_server.colocated import Declined, RingPoller, ServerRing
 from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
@@ -105,11 +105,14 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         linked_spaces: Callable[[str], tuple[Any, Any] | None] | None = None,
         colocated: str = "auto",
         colocated_max_bytes: int = 1 << 30,
+        colocated_busy_poll_us: int = 0,
     ) -> None:
         self.name = name
         # "auto": accept co-located rings from clients on this host; "off": decline every offer.
         self.colocated = colocated
         self.colocated_max_bytes = colocated_max_bytes
+        # Busy polling of this server's rings after each answer (None: off).
+        self.ring_poller = RingPoller(colocated_busy_poll_us) if colocated_busy_poll_us else None
         # Game links (env_server/game_link): the spaces a game declared for an env id that the
         # registry does not know, so a learner can ask for them like for any env (see _create).
         self.linked_spaces = linked_spaces
@@ -363,6 +366,7 @@ class _Session:
                 max_bytes=service.colocated_max_bytes,
                 on_steps=service._steps.inc,
                 on_close=service._colocated.dec,
+                poller=service.ring_poller,
             )
         except Declined as exc:
             out.accepted, out.reason = False, str(exc)

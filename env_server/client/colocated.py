@@ -30,6 +30,7 @@ from env_server.client.shm_ring import (
     STEP,
     RingLayout,
     SlotViews,
+    busy_recv,
     close_quietly,
     host_id,
 )
@@ -46,8 +47,17 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid (Linux struct ucred)
 class ClientRing:
     """A ring of `layout.slots` step buffers shared with one env server session."""
 
-    def __init__(self, layout: RingLayout, shm: shared_memory.SharedMemory, listener: Any) -> None:
+    def __init__(
+        self,
+        layout: RingLayout,
+        shm: shared_memory.SharedMemory,
+        listener: Any,
+        busy_poll_us: int = 0,
+    ) -> None:
         self.layout = layout
+        # Poll for each answer this long before awaiting it (shm_ring.py): the event loop
+        # is blocked meanwhile, as the caller would be waiting for this answer anyway.
+        self._poll_s = busy_poll_us / 1e6
         self._shm: shared_memory.SharedMemory | None = shm
         self._listener: socket.socket | None = listener
         self._doorbell_name = listener.getsockname()[1:].decode()  # abstract: b"\0name"
@@ -60,7 +70,7 @@ class ClientRing:
         self._unclaimed: bytes | None = None  # a packet no step was waiting for
 
     @classmethod
-    def create(cls, layout: RingLayout) -> ClientRing:
+    def create(cls, layout: RingLayout, busy_poll_us: int = 0) -> ClientRing:
         name = SEGMENT_PREFIX + uuid.uuid4().hex[:16]
         shm = shared_memory.SharedMemory(name=name, create=True, size=layout.total_bytes)
         try:
@@ -72,7 +82,7 @@ class ClientRing:
             close_quietly(shm)
             shm.unlink()
             raise
-        return cls(layout, shm, listener)
+        return cls(layout, shm, listener, busy_poll_us)
 
     def offer(self) -> env_pb2.ColocateRequest:
         assert self._shm is not None
@@ -122,24 +132,16 @@ class ClientRing:
         index = seq % self.layout.slots
         slot = self._slots[index]
         _put_actions(slot.actions, actions)
-        waiter: asyncio.Future[bytes] = loop.create_future()
-        self._waiter = waiter
         try:
             # One packet in flight on a fresh socket buffer: a send never blocks here.
             conn.send(STEP.pack(seq, index))
         except OSError as exc:
             self.close()
             raise Unavailable(f"the env server's doorbell failed: {exc}") from None
-        timer = loop.call_later(timeout_s, _expire, waiter)
-        try:
-            packet = await waiter
-        except TimeoutError:
-            self.close()
-            raise Unavailable(f"no co-located step answer within {timeout_s:g}s") from None
-        finally:
-            timer.cancel()
-            if self._waiter is waiter:
-                self._waiter = None
+        # The reader runs only once this task awaits: polling first cannot race it.
+        packet = self._poll() if self._poll_s else None
+        if packet is None:
+            packet = await self._answer(loop, timeout_s)
         if len(packet) < DONE.size:
             self.close()
             raise Unavailable("the env server closed the co-located ring (it ended or restarted)")
@@ -150,6 +152,32 @@ class ClientRing:
         if error_bytes:
             raise _error(packet[DONE.size : DONE.size + error_bytes])
         return self._answers[index].result(slot, episodes, bool(has_final))
+
+    def _poll(self) -> bytes | None:
+        """The answer if it comes within the busy-poll time (b"" once the ring is closed)."""
+        assert self._conn is not None
+        try:
+            packet = busy_recv(self._conn, DONE.size + MAX_ERROR_BYTES, self._poll_s)
+        except OSError:
+            return b""
+        if packet == b"" and self._loop is not None:  # EOF stays readable: stop watching
+            self._loop.remove_reader(self._conn.fileno())
+        return packet
+
+    async def _answer(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> bytes:
+        """The packet the doorbell's reader hands over next, within `timeout_s`."""
+        waiter: asyncio.Future[bytes] = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            return await waiter
+        except TimeoutError:
+            self.close()
+            raise Unavailable(f"no co-located step answer within {timeout_s:g}s") from None
+        finally:
+            timer.cancel()
+            if self._waiter is waiter:
+                self._waiter = None
 
     def _on_readable(self) -> None:
         """The doorbell's reader: hand the packet to the waiting step (b"" when closed)."""

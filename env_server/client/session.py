@@ -225,14 +225,15 @@ class EnvSession:
         )
         return self.info
 
-    async def colocate(self, slots: int = 2) -> bool:
+    async def colocate(self, slots: int = 2, busy_poll_us: int = 0) -> bool:
         """Offer the server a shared-memory ring for this session's steps (after create).
 
         True when accepted: `step` then goes through the ring and returns read-only views of
         it, valid until `slots` more steps have been taken; infos are not carried. False when
         this cannot work (another host, spaces the ring cannot hold, a server that declines or
         predates it): steps stay on gRPC and `colocate_reason` says why. Errors of the stream
-        itself (the server is gone) are raised as from any request.
+        itself (the server is gone) are raised as from any request. `busy_poll_us`: poll for
+        each step's answer this long before awaiting it (env_server/client/shm_ring.py).
         """
         if self.info is None:
             raise FailedPrecondition("colocate before create: create the pool first")
@@ -252,7 +253,7 @@ class EnvSession:
         except Unsupported as exc:
             self.colocate_reason = str(exc)
             return False
-        ring = ClientRing.create(layout)
+        ring = ClientRing.create(layout, busy_poll_us)
         try:
             answer = (await self._request(colocate=ring.offer())).colocate
             if answer.accepted:

@@ -11,6 +11,12 @@ episodes ``episode_index [N] u4``, ``episode_return [N] f8``, ``episode_length [
 Doorbells (SOCK_SEQPACKET, so one send is one packet): the client sends ``STEP`` =
 (sequence, slot); the server answers ``DONE`` = (sequence, slot, episodes, has_final, error
 bytes) followed by that many bytes of a serialized google.rpc.Status when the step failed.
+
+Busy polling (`busy_poll_us`, off by default): a side that expects the next packet soon polls the
+doorbell with non-blocking reads for up to that long before it goes back to sleeping in the
+event loop. Waking a sleeping process costs each side a scheduler wake-up (on the 2-core build
+machine, a VM, about a tenth of a 64-env CartPole step); a peer that is already running needs
+none. It trades a core's idle time for latency: use it only where cores are spare.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +38,7 @@ __all__ = [
     "RingLayout",
     "SlotViews",
     "Unsupported",
+    "busy_recv",
     "close_quietly",
     "host_id",
     "layout_for",
@@ -151,6 +159,18 @@ def layout_for(
         fields.append(_Field(name, offset, shape, dtype))
         offset += _aligned(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return RingLayout(n, slots, offset, tuple(fields))
+
+
+def busy_recv(sock: socket.socket, size: int, poll_s: float) -> bytes | None:
+    """The next packet of non-blocking `sock`, polling for up to `poll_s` without sleeping;
+    None when none came (b"" at end of file). OSError as `recv` raises it."""
+    deadline = time.perf_counter() + poll_s
+    while True:
+        try:
+            return sock.recv(size)
+        except (BlockingIOError, InterruptedError):
+            if time.perf_counter() >= deadline:
+                return None
 
 
 def _aligned(size: int) -> int:

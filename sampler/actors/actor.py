@@ -61,6 +61,7 @@ class GameActor:
             reconnect_timeout_s=settings.reconnect_timeout_s,
             stop_event=self.stop,
             colocated=settings.colocated,
+            colocated_busy_poll_us=settings.colocated_busy_poll_us,
             double_buffer=settings.double_buffer == "on",
             name=ctx.name,
         )

@@ -120,11 +120,13 @@ class EnvGroup:
         reconnect_timeout_s: float = 60.0,
         stop_event: asyncio.Event | None = None,
         colocated: str = "auto",
+        colocated_busy_poll_us: int = 0,
         double_buffer: bool = False,
         name: str = "actor",
     ) -> None:
         self.env_id = env_id
         self.colocated = colocated  # "auto" or "off"
+        self.colocated_busy_poll_us = colocated_busy_poll_us
         self.name = name  # the actor's, for the metric
         self.env_kwargs = dict(env_kwargs or {})
         self.request_timeout_s = request_timeout_s
@@ -276,7 +278,8 @@ class EnvGroup:
             delay = min(delay * 2, 5.0)
 
     async def _colocate(self, link: Link, session: EnvSession) -> None:
-        if self.colocated == "auto" and not await session.colocate():
+        busy_poll_us = self.colocated_busy_poll_us
+        if self.colocated == "auto" and not await session.colocate(busy_poll_us=busy_poll_us):
             log.info("env server %s: gRPC steps (%s)", link.address, session.colocate_reason)
         link.transport = session.transport
 

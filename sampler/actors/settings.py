@@ -54,6 +54,10 @@ class GameActorSettings(StrictModel):
     # Env servers on this host: "auto" steps them through a shared-memory ring when the server
     # accepts the offer (docs/colocated.md), else over gRPC; "off" always uses gRPC.
     colocated: Annotated[Literal["auto", "off"], Switch] = "auto"
+    # Poll a co-located server's answer this long (microseconds) before sleeping until it comes:
+    # no wake-up per step, at the cost of a busy core. Pair it with the env server's setting of
+    # the same name where cores are spare (docs/colocated.md); 0 (off) by default.
+    colocated_busy_poll_us: int = Field(default=0, ge=0, le=10_000)
     # Double-buffered sampling (sampler/actors/sampling.py): two sessions per env server, one
     # half of the envs stepping while the policy infers on the other; needs 2+ envs per server.
     # Off by default: it pays only where cores are spare or the policy is heavy (on the loaded

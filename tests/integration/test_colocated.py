@@ -6,12 +6,13 @@ packets get clear errors, and a client killed mid-step leaves the server serving
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import gymnasium as gym
@@ -258,15 +259,24 @@ async def test_a_client_killed_mid_step_leaves_the_server_serving(
         assert (await session.step(np.zeros(4, np.int64))).observations.shape == (4, 4)
 
 
-async def test_a_server_killed_mid_step_is_unavailable_to_the_client() -> None:
-    address = f"127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "services.cli", "serve", "env_server", "--name", "env-colo-k"]
+@contextlib.contextmanager
+def _server_process(name: str, **settings: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """An env server in its own process (`settings`: RLFLEET_ENV_SERVER__* values)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "serve", "env_server", "--name", name]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen(
-        [*argv, "--port", address.rsplit(":", 1)[1]], env=env, stdout=subprocess.DEVNULL
-    )
+    env |= {f"RLFLEET_ENV_SERVER__{key.upper()}": value for key, value in settings.items()}
+    server = subprocess.Popen([*argv, "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
     try:
-        await asyncio.to_thread(wait_for_health, address, 60)
+        wait_for_health(f"127.0.0.1:{port}", 60)
+        yield f"127.0.0.1:{port}", server
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+async def test_a_server_killed_mid_step_is_unavailable_to_the_client() -> None:
+    with _server_process("env-colo-k") as (address, server):
         session = EnvSession(address, request_timeout_s=20)
         await session.create("CartPole-v1", 16, seed=0)
         assert await session.colocate(), session.colocate_reason
@@ -279,9 +289,30 @@ async def test_a_server_killed_mid_step_is_unavailable_to_the_client() -> None:
             await asyncio.wait_for(stepping, 15)
         assert session.transport == "grpc"  # the ring is closed with the session
         await session.close()
-    finally:
-        server.kill()
-        server.wait(30)
+
+
+async def test_busy_polling_rings_step_like_grpc_while_the_server_serves_grpc() -> None:
+    """Two busy-polling rings at once (a double-buffered actor's halves: the server polls both)
+    and a gRPC session beside them, which the polling must not starve."""
+    actions = np.random.default_rng(2).integers(0, 2, size=(300, 6))
+
+    async def run(address: str, busy_poll_us: int | None) -> np.ndarray:
+        async with EnvSession(address) as session:
+            await session.create("CartPole-v1", 6, seed=3)
+            if busy_poll_us is not None:
+                assert await session.colocate(busy_poll_us=busy_poll_us), session.colocate_reason
+            obs, _ = await session.reset()
+            rows = [np.array(obs)]
+            for a in actions:
+                rows.append(np.array((await session.step(a)).observations))
+            return np.stack(rows)
+
+    with _server_process("env-colo-poll", colocated_busy_poll_us="2000") as (address, _):
+        polled, half_polled, plain = await asyncio.wait_for(
+            asyncio.gather(run(address, 2000), run(address, 0), run(address, None)), 60
+        )
+    np.testing.assert_array_equal(polled, plain)
+    np.testing.assert_array_equal(half_polled, plain)
 
 
 async def _step_forever(session: EnvSession) -> None:

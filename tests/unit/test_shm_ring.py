@@ -4,13 +4,16 @@ checks that need no server (env_server/client/colocated.py)."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 
 from env_server.client.colocated import SEGMENT_PREFIX, ClientRing, _put_actions
-from env_server.client.shm_ring import MAX_SLOTS, Unsupported, host_id, layout_for
+from env_server.client.shm_ring import MAX_SLOTS, Unsupported, busy_recv, host_id, layout_for
 from services.errors import InvalidArgument
 
 BOX = spaces.Box(-1.0, 1.0, (3, 2), np.float32)
@@ -87,3 +90,22 @@ def test_a_ring_never_accepted_leaves_nothing_in_dev_shm() -> None:
     ring.close()
     ring.close()  # idempotent
     assert not os.path.exists(path)
+
+
+def test_busy_recv_polls_for_a_packet_then_gives_up() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        a.setblocking(False)
+        started = time.perf_counter()
+        assert busy_recv(a, 64, 0.02) is None  # nothing came: it polled the whole time
+        assert time.perf_counter() - started >= 0.02
+        sender = threading.Timer(0.01, b.send, (b"ding",))
+        sender.start()
+        assert busy_recv(a, 64, 5.0) == b"ding"  # a packet mid-poll ends the poll at once
+        sender.join()
+        b.send(b"first")
+        b.send(b"second")
+        assert busy_recv(a, 64, 0) == b"first"  # no poll time: one read, packets kept apart
+        b.close()
+        assert busy_recv(a, 64, 0) == b"second"
+        assert busy_recv(a, 64, 1.0) == b""  # the peer closed: end of file, not a timeout
