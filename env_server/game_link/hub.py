@@ -201,6 +201,11 @@ class PolicyHub:
         self._wake.set()
         self._new_version.set()
 
+    def taken(self, producer: str) -> int | None:
+        """The highest sequence of `producer`'s fragments the learner reports taking (with the
+        newest version this hub fetched), or None before it reports any."""
+        return self.follower.taken(producer) if self.follower is not None else None
+
     async def wait_version(self, version: int, timeout_s: float) -> bool:
         """Wait until `version` (or a newer one) is loaded (True) or `timeout_s` passed."""
         with contextlib.suppress(TimeoutError):

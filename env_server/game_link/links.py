@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.behaviour import Decision
-from common.fragments import FragmentArrays, FragmentMeta, build_fragment
+from common.fragments import FragmentArrays, FragmentMeta, build_fragment, producer_id
 from common.stats import ActorStats
 from env_server.game_link.hub import PolicyHub
 from env_server.game_link.protocol import LinkSpec, Tick, TickCursor
@@ -67,6 +67,11 @@ class Link:
     @property
     def actor_id(self) -> str:
         return self.meta.actor_id
+
+    @property
+    def producer(self) -> str:
+        """Whose fragments these are, as the learner reports what it took (see pace)."""
+        return producer_id(self.meta.run, self.meta.actor_id, self.meta.incarnation)
 
 
 class LinkRegistry:
@@ -179,8 +184,8 @@ class LinkRegistry:
             self._post(lambda: stats.report(version))
 
     def _credit(self, link: Link) -> None:
-        """After `k` fragments a link waits for version `base + ceil(k / per_version) - 1`:
-        one update ahead of the learner, never more (the game actor's credit rule)."""
+        """Before the learner reports taking any of a link's fragments: after `k` fragments a
+        link waits for version `base + ceil(k / per_version) - 1`, one update ahead."""
         per_version = self.settings.fragments_per_version
         if not per_version or self.settings.policy != "learner":
             return
@@ -190,7 +195,33 @@ class LinkRegistry:
         link.wanted = link.paced_base + -(-link.paced_count // per_version) - 1
 
     async def pace(self, link: Link) -> None:
-        """Hold the link's next decision until its credit allows it (see _credit)."""
+        """Hold the link's next decision while `2 * fragments_per_version` of its fragments
+        are outstanding, built but not yet taken by the learner (WeightsPublished's
+        taken_sequences): one update ahead, never more (the game actor's rule). Until the
+        learner reports taking any (start-up, a learner restart), the version credit of
+        `_credit` applies: counted from a start version, it holds a link that started late
+        one fragment short of the learner's need for the whole run."""
+        per_version = self.settings.fragments_per_version
+        if not per_version or self.settings.policy != "learner":
+            return
+        deadline = time.monotonic() + self.settings.version_wait_s
+        while (taken := self.hub.taken(link.producer)) is not None:
+            link.paced_base, link.paced_count, link.wanted = -1, 0, None  # fresh if needed again
+            outstanding = link.sequence - (taken + 1)
+            if outstanding < 2 * per_version:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self.hub.wait_version(self.hub.version + 1, left):
+                log.warning(
+                    "link %s: %d fragments outstanding and no new version for %gs: going on",
+                    link.link_id,
+                    outstanding,
+                    self.settings.version_wait_s,
+                )
+                return
+        await self._pace_on_versions(link)
+
+    async def _pace_on_versions(self, link: Link) -> None:
         wanted = link.wanted
         if wanted is None or self.hub.version >= wanted:
             return
