@@ -334,6 +334,7 @@ def build_engine(
         betas=optimizer_cfg.betas,
         eps=optimizer_cfg.eps,
         weight_decay=optimizer_cfg.weight_decay,
+        fused=optimizer_cfg.fused,
     )
     start = time.perf_counter()
     ds_engine, _, _, _ = deepspeed.initialize(
