@@ -130,7 +130,8 @@ class ActorCritic(nn.Module):
             # Categorical's quantities from the log-softmax directly: torch.distributions'
             # per-call overhead (argument checks, broadcasting) was ~40% of a 256-row
             # minibatch's policy-head forward and backward.
-            log_ps = [torch.log_softmax(part, -1) for part in torch.split(out, self.action_dims, -1)]
+            heads = torch.split(out, self.action_dims, dim=-1)
+            log_ps = [torch.log_softmax(head, -1) for head in heads]  # K x [B, n_k]
             if action is None:
                 parts = [torch.multinomial(lp.exp(), 1, replacement=True) for lp in log_ps]
                 action = torch.cat(parts, dim=-1) + self.action_offset  # [B, K]
