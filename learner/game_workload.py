@@ -367,14 +367,9 @@ class GameWorkload:
 
 
 def build_game_engine(policy: torch.nn.Module, s: LearnerSettings) -> Engine:
-    """The learner's engine: ``engine_settings``, and AdamW's multi-tensor (``foreach``) step,
-    one call per operation for all parameters instead of one per parameter (the same
-    arithmetic: ``bench/ppo_update_profile.py`` checks the weights bit for bit)."""
-    engine = build_engine(policy, s.optimizer(), engine_settings(s))
-    if _single_fp32_rank(s):  # (what the bit-for-bit check covers)
-        for group in engine.ds.optimizer.param_groups:
-            group["foreach"] = True
-    return engine
+    """The learner's engine: ``engine_settings`` with a fused AdamW (OptimizerSettings.fused),
+    one kernel call per parameter for the whole step."""
+    return build_engine(policy, s.optimizer(), engine_settings(s))
 
 
 def _single_fp32_rank(s: LearnerSettings) -> bool:
