@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import gymnasium as gym
@@ -203,19 +203,29 @@ async def test_actor_keeps_its_outstanding_fragments_bounded_by_what_the_learner
                     assert len(frags) == count, [f.policy_version for f in frags]
 
                 await learner.publish(critic_bias=0.0)
-                await settled(2)  # v0 and one version ahead on it
-                producer = producer_of(frags[0].fragment_id, frags[0].sequence)
-                assert producer is not None
-                # Version 1 took fragment 0: one outstanding, so one more.
-                await learner.publish(critic_bias=1.0, taken={producer: 0})
-                await settled(3)
-                # Version 2 took fragments 1 and 2: none outstanding, two more. (A credit
-                # counted in versions would allow one: 4 fragments by v2.)
-                await learner.publish(critic_bias=2.0, taken={producer: 2})
-                await settled(5)
+                await paced_on_taken_sequences(learner, frags, settled)
         finally:
             await learner.server.stop(0)
     assert [f.policy_version for f in frags] == [0, 0, 1, 2, 2]
+
+
+async def paced_on_taken_sequences(
+    learner: StandInLearner,
+    frags: list[trajectory_pb2.RolloutFragment],
+    settled: Callable[[int], Awaitable[None]],
+) -> None:
+    """The flow-control steps every producer passes (one fragment per version, one version
+    ahead: 2 built but not taken), from v0 published; `settled(n)`: n fragments and no more."""
+    await settled(2)  # v0 and one version ahead on it
+    producer = producer_of(frags[0].fragment_id, frags[0].sequence)
+    assert producer is not None
+    # Version 1 took fragment 0: one outstanding, so one more.
+    await learner.publish(critic_bias=1.0, taken={producer: 0})
+    await settled(3)
+    # Version 2 took fragments 1 and 2: none outstanding, two more. (A credit counted in
+    # versions would allow one: 4 fragments by v2.)
+    await learner.publish(critic_bias=2.0, taken={producer: 2})
+    await settled(5)
 
 
 async def _until(condition: Any, timeout_s: float = 30.0) -> None:

@@ -17,11 +17,10 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from common.fragments import producer_of
 from env_server.game_link_client import AsyncGameLink
 from services.bus import Bus, stream_name, traj_subject
 from tests.contract.test_game_link import Server
-from tests.integration.test_actor_learner import HIDDEN, StandInLearner
+from tests.integration.test_actor_learner import HIDDEN, StandInLearner, paced_on_taken_sequences
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="session")]
 
@@ -85,16 +84,7 @@ async def test_a_link_keeps_its_outstanding_fragments_bounded_by_what_the_learne
                 await asyncio.sleep(1.0)  # and no more come
                 assert len(frags) == count, [f.policy_version for f in frags]
 
-            await settled(2)  # v0 and one version ahead on it
-            producer = producer_of(frags[0].fragment_id, frags[0].sequence)
-            assert producer is not None
-            # Version 1 took fragment 0: one outstanding, so one more.
-            await learner.publish(critic_bias=1.0, taken={producer: 0})
-            await settled(3)
-            # Version 2 took fragments 1 and 2: none outstanding, two more. (A credit counted
-            # in versions would allow one: 4 fragments by v2.)
-            await learner.publish(critic_bias=2.0, taken={producer: 2})
-            await settled(5)
+            await paced_on_taken_sequences(learner, frags, settled)
         finally:
             await server.stop()  # ends the link's stream: the game's pending act fails
             if playing is not None:
