@@ -150,59 +150,6 @@ def test_a_service_runs_on_the_cpus_its_entry_names_and_unknown_cpus_fail_first(
         up.stop()
 
 
-_REPORT_HELPERS = """\
-import os
-
-def cpus(pid):
-    threads = os.listdir(f"/proc/{pid}/task")
-    return sorted({cpu for tid in threads for cpu in os.sched_getaffinity(int(tid))})
-
-launcher = int(os.environ["RLFLEET_LAUNCHER_PID"])
-kids = []
-for tid in os.listdir(f"/proc/{launcher}/task"):
-    with open(f"/proc/{launcher}/task/{tid}/children") as f:
-        kids += [int(kid) for kid in f.read().split()]
-nats = []
-for kid in kids:
-    with open(f"/proc/{kid}/comm") as f:
-        if f.read().strip() == "nats-server":
-            nats.append(cpus(kid))
-print("launcher on", cpus(launcher), "nats-server on", nats)
-"""
-
-
-def test_the_launcher_and_nats_run_on_the_cpus_services_share(tmp_path: Path) -> None:
-    """With services placed, the launcher and the embedded nats-server leave the CPU that a
-    service has to itself (a learner's) and run on the CPUs the others share."""
-    usable = sorted(os.sched_getaffinity(0))
-    first, last = usable[0], usable[-1]
-    script = tmp_path / "report.py"
-    script.write_text(_REPORT_HELPERS)
-    entry = f"""\
-        - name: own
-          service: process
-          cpus: [{last}]
-          settings: {{command: [sleep, "60"]}}
-        - name: shares
-          service: process
-          cpus: [{first}]
-          settings: {{command: [sleep, "60"]}}
-        - name: report
-          service: process
-          main: true
-          cpus: [{first}]
-          settings: {{command: [{sys.executable}, {script}]}}
-        """
-    config, run_dir = write_config(tmp_path, entry, name="placed")
-    up = Up(config, run_dir, services=("report",), budget_s=60)
-    try:
-        assert up.wait() == 0, up.diagnostics()
-        report = (run_dir / "logs" / "report.log").read_text()
-        assert f"launcher on [{first}] nats-server on [[{first}]]" in report, report
-    finally:
-        up.stop()
-
-
 # Snake-v0 boards as agents of one link, next-step episode rows (the proto's ObservationBatch).
 SNAKE_GAME = """\
 import os
