@@ -128,16 +128,22 @@ def sequence_logprobs(
     attention_mask: Tensor,
     *,
     entropy_grad: bool = False,
-) -> tuple[Tensor, Tensor]:
+    entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Per-position log-probability of each next token and the logits' entropy, under ``model``:
     a causal LM, or an engine around one (``model(input_ids=, attention_mask=).logits``).
 
     input_ids, attention_mask [B, L] -> (logp [B, L-1], entropy [B, L-1]); position t scores
     token t+1 given tokens 0..t. ``entropy_grad`` keeps the entropy in the graph (for an entropy
-    bonus); otherwise it is a detached metric."""
+    bonus); otherwise it is a detached metric. ``entropy=False`` skips it (None): the no-grad
+    passes that only need log-probs (reference, recomputed pi_old) save that vocabulary-wide work.
+    One log-softmax serves both: the picked log-probs and the entropy read the same tensor."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [B, L-1, V]
-    logp = token_logprobs(logits, input_ids[:, 1:])  # [B, L-1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [B, L-1, V]
+    logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
+    if not entropy:
+        return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [B, L-1, V]
-        entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, L-1]
-    return logp, entropy
+        lp = log_probs if entropy_grad else log_probs.detach()
+        ent = -(lp.exp() * lp).sum(-1)  # [B, L-1]
+    return logp, ent

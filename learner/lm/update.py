@@ -70,15 +70,20 @@ def _forward_logp(
     model: TrainEngine | nn.Module, batch: Batch, rows: Tensor | None, entropy_grad: bool
 ) -> tuple[Tensor, Tensor]:
     b = batch if rows is None else batch.select(rows)
-    return sequence_logprobs(model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad)
+    logp, entropy = sequence_logprobs(
+        model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad
+    )
+    assert entropy is not None
+    return logp, entropy
 
 
 @torch.no_grad()
 def _no_grad_logp(model: TrainEngine | nn.Module, batch: Batch, chunk: int) -> Tensor:
     parts = []
     for start in range(0, len(batch), chunk):
-        rows = torch.arange(start, min(start + chunk, len(batch)))
-        parts.append(_forward_logp(model, batch, rows, False)[0])
+        b = batch.select(torch.arange(start, min(start + chunk, len(batch))))
+        logp, _ = sequence_logprobs(model, b.input_ids, b.attention_mask, entropy=False)
+        parts.append(logp)
     return torch.cat(parts)  # [B, L-1]
 
 
