@@ -4,7 +4,7 @@ Sections (``--only`` picks some; the others are kept from the JSON already at ``
 
 - ``seeds``: per seed, in alternation (so background load hits every side alike), the baseline
   (``bench/ppo_baseline.py``: one process, one ``SyncVectorEnv``) and the system (``rlfleet up``
-  on ``examples/cartpole_ppo.yaml``: embedded NATS, an env server, two actors and the DeepSpeed
+  on ``examples/cartpole_ppo.yaml``: embedded NATS, an env server, an actor and the DeepSpeed
   learner as processes) at the same hyperparameters; with ``--appo`` also the fleet on
   ``examples/cartpole_appo.yaml``. Targets, each in every seed: system SPS >= 1.0x the
   baseline's, time to a mean return of 475 <= the baseline's.

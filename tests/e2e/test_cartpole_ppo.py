@@ -30,11 +30,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
+from tests.fixtures.launch import (
+    CARTPOLE_EXAMPLE,
+    Up,
+    assert_nothing_left,
+    pids_mentioning,
+    two_actor_cartpole,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "cartpole_ppo.yaml"
-SERVICES = ("env-0", "learner", "actor-0", "actor-1")
+SERVICES = ("env-0", "learner", "actor-0", "actor-1")  # actor-1 with two actors
 TARGET = 475.0
 MAX_STEPS = 300_000
 RUN_TIMEOUT_S = 420.0  # a run takes 1-2 minutes on 2 idle cores
@@ -48,9 +52,10 @@ pytestmark = [
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def write_config(tmp_path: Path, **job: Any) -> tuple[Path, Path, str]:
-    """The example with a unique run name, its run dir in tmp_path, and ``job`` overrides."""
-    config = yaml.safe_load(EXAMPLE.read_text())
+def write_config(tmp_path: Path, *, two_actors: bool = False, **job: Any) -> tuple[Path, Path, str]:
+    """The example (with ``two_actors``: ``two_actor_cartpole``) with a unique run name, its run
+    dir in tmp_path, and ``job`` overrides."""
+    config = two_actor_cartpole() if two_actors else yaml.safe_load(CARTPOLE_EXAMPLE.read_text())
     name = f"e2e-ppo-{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "run"
     config["run"] = {"name": name, "dir": str(run_dir)}
@@ -114,6 +119,8 @@ def episodic_returns(run_dir: Path) -> list[tuple[int, float]]:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 90)
 def test_cartpole_learns_through_the_launcher(tmp_path: Path) -> None:
+    """The example as it ships (one actor of 8 envs)."""
+    job = yaml.safe_load(CARTPOLE_EXAMPLE.read_text())["job"]
     config, run_dir, name = write_config(tmp_path)
     with launched(config, run_dir) as up:
         assert up.wait() == 0, "the run failed"
@@ -137,10 +144,10 @@ def test_cartpole_learns_through_the_launcher(tmp_path: Path) -> None:
         entries = applied(run_dir)
         assert entries
         assert_applied_once(entries)
-        assert len(entries) == 2 * final["updates"]  # fragments_per_update: 2
+        assert len(entries) == job["fragments_per_update"] * final["updates"]
         assert sum(e["steps"] for e in entries) == final["global_step"]
         actors = {fragment_parts(e["id"])[:2] for e in entries}
-        assert actors == {(name, "actor-0"), (name, "actor-1")}
+        assert actors == {(name, f"actor-{i}") for i in range(job["num_actors"])}
 
         assert_nothing_left(run_dir)
     print(f"reached {value:g} at step {step}; ended at step {final['global_step']}")
@@ -149,7 +156,9 @@ def test_cartpole_learns_through_the_launcher(tmp_path: Path) -> None:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 90)
 def test_actor_sigkill_is_restarted_and_run_continues(tmp_path: Path) -> None:
     total = 40_000
-    config, run_dir, name = write_config(tmp_path, target_return=None, total_timesteps=total)
+    config, run_dir, name = write_config(
+        tmp_path, two_actors=True, target_return=None, total_timesteps=total
+    )
     with launched(config, run_dir) as up:
         # A few updates in, with fragments of actor-0 among them.
         def warmed_up() -> bool:

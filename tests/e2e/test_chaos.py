@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.launch import Up, assert_nothing_left
+from tests.fixtures.launch import Up, assert_nothing_left, two_actor_cartpole
 from tests.fixtures.runs import applied_updates, audit_ledger, nats_pids, service_pids
 
 pytestmark = [
@@ -27,13 +27,12 @@ pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="scans /proc"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("env-0", "learner", "actor-0", "actor-1")
 VICTIMS = ("nats", "learner", "env-0", "actor-0")
 
 
 def chaos_config(tmp_path: Path, total_timesteps: int) -> tuple[Path, Path]:
-    config = yaml.safe_load((REPO / "examples" / "cartpole_ppo.yaml").read_text())
+    config = two_actor_cartpole()
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"chaos-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["job"].update(total_timesteps=total_timesteps, target_return=None, update_epochs=4)

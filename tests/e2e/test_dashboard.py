@@ -32,7 +32,7 @@ from tests.fixtures.launch import Up, assert_nothing_left
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cartpole_ppo.yaml"
-SERVICES = ("env-0", "learner", "actor-0", "actor-1")
+SERVICES = ("env-0", "learner", "actor-0")  # the example: one actor
 CHROMIUM = Path(os.environ.get("RLFLEET_CHROMIUM", "/usr/bin/chromium"))
 # Headless and quiet: nothing of the browser's own reaches the network. (Playwright's launch()
 # gives every browser a fresh temporary --user-data-dir of its own.)

@@ -37,7 +37,7 @@ from services.bus import Bus
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import wait_for_health
-from tests.fixtures.launch import Up, assert_nothing_left
+from tests.fixtures.launch import Up, assert_nothing_left, two_actor_cartpole
 from tests.integration import test_actor_random
 from tests.integration.test_actor_random import Events, _arr, _fragments
 
@@ -197,7 +197,7 @@ RUN_TIMEOUT_S = 240.0  # ~30-60 s on 2 idle cores; a loaded machine is slower, n
 @pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_cartpole_ppo_learns_double_buffered(tmp_path: Path) -> None:
-    config = yaml.safe_load((REPO / "examples" / "cartpole_ppo.yaml").read_text())
+    config = two_actor_cartpole()
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"itest-double-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["job"].update(target_return=TARGET, total_timesteps=100_000, double_buffer="on")

@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
+from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning, two_actor_cartpole
 
-REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("env-0", "learner", "actor-0", "actor-1")
 TARGET = 150.0  # modest: CartPole's random policy scores about 22
 RUN_TIMEOUT_S = 300.0
@@ -33,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reas
 
 
 def _config(tmp_path: Path) -> tuple[Path, Path]:
-    config = yaml.safe_load((REPO / "examples" / "cartpole_ppo.yaml").read_text())
+    config = two_actor_cartpole()
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"ranks-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["job"].update(

@@ -27,9 +27,8 @@ from services.certs import ensure_certs
 from services.errors import ConfigError, Unavailable
 from services.security import TlsFiles, tls_files
 from services.server import GrpcServer, channel
-from tests.fixtures.launch import Up, assert_nothing_left
+from tests.fixtures.launch import Up, assert_nothing_left, two_actor_cartpole
 
-REPO = Path(__file__).resolve().parents[2]
 SECURE_ENV = ("RLFLEET_TLS_CA", "RLFLEET_TLS_CERT", "RLFLEET_TLS_KEY", "RLFLEET_NATS_USER",
               "RLFLEET_NATS_PASSWORD")  # fmt: skip
 
@@ -146,7 +145,7 @@ def test_rlfleet_certs_command(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_run_with_mutual_tls_and_nats_auth(tmp_path: Path) -> None:
-    config = yaml.safe_load((REPO / "examples" / "cartpole_ppo.yaml").read_text())
+    config = two_actor_cartpole()
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"sec-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["security"] = {"tls": True, "nats_auth": True}

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.errors import EXIT_PERMANENT
-from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning
+from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning, two_actor_cartpole
 from tests.fixtures.launch import write_config as launch_config
 from tests.fixtures.runs import applied_updates, nats_pids, service_pids
 
@@ -190,7 +190,7 @@ def test_nats_is_restarted_on_its_port_then_bounded(tmp_path: Path) -> None:
 
 
 def ppo_config(tmp_path: Path, total_timesteps: int) -> tuple[Path, Path]:
-    config = yaml.safe_load((REPO / "examples" / "cartpole_ppo.yaml").read_text())
+    config = two_actor_cartpole()
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"sup-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["job"].update(total_timesteps=total_timesteps, target_return=None, update_epochs=4)

@@ -45,7 +45,7 @@ def test_variant_keeps_the_batch_of_the_baseline() -> None:
     args = runs.baseline_args(job, seed=3)
     assert args.num_envs == 64 and args.batch_size == 64 * job["rollout_length"]
     assert args.num_minibatches == args.batch_size // job["minibatch_size"]
-    assert config["job"]["num_actors"] == 2  # the original is untouched
+    assert config["job"]["num_actors"] == 1  # the original is untouched
 
 
 def test_compare_run_reads_the_printed_lines(tmp_path: Path) -> None:

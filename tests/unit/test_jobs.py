@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from services.config import load_run_config
 from services.errors import ConfigError
+from tests.fixtures.launch import two_actor_cartpole
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,17 +20,22 @@ def _write(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def test_cartpole_example_expands_into_servers_learner_and_actors() -> None:
+def test_cartpole_example_expands_into_servers_learner_and_actors(tmp_path: Path) -> None:
     config = load_run_config(ROOT / "examples" / "cartpole_ppo.yaml", environ={})
     kinds = [(e.name, e.service, e.main) for e in config.services]
     assert kinds == [
         ("env-0", "env_server", False),
         ("learner", "learner", True),
         ("actor-0", "game_actor", False),
-        ("actor-1", "game_actor", False),
     ]
     learner = config.service("learner").settings
-    assert learner.fragments_per_update == 2 and learner.target_return == 475
+    assert learner.fragments_per_update == 1 and learner.target_return == 475
+    # Two actors (the shape the multi-actor tests run): one fragment of each per update.
+    two = yaml.safe_dump(two_actor_cartpole(), sort_keys=False)
+    config = load_run_config(_write(tmp_path, two), environ={})
+    assert [e.name for e in config.services] == ["env-0", "learner", "actor-0", "actor-1"]
+    learner = config.service("learner").settings
+    assert learner.fragments_per_update == 2
     actors = [config.service(f"actor-{i}").settings for i in range(2)]
     assert [a.actor_index for a in actors] == [0, 1]
     assert {a.env_seed() for a in actors} == {1, 5}  # distinct env seeds per actor
@@ -56,8 +63,7 @@ def test_game_jobs_give_the_learner_a_cpu_of_its_own(
     config = load_run_config(_write(tmp_path, body), environ={})
     cpus = {e.name: e.cpus for e in config.services}
     if placed:
-        assert cpus == {"env-0": [0, 1, 2], "learner": [3], "actor-0": [0, 1, 2],
-                        "actor-1": [0, 1, 2]}  # fmt: skip
+        assert cpus == {"env-0": [0, 1, 2], "learner": [3], "actor-0": [0, 1, 2]}
     else:
         assert set(cpus.values()) == {None}
 
