@@ -156,6 +156,10 @@ class ServiceEntry(StrictModel):
     # sched_setaffinity; None: wherever the OS schedules them. Checked against the CPUs the
     # launcher itself may use when the run starts.
     cpus: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    # The threads its computation uses (OMP_NUM_THREADS of its process, which torch's intra-op
+    # pool follows); None: the launcher's own OMP_NUM_THREADS, else 1 (several processes share
+    # few cores). More for the one process a run waits for, when the others leave CPU idle.
+    threads: int | None = Field(default=None, ge=1, le=1024)
     # Raw mapping as written; after validate_run_config/load_run_config it is an instance of
     # the kind's settings model (Any, not a union, keeps pydantic's error paths clean).
     settings: Any = Field(default_factory=dict)

@@ -698,6 +698,8 @@ class Launcher:
             reg.ENV_METRICS_PORT: str(svc.metrics_port),
             ENV_EXIT_REASON: str(svc.reason_path),
         }
+        if svc.entry.threads is not None:
+            child_env["OMP_NUM_THREADS"] = str(svc.entry.threads)
         if svc.entry.cpus:  # the service pins itself once started up (services/placement.py)
             child_env[ENV_CPUS] = format_cpus(svc.entry.cpus)
         svc.reason_path.unlink(missing_ok=True)  # a reason is about this start only

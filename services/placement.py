@@ -53,15 +53,16 @@ def own_cpu_for(
     entries: list[dict[str, Any]], name: str, environ: Mapping[str, str] = os.environ
 ) -> list[dict[str, Any]]:
     """Run-file service entries with `cpus` set: the entry called `name` on CPUs of its own,
-    as many as the threads each service computes with (OMP_NUM_THREADS, which `rlfleet up`
-    sets to 1 unless given), the last ones this process may use; every other entry on the
-    rest. Unchanged when that leaves the others no CPU, or off Linux. For a job whose one
-    process is the critical path (a learner whose update the rest of the run waits for): the
-    others time-sliced onto its cores slow every step of it."""
+    as many as the threads it computes with (its entry's `threads`, else OMP_NUM_THREADS,
+    which `rlfleet up` sets to 1 unless given), the last ones this process may use; every
+    other entry on the rest. Unchanged when that leaves the others no CPU, or off Linux. For a
+    job whose one process is the critical path (a learner whose update the rest of the run
+    waits for): the others time-sliced onto its cores slow every step of it."""
     if not hasattr(os, "sched_getaffinity"):
         return entries
+    own = next((entry.get("threads") for entry in entries if entry["name"] == name), None)
     try:
-        threads = max(int(environ.get("OMP_NUM_THREADS") or 1), 1)
+        threads = own or max(int(environ.get("OMP_NUM_THREADS") or 1), 1)
     except ValueError:
         threads = 1
     cpus = sorted(os.sched_getaffinity(0))

@@ -274,6 +274,13 @@ class LMJobSettings(StrictModel):
         "the samplers, drivers and reward service on the rest; off (default: no gain measured "
         "on 2 cores, docs/internals.md): the OS places them",
     )
+    learner_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="threads of the learner's computation (its OMP_NUM_THREADS; null: the "
+        "launcher's, 1 unless set): more when the samplers leave CPU idle during updates",
+    )
     sampler: dict[str, Any] = Field(
         default_factory=dict, description="extra sampler settings, passed to every sampler"
     )
@@ -397,6 +404,8 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
             "settings": _learner(s),
         },
     ]
+    if s.learner_threads is not None:
+        entries[-1]["threads"] = s.learner_threads
     samplers = [f"sampler-{i}" for i in range(s.num_samplers)]
     for i, name in enumerate(samplers):
         sampler = {

@@ -1,6 +1,7 @@
 """End to end: `rlfleet up` on (a copy of) examples/grpo_arith.yaml, the real fleet in
 subprocesses: embedded nats-server, the reward service, the DeepSpeed LM learner (main, SFT warm
-start first), a vLLM sampler following the learner's versions, and a rollout driver.
+start first), a vLLM sampler (the example samples with transformers: switched here) following
+the learner's versions, and a rollout driver.
 
 The run is shortened (a short warm start, a few dozen updates) and the format reward weighs more
 than in the example, so that "RL raises the mean reward" shows within CI's budget: the warm start
@@ -41,6 +42,10 @@ def write_config(tmp_path: Path, model_dir: Path) -> tuple[Path, Path]:
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"e2e-grpo-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["job"].update(
+        # The example samples with transformers on its tiny model; the launcher's vLLM path
+        # (engine start, weight reloads, SERVING only once warm) is what this test covers.
+        engine="vllm",
+        sampler={"kv_cache_gib": 1, "enforce_eager": True},
         model_path=str(model_dir),
         rewards=[
             {"name": "accuracy", "weight": 1.0},

@@ -151,6 +151,45 @@ def test_a_service_runs_on_the_cpus_its_entry_names_and_unknown_cpus_fail_first(
         up.stop()
 
 
+_PRINT_THREADS = """\
+import os, pathlib, sys, time
+
+if len(sys.argv) > 1:  # first wait for the other service's line
+    log = pathlib.Path(os.environ["RLFLEET_RUN_DIR"]) / "logs" / f"{sys.argv[1]}.log"
+    deadline = time.monotonic() + 30
+    while "threads" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "no line from " + sys.argv[1]
+        time.sleep(0.1)
+print("threads", os.environ["OMP_NUM_THREADS"], flush=True)
+time.sleep(0 if len(sys.argv) > 1 else 60)
+"""
+
+
+def test_a_service_computes_with_the_threads_its_entry_names(tmp_path: Path) -> None:
+    """`threads:` becomes the service's OMP_NUM_THREADS (torch's intra-op pool follows it);
+    without it a service gets the launcher's, 1 unless set."""
+    script = tmp_path / "threads.py"
+    script.write_text(_PRINT_THREADS)
+    entry = f"""\
+        - name: plain
+          service: process
+          settings: {{command: [{sys.executable}, {script}]}}
+        - name: counted
+          service: process
+          main: true
+          threads: 3
+          settings: {{command: [{sys.executable}, {script}, plain]}}
+        """
+    config, run_dir = write_config(tmp_path, entry, name="threads")
+    up = Up(config, run_dir, services=("plain", "counted"), budget_s=60)
+    try:
+        assert up.wait() == 0, up.diagnostics()
+        assert "threads 3\n" in (run_dir / "logs" / "counted.log").read_text()
+        assert "threads 1\n" in (run_dir / "logs" / "plain.log").read_text()
+    finally:
+        up.stop()
+
+
 _REPORT_HELPERS = """\
 import os
 

@@ -94,10 +94,24 @@ def test_lm_jobs_give_the_learner_a_cpu_of_its_own(
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     body = (ROOT / "examples" / "grpo_arith.yaml").read_text()
     body = body.replace("job:\n", f"job:\n  cpu_placement: {placement}\n", 1)
-    config = load_run_config(_write(tmp_path, body), environ={})
+    one_thread = body.replace("learner_threads: 2", "learner_threads: 1", 1)
+    config = load_run_config(_write(tmp_path, one_thread), environ={})
     cpus = {e.name: e.cpus for e in config.services}
     if placement == "auto":
         assert cpus == {"reward": [0], "learner": [1], "sampler-0": [0], "rollout-0": [0]}
+    else:
+        assert set(cpus.values()) == {None}
+    # The example's learner computes on 2 threads: on 2 CPUs none is left for the others (not
+    # placed); on 4 it gets the last 2.
+    config = load_run_config(_write(tmp_path, body), environ={})
+    assert config.service("learner").threads == 2
+    assert config.service("learner").cpus is None
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    config = load_run_config(_write(tmp_path, body), environ={})
+    cpus = {e.name: e.cpus for e in config.services}
+    if placement == "auto":
+        assert cpus == {"reward": [0, 1], "learner": [2, 3], "sampler-0": [0, 1],
+                        "rollout-0": [0, 1]}  # fmt: skip
     else:
         assert set(cpus.values()) == {None}
 
