@@ -255,7 +255,8 @@ class RolloutDriver:
             async with self._intake:
                 if not await self.pacer.wait_turn(self.stop):
                     return
-                batch = await self.queue.take(settings.prompts_per_call, self.stop)
+                wanted = self.pacer.room(settings.prompts_per_call)
+                batch = await self.queue.take(wanted, self.stop)
                 self.pacer.count(len(batch), [group_id(self.run_name, d.message) for d in batch])
             if not batch:
                 continue

@@ -11,8 +11,9 @@ driver started, its k-th group (from 0) is trained by the learner at version
 `max_policy_lag` means: start group k only once the learner has announced version
 `base + k // groups_per_version - max_policy_lag`. With lag 0 the driver waits while the
 learner trains (strictly on-policy); with lag 1 it samples the next batch meanwhile, so it is
-never more than `max_policy_lag + 1` versions' worth of groups ahead. The check uses announced
-versions; the sampler loads them shortly after, and a group generated in between would come out
+never more than `max_policy_lag + 1` versions' worth of groups ahead. A call's groups all start
+on one turn, so a call never reaches past the next version boundary (`room`). The check uses
+announced versions; the sampler loads them shortly after, and a group generated in between would come out
 one version older and be dropped as stale by the learner (leaving this driver's count ahead of
 what the learner needs: a stall until `version_wait_s`). So after the announcement the driver
 also waits until every sampler reports the version (`loaded_version`, GetInfo).
@@ -189,6 +190,15 @@ class Pacer:
                 log.debug("sampler version unknown: %s", exc)
                 return
             await asyncio.sleep(0.02)
+
+    def room(self, wanted: int) -> int:
+        """How many of ``wanted`` groups may start on this turn: at most up to the next version
+        boundary. Every group of one call starts together, after one turn; a call that crossed
+        a boundary (after a credit, or a short batch, left the count between boundaries) would
+        start its later groups a version early, and they would come out too stale to train."""
+        if not self.groups_per_version:
+            return wanted
+        return min(wanted, self.groups_per_version - self.started % self.groups_per_version)
 
     def count(self, groups: int, ids: Iterable[str] = ()) -> None:
         """``groups`` more groups started; ``ids``: their group ids, for credit later."""

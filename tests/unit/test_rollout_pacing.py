@@ -155,3 +155,27 @@ async def test_drops_of_this_driver_are_taken_from_the_learners_events() -> None
     ]
     await pacer._follow(Subscription(events), "rollout-0")
     assert (pacer.started, pacer.credited) == (1, 2)
+
+
+async def test_a_call_never_starts_groups_past_the_next_version_boundary() -> None:
+    """All groups of a call start on one turn: after a credit left the count between version
+    boundaries, a full call would start its later groups a version early (stale when trained),
+    so the turn offers only the groups up to the boundary."""
+    watch, stop = VersionWatch(version=5), asyncio.Event()
+    pacer = Pacer(watch, groups_per_version=4, max_policy_lag=1, version_wait_s=30)
+    assert pacer.room(4) == 4 and pacer.room(3) == 3
+    assert await pacer.wait_turn(stop)
+    pacer.count(4, ["a", "b", "c", "d"])  # v5's turn: trained at v6
+    assert pacer.credit(["b"]) == 1  # dropped: the learner needs one more for v6
+    assert pacer.room(4) == 1  # one more for v6; the ones after it are v7's
+    assert await pacer.wait_turn(stop)
+    pacer.count(pacer.room(4), ["e"])
+    assert pacer.room(4) == 4
+    assert await pacer.wait_turn(stop)  # lag 1: v7's groups start on v5's weights too
+    pacer.count(4, ["f", "g", "h", "i"])
+    waiting = asyncio.ensure_future(pacer.wait_turn(stop))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # v8's groups wait for v6
+    await watch.observe(6)
+    assert await asyncio.wait_for(waiting, 1)
+    assert Pacer(watch, None, 1, 30).room(16) == 16  # not paced
