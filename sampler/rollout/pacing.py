@@ -13,10 +13,10 @@ driver started, its k-th group (from 0) is trained by the learner at version
 learner trains (strictly on-policy); with lag 1 it samples the next batch meanwhile, so it is
 never more than `max_policy_lag + 1` versions' worth of groups ahead. A call's groups all start
 on one turn, so a call never reaches past the next version boundary (`room`). The check uses
-announced versions; the sampler loads them shortly after, and a group generated in between would come out
-one version older and be dropped as stale by the learner (leaving this driver's count ahead of
-what the learner needs: a stall until `version_wait_s`). So after the announcement the driver
-also waits until every sampler reports the version (`loaded_version`, GetInfo).
+announced versions; the sampler loads them shortly after, and a group generated in between would
+come out one version older and be dropped as stale by the learner (leaving this driver's count
+ahead of what the learner needs: a stall until `version_wait_s`). So after the announcement the
+driver also waits until every sampler reports the version (`loaded_version`, GetInfo).
 
 Credit back: a group the learner drops without training on it (filtered out by DAPO's dynamic
 sampling or the overlong filter, or invalid) still counted as started, yet the learner needs
