@@ -121,7 +121,6 @@ def _up(args: argparse.Namespace) -> int:
         verbose=True if args.verbose else None,
         dashboard_port=None if args.no_dashboard else port,
         tensorboard=args.tensorboard or tensorboard_from_env(os.environ),
-        place_self=True,
     ).run()
 
 

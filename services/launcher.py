@@ -48,7 +48,7 @@ from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.console import DEFAULT_INTERVAL_S, PROGRESS_EVENTS, Console
 from services.dashboard.live import LiveView
 from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError
-from services.placement import ENV_CPUS, format_cpus, pin_process, shared_cpus
+from services.placement import ENV_CPUS, format_cpus
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 from services.run_security import LAUNCHER, RunSecurity
@@ -348,7 +348,6 @@ class Launcher:
         progress_interval_s: float | None = None,
         dashboard_port: int | None = None,
         tensorboard: bool = False,
-        place_self: bool = False,
     ) -> None:
         # Validate here too (cheap when already validated), so a config built in Python gets
         # the same before-anything-starts guarantee as a loaded file.
@@ -385,11 +384,6 @@ class Launcher:
         self._force = asyncio.Event()
         self._stopping = False
         self._outcome: asyncio.Future[int] | None = None
-        # Whether this process may move itself onto the CPUs services share (`rlfleet up`'s
-        # own process; never a program that embeds the launcher: its other threads would
-        # follow), and the CPUs it ran on before (services start there; restored at the end).
-        self._place_self = place_self
-        self._start_cpus: set[int] | None = None
         # The dashboard (dashboard_port; None: off, 0: a free port) and TensorBoard.
         self.live = LiveView(
             self.run_dir,
@@ -483,8 +477,6 @@ class Launcher:
                 )
                 self._services.append(svc)
                 self._by_name[svc.name] = svc
-            if self._place_self:
-                self._place_launcher()
             env = self._child_env(url, config_copy)
             monitor = asyncio.create_task(self._monitor(url))
             # The start plan and each held-back start, when they say more than "in order" (the
@@ -513,40 +505,10 @@ class Launcher:
             self.console.close()  # the last progress line, then plain lines again
             if nats is not None:
                 await asyncio.to_thread(nats.stop)
-            if self._start_cpus is not None:  # back where it started
-                pin_process(os.getpid(), sorted(self._start_cpus))
-                self._start_cpus = None
             os.environ.clear()
             os.environ.update(saved_environ)
             self._summary(code)
         return code
-
-    def _place_launcher(self) -> None:
-        """With services placed on CPUs (`cpus:`, a job's `cpu_placement`), the launcher and
-        the embedded nats-server (its child so far) go on the CPUs several services share,
-        never on a CPU a service has to itself: the learner's update is a job's critical path,
-        and the console, the monitor and NATS time-sliced onto its core slowed it. Services
-        still start on every CPU (`_child_setup`) and place themselves once started up."""
-        cpus = shared_cpus([svc.entry.cpus for svc in self._services])
-        if cpus is None or not hasattr(os, "sched_getaffinity"):
-            return
-        start_cpus = os.sched_getaffinity(0)
-        if pin_process(os.getpid(), cpus):
-            self._start_cpus = start_cpus
-
-    def _child_setup(self) -> Callable[[], None] | None:
-        """A service's preexec_fn: the parent-death signal, and the CPUs it starts on."""
-        death = parent_death_signal(signal.SIGTERM)
-        cpus = self._start_cpus
-        if cpus is None:
-            return death
-
-        def setup() -> None:
-            os.sched_setaffinity(0, cpus)  # not the launcher's own placement
-            if death is not None:
-                death()
-
-        return setup
 
     def _write_config_copy(self) -> Path:
         """The config every service reads: a copy in the run dir, so the run is reproducible
@@ -715,7 +677,7 @@ class Launcher:
                 stderr=asyncio.subprocess.STDOUT,
                 env=child_env,
                 start_new_session=True,
-                preexec_fn=self._child_setup(),
+                preexec_fn=parent_death_signal(signal.SIGTERM),
             )
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             header = f"=== {stamp} start {svc.starts} pid {svc.process.pid}: {shlex.join(argv)}\n"

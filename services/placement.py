@@ -21,9 +21,7 @@ __all__ = [
     "assigned_cpus",
     "format_cpus",
     "own_cpu_for",
-    "pin_process",
     "pin_to_assigned_cpus",
-    "shared_cpus",
 ]
 
 log = logging.getLogger(__name__)
@@ -75,51 +73,27 @@ def own_cpu_for(
 
 def pin_to_assigned_cpus() -> list[int] | None:
     """Pin every thread of this process and of the processes it has started (a vLLM engine's
-    core and workers) to the assigned CPUs, once; later calls do nothing. Returns the CPUs, or
-    None when none are assigned, this is not Linux, or it was done already."""
-    global _pinned
-    cpus = assigned_cpus()
-    if _pinned or cpus is None:
-        return None
-    _pinned = True
-    if not pin_process(os.getpid(), cpus):
-        return None
-    log.info("running on CPUs %s", format_cpus(cpus))
-    return cpus
-
-
-def pin_process(pid: int, cpus: list[int]) -> bool:
-    """Pin every thread of process `pid` and of the processes below it to `cpus`; False when
-    that is not possible here (not Linux, a CPU this process may not use).
+    core and workers) to the assigned CPUs, once; later calls do nothing.
 
     Affinity is per thread, so each existing one is pinned by its id; threads and processes
-    started later inherit it from the thread that starts them."""
-    if not hasattr(os, "sched_setaffinity"):
-        return False
-    for each in [pid, *_descendants(pid)]:
-        for tid in _threads(each):
+    started later inherit it from the thread that starts them. Returns the CPUs, or None when
+    none are assigned, this is not Linux, or it was done already."""
+    global _pinned
+    cpus = assigned_cpus()
+    if _pinned or cpus is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    _pinned = True
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        for tid in _threads(pid):
             try:
                 os.sched_setaffinity(tid, cpus)
             except ProcessLookupError:
                 pass  # the thread ended meanwhile
-            except OSError as exc:
-                log.warning("could not pin process %d to CPUs %s: %s", pid, cpus, exc)
-                return False
-    return True
-
-
-def shared_cpus(placements: list[list[int] | None]) -> list[int] | None:
-    """Where the processes that are no service (the launcher, an embedded nats-server) belong
-    when services are placed: the CPUs that more than one service runs on, never one that a
-    service has to itself (the learner's, `own_cpu_for`). None when no service is placed or
-    no CPU is shared."""
-    placed = [cpus for cpus in placements if cpus]
-    counts: dict[int, int] = {}
-    for cpus in placed:
-        for cpu in cpus:
-            counts[cpu] = counts.get(cpu, 0) + 1
-    shared = sorted(cpu for cpu, count in counts.items() if count > 1)
-    return shared or None
+            except OSError as exc:  # a CPU not available to this process after all
+                log.warning("could not pin to CPUs %s: %s", cpus, exc)
+                return None
+    log.info("running on CPUs %s", format_cpus(cpus))
+    return cpus
 
 
 def _threads(pid: int) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import time
@@ -188,104 +187,6 @@ def test_a_service_computes_with_the_threads_its_entry_names(tmp_path: Path) -> 
         assert "threads 1\n" in (run_dir / "logs" / "plain.log").read_text()
     finally:
         up.stop()
-
-
-_REPORT_HELPERS = """\
-import os
-
-def cpus(pid):
-    threads = os.listdir(f"/proc/{pid}/task")
-    return sorted({cpu for tid in threads for cpu in os.sched_getaffinity(int(tid))})
-
-launcher = int(os.environ["RLFLEET_LAUNCHER_PID"])
-kids = []
-for tid in os.listdir(f"/proc/{launcher}/task"):
-    with open(f"/proc/{launcher}/task/{tid}/children") as f:
-        kids += [int(kid) for kid in f.read().split()]
-nats = []
-for kid in kids:
-    with open(f"/proc/{kid}/comm") as f:
-        if f.read().strip() == "nats-server":
-            nats.append(cpus(kid))
-print("launcher on", cpus(launcher), "nats-server on", nats)
-"""
-
-
-def _placed_run(tmp_path: Path) -> tuple[Path, Path, int, int]:
-    """A run whose services are placed: one on the last CPU by itself, two sharing the first;
-    its main service reports where the launcher and the embedded nats-server run."""
-    usable = sorted(os.sched_getaffinity(0))
-    first, last = usable[0], usable[-1]
-    script = tmp_path / "report.py"
-    script.write_text(_REPORT_HELPERS)
-    entry = f"""\
-        - name: own
-          service: process
-          cpus: [{last}]
-          settings: {{command: [sleep, "60"]}}
-        - name: shares
-          service: process
-          cpus: [{first}]
-          settings: {{command: [sleep, "60"]}}
-        - name: report
-          service: process
-          main: true
-          cpus: [{first}]
-          settings: {{command: [{sys.executable}, {script}]}}
-        """
-    config, run_dir = write_config(tmp_path, entry, name="placed")
-    return config, run_dir, first, last
-
-
-def test_the_launcher_and_nats_run_on_the_cpus_services_share(tmp_path: Path) -> None:
-    """With services placed, `rlfleet up`'s launcher and the embedded nats-server leave the CPU
-    that a service has to itself (a learner's) and run on the CPUs the others share."""
-    config, run_dir, first, _ = _placed_run(tmp_path)
-    up = Up(config, run_dir, services=("report",), budget_s=60)
-    try:
-        assert up.wait() == 0, up.diagnostics()
-        report = (run_dir / "logs" / "report.log").read_text()
-        assert f"launcher on [{first}] nats-server on [[{first}]]" in report, report
-    finally:
-        up.stop()
-
-
-_EMBEDDED = """\
-import os, sys
-from services.config import load_run_config
-from services.launcher import Launcher
-
-before = sorted(os.sched_getaffinity(0))
-for place_self in (False, True):
-    code = Launcher(load_run_config(sys.argv[1]), sys.argv[1], place_self=place_self).run()
-    after = sorted({cpu for tid in os.listdir("/proc/self/task")
-                    for cpu in os.sched_getaffinity(int(tid))})
-    print(f"place_self={place_self} exit {code} cpus after the run kept: {after == before}")
-"""
-
-
-def test_an_embedded_launcher_keeps_its_cpus_and_one_that_places_itself_restores_them(
-    tmp_path: Path,
-) -> None:
-    """A program that embeds the launcher keeps its CPUs (its other threads would follow);
-    one that lets it place itself (`rlfleet up`) gets its CPUs back when the run ends."""
-    config, run_dir, first, _ = _placed_run(tmp_path)
-    usable = sorted(os.sched_getaffinity(0))
-    script = tmp_path / "embed.py"
-    script.write_text(_EMBEDDED)
-    done = subprocess.run(
-        [sys.executable, str(script), str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=config.parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert "place_self=False exit 0 cpus after the run kept: True" in done.stdout, done
-    assert "place_self=True exit 0 cpus after the run kept: True" in done.stdout, done
-    report = (run_dir / "logs" / "report.log").read_text()
-    assert f"launcher on {usable} nats-server on [{usable}]" in report, report
-    assert f"launcher on [{first}] nats-server on [[{first}]]" in report, report
 
 
 # Snake-v0 boards as agents of one link, next-step episode rows (the proto's ObservationBatch).

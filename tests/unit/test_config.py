@@ -288,16 +288,6 @@ def test_assigned_cpus_are_read_from_the_environment_and_bad_values_ignored() ->
     assert assigned_cpus({}) is None
 
 
-def test_the_launchers_cpus_are_those_several_services_share() -> None:
-    from services.placement import shared_cpus
-
-    # A learner on CPU 3 by itself, the rest on 0-2: the launcher goes with the rest.
-    assert shared_cpus([[0, 1, 2], [3], [0, 1, 2], None]) == [0, 1, 2]
-    assert shared_cpus([[0, 1], [1, 2]]) == [1]
-    assert shared_cpus([[0], [1]]) is None  # every CPU someone's own: left where it is
-    assert shared_cpus([None, None]) is None  # nothing placed
-
-
 def test_a_service_pins_its_threads_and_the_processes_it_started_once(tmp_path: Path) -> None:
     # In a process of its own: pinning is for the rest of a process's life.
     script = """\
