@@ -129,8 +129,10 @@ class HfEngine:
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         if o.deadline is not None and time.monotonic() >= o.deadline:
-            aborted = [Completion([], "", "abort", [] if o.logprobs else None) for _ in range(o.n)]
-            return [list(aborted) for _ in prompts]
+            return [
+                [Completion([], "", "abort", [] if o.logprobs else None) for _ in range(o.n)]
+                for _ in prompts
+            ]
         greedy = o.temperature == 0
         pad_id = self.tokenizer.pad_token_id or 0
         config = GenerationConfig(
