@@ -38,6 +38,13 @@ step); bench/env_throughput and the bus notes in docs/platform.md cover that hop
 
     python bench/grpo_step.py                          # tiny model, 1 warm-up + 5 steps
     python bench/grpo_step.py --model-size small --steps 10 --max-tokens 64
+    # the GRPO example's shape: transformers sampler, 256 completions of <= 12 tokens, 2 threads
+    OMP_NUM_THREADS=2 python bench/grpo_step.py --engine hf --prompts 32 --max-tokens 12 \
+        --minibatch-size 256 --updates 12
+
+The engine matters on this scale: with vLLM's CPU engine (default shape) the running system
+asked more CPU-seconds per update than 2 cores give (``core_bound_ratio`` 1.50, overlap_ratio
+1.45 on 2026-12-02); with transformers' generate on the example's shape it does not.
 
 Prints seconds and CPU-seconds per phase alone and running (medians) and writes
 bench/results/grpo_step.json.
@@ -369,7 +376,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         run=run,
         nats_url=nats.url,
         weights_from=server.address,
-        settings={"max_model_len": 256},
+        settings={"max_model_len": 256} if a.engine == "vllm" else {"engine": a.engine},
     )
     steps: list[dict[str, Any]] = []
     running: dict[str, Any] = {}
@@ -450,6 +457,8 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             "updates": a.updates,
             "lag": a.lag,
             "pin": a.pin,
+            "engine": a.engine,
+            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
         },
         "startup_s": startup,
         "launch_to_first_update_s": ctx["first_update_end"] - launched,
@@ -539,6 +548,10 @@ def main() -> None:
         "--updates", type=int, default=10, help="updates of the running system (0: none)"
     )
     parser.add_argument("--lag", type=int, default=1, help="batches the driver runs ahead")
+    parser.add_argument(
+        "--engine", choices=["vllm", "hf"], default="vllm",
+        help="the sampler's engine (hf: transformers' generate, the GRPO example's)",
+    )
     parser.add_argument(
         "--pin", action="store_true", help="pin the sampler to one core, the learner to the rest"
     )
