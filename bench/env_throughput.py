@@ -9,6 +9,9 @@ column: a bare Python gRPC echo of the same message sizes (bench/grpc_echo.py) i
 which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`). A third remote
 column steps the co-located ring with busy polling on both ends (`colocated_busy_poll_us`, a
 second server started with it): no scheduler wake-up per step, at the cost of busy cores.
+Two double-buffered columns (gRPC and co-located, `x2`) step two streams of half the envs each
+from two concurrent loops, as an actor with `double_buffer: on` does: the server steps one half
+while this process handles the other half's answer.
 
     python bench/env_throughput.py                     # CartPole-v1 at 1, 16, 64, 256 envs
     python bench/env_throughput.py --envs 64 --seconds 5 --busy-poll-us 1000
@@ -97,6 +100,25 @@ class RemoteRun:
         return steps * self.num_envs / elapsed
 
 
+class DoubleBufferedRun:
+    """Two Session streams of half the envs each, stepped by two concurrent loops: one half's
+    step is in flight (the server stepping it) while this process handles the other's answer,
+    as an actor with `double_buffer: on` keeps one half stepping while its policy acts on the
+    other. Steps/s of both halves together."""
+
+    def __init__(self, halves: tuple[EnvSession, EnvSession], num_envs: int) -> None:
+        self.halves = [
+            RemoteRun(half, n) for half, n in zip(halves, _halves(num_envs), strict=True)
+        ]
+
+    async def measure(self, seconds: float) -> float:
+        return sum(await asyncio.gather(*(half.measure(seconds) for half in self.halves)))
+
+
+def _halves(num_envs: int) -> tuple[int, int]:
+    return num_envs - num_envs // 2, num_envs // 2
+
+
 async def _open(
     address: str, env_id: str, num_envs: int, colocated: bool, busy_poll_us: int = 0
 ) -> EnvSession:
@@ -147,8 +169,22 @@ async def compare(
         await _open(plain, env_id, num_envs, colocated=True),
         await _open(polling, env_id, num_envs, colocated=True, busy_poll_us=busy_poll_us),
     ]
+    doubled = num_envs >= 2
+    halves = [
+        await _open(plain, env_id, n, colocated=colocated)
+        for colocated in (False, True)
+        for n in (_halves(num_envs) if doubled else ())
+    ]
+    sessions += halves
     try:
-        remotes = [RemoteRun(session, num_envs) for session in sessions]
+        remotes: list[RemoteRun | DoubleBufferedRun] = [
+            RemoteRun(session, num_envs) for session in sessions[:3]
+        ]
+        if doubled:
+            remotes += [
+                DoubleBufferedRun((halves[0], halves[1]), num_envs),
+                DoubleBufferedRun((halves[2], halves[3]), num_envs),
+            ]
         for remote in remotes:
             await remote.measure(0.2)
         local_sps: list[float] = []
@@ -162,7 +198,15 @@ async def compare(
             await session.close()
     local.envs.close()
     lo = float(np.median(local_sps))
-    re, co, polled = (float(np.median(sps)) for sps in remote_sps)
+    re, co, polled, *double = (float(np.median(sps)) for sps in remote_sps)
+    double_rows = {}
+    if double:
+        double_rows = {
+            "double_buffer_sps": double[0],
+            "double_buffer_ratio": double[0] / lo,
+            "colocated_double_buffer_sps": double[1],
+            "colocated_double_buffer_ratio": double[1] / lo,
+        }
     return {
         "num_envs": num_envs,
         "local_sps": lo,
@@ -172,6 +216,7 @@ async def compare(
         "colocated_ratio": co / lo,
         "colocated_busy_poll_sps": polled,
         "colocated_busy_poll_ratio": polled / lo,
+        **double_rows,
     }
 
 
@@ -295,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_colocated_ratio_at_64": COLOCATED_TARGET_AT_64,
         "colocated_ratio_at_64": row_64.get("colocated_ratio"),
         "colocated_busy_poll_ratio_at_64": row_64.get("colocated_busy_poll_ratio"),
+        "double_buffer_ratio_at_64": row_64.get("double_buffer_ratio"),
+        "colocated_double_buffer_ratio_at_64": row_64.get("colocated_double_buffer_ratio"),
         **run_facts(load_before, ("gymnasium", "grpcio", "protobuf", "numpy")),
     }
     write_result(args.out, result)
@@ -307,19 +354,25 @@ def print_table(
     print(f"{env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
     print(
         f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'ceiling':>8} "
-        f"{'co-located':>12} {'ratio':>7} {'busy-poll':>12} {'ratio':>7}"
+        f"{'co-located':>12} {'ratio':>7} {'busy-poll':>12} {'ratio':>7} "
+        f"{'gRPC x2':>12} {'ratio':>7} {'co-loc. x2':>12} {'ratio':>7}"
     )
     for r in rows:
         print(
             f"{r['num_envs']:>6} {r['local_sps']:>12,.0f} {r['remote_sps']:>12,.0f} "
             f"{r['ratio']:>7.2f} {r['grpc_ceiling_ratio']:>8.2f} {r['colocated_sps']:>12,.0f} "
             f"{r['colocated_ratio']:>7.2f} {r['colocated_busy_poll_sps']:>12,.0f} "
-            f"{r['colocated_busy_poll_ratio']:>7.2f}"
+            f"{r['colocated_busy_poll_ratio']:>7.2f} "
+            + " ".join(
+                f"{r[f'{k}_sps']:>12,.0f} {r[f'{k}_ratio']:>7.2f}" if f"{k}_sps" in r else ""
+                for k in ("double_buffer", "colocated_double_buffer")
+            )
         )
     print(
         "ceiling: in-process step time / (that + a bare gRPC echo of the step's message sizes, "
         f"bench/grpc_echo.py), the best a lock-step gRPC stream could do here; busy-poll: "
-        f"co-located with colocated_busy_poll_us={poll_us} on both ends"
+        f"co-located with colocated_busy_poll_us={poll_us} on both ends; x2: double-buffered, "
+        "two streams of half the envs each, one stepping while the other's answer is handled"
     )
     for name, lat in latencies.items():
         p50, p99 = lat["p50_us"], lat["p99_us"]
@@ -331,6 +384,8 @@ def print_table(
         ("gRPC", "ratio", TARGET_AT_64),
         ("co-located", "colocated_ratio", COLOCATED_TARGET_AT_64),
         ("co-located busy-poll", "colocated_busy_poll_ratio", COLOCATED_TARGET_AT_64),
+        ("gRPC double-buffered", "double_buffer_ratio", TARGET_AT_64),
+        ("co-located double-buffered", "colocated_double_buffer_ratio", COLOCATED_TARGET_AT_64),
     ):
         got = row_64[key]
         verdict = "meets" if got >= target else "MISSES"
