@@ -549,7 +549,9 @@ def main() -> None:
     )
     parser.add_argument("--lag", type=int, default=1, help="batches the driver runs ahead")
     parser.add_argument(
-        "--engine", choices=["vllm", "hf"], default="vllm",
+        "--engine",
+        choices=["vllm", "hf"],
+        default="vllm",
         help="the sampler's engine (hf: transformers' generate, the GRPO example's)",
     )
     parser.add_argument(
