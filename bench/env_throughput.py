@@ -169,22 +169,16 @@ async def compare(
         await _open(plain, env_id, num_envs, colocated=True),
         await _open(polling, env_id, num_envs, colocated=True, busy_poll_us=busy_poll_us),
     ]
-    doubled = num_envs >= 2
-    halves = [
-        await _open(plain, env_id, n, colocated=colocated)
-        for colocated in (False, True)
-        for n in (_halves(num_envs) if doubled else ())
-    ]
-    sessions += halves
+    remotes: list[RemoteRun | DoubleBufferedRun] = [RemoteRun(s, num_envs) for s in sessions]
+    for colocated in (False, True) if num_envs >= 2 else ():  # gRPC x2, co-located x2
+        first, second = _halves(num_envs)
+        pair = (
+            await _open(plain, env_id, first, colocated=colocated),
+            await _open(plain, env_id, second, colocated=colocated),
+        )
+        sessions += pair
+        remotes.append(DoubleBufferedRun(pair, num_envs))
     try:
-        remotes: list[RemoteRun | DoubleBufferedRun] = [
-            RemoteRun(session, num_envs) for session in sessions[:3]
-        ]
-        if doubled:
-            remotes += [
-                DoubleBufferedRun((halves[0], halves[1]), num_envs),
-                DoubleBufferedRun((halves[2], halves[3]), num_envs),
-            ]
         for remote in remotes:
             await remote.measure(0.2)
         local_sps: list[float] = []
