@@ -371,10 +371,6 @@ async def _fetch_version(
     return int(manifest.version), tensors
 
 
-_FIRST_POLL_S = 0.25  # at most this between tries for the first version (WeightFollower.first)
-_WAITING_LOG_S = 5.0  # between two "waiting for the learner's weights" lines
-
-
 class WeightFollower:
     """Fetches each newer announced version in the background; hands it over on request."""
 
@@ -409,11 +405,8 @@ class WeightFollower:
         self, stop: asyncio.Event, timeout_s: float
     ) -> tuple[int, dict[str, Any]] | None:
         """The learner's latest version, retrying while it is not up or has none yet; None
-        when told to stop meanwhile. Followers start beside the learner (they need not wait
-        for it to be up), so the first tries come quickly: the learner's first version is what
-        they wait for, and every poll interval they sleep through delays the run's start."""
+        when told to stop meanwhile."""
         deadline = time.monotonic() + timeout_s
-        next_log = 0.0
         while True:
             try:
                 version, state = await _fetch_version(self.address, None)
@@ -424,11 +417,9 @@ class WeightFollower:
                     raise Unavailable(
                         f"learner {self.address}: no weights within {timeout_s:g}s: {exc}"
                     ) from exc
-                if time.monotonic() >= next_log:
-                    log.info("waiting for the learner's weights at %s: %s", self.address, exc)
-                    next_log = time.monotonic() + _WAITING_LOG_S
+                log.info("waiting for the learner's weights at %s: %s", self.address, exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), min(self.retry_s, _FIRST_POLL_S))
+                await asyncio.wait_for(stop.wait(), self.retry_s)
             if stop.is_set():
                 return None
 
