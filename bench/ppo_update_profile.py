@@ -17,6 +17,8 @@ Per update it times what the learner loop does (learner.loop, learner.game):
 The ack of the checkpointed messages is one NATS call per checkpoint and is not timed here.
 
     python bench/ppo_update_profile.py [--config examples/cartpole_ppo.yaml] [--updates 40]
+
+Writes ``bench/results/ppo_update_profile.json``.
 """
 
 from __future__ import annotations
@@ -165,23 +167,27 @@ def timed_prepare(times: dict[str, float]) -> Iterator[None]:
 
 
 class Variant:
-    """One learner engine of the profile and its phase times: DeepSpeed clipping the gradients
-    (the engine before ``engine_settings``) or ``learner.game.update`` clipping them."""
+    """One learner engine of the profile and its phase times. Three engines, each removing one
+    more cost: DeepSpeed clipping the gradients and making every call (the engine before
+    ``engine_settings``); ``learner.game.update`` clipping them; and the engine's ``direct``
+    calls (``learner.engine.Engine``: module, ``loss.backward()`` and optimizer without
+    DeepSpeed's wrappers), what the learner runs."""
 
-    def __init__(self, s: LearnerSettings, work: Path, deepspeed_clip: bool) -> None:
+    def __init__(self, s: LearnerSettings, work: Path, name: str) -> None:
         import gymnasium as gym
 
-        self.s, self.work, self.clip_grad = s, work, not deepspeed_clip
-        self.name = "deepspeed" if deepspeed_clip else "learner.game.clip_grad_norm, foreach AdamW"
+        self.s, self.work, self.name = s, work, name
+        self.clip_grad = name != "deepspeed"
         seed_everything(s.seed)  # as the learner: the same initial weights in every variant
         env = gym.make(s.env_id)
         policy = build_policy(env.observation_space, env.action_space, s.policy)
         env.close()
         policy.forward = policy.evaluate  # type: ignore[method-assign]  # as GameWorkload.build
-        if deepspeed_clip:
+        if name == "deepspeed":
             self.engine = build_engine(policy, s.optimizer(), s.deepspeed())
         else:
             self.engine = build_game_engine(policy, s)
+        self.engine.direct = name == "direct"
         self.store = WeightStore("profile", keep=s.keep_versions)
         self.ledger = Ledger(work / "applied.jsonl")
         self.generator = torch.Generator().manual_seed(s.seed)
@@ -226,15 +232,22 @@ class Variant:
             self.engine.close()
 
 
+VARIANTS = {
+    "deepspeed": "DeepSpeed clips and makes every call",
+    "learner_clips": "learner.game clips, DeepSpeed's calls",
+    "direct": "learner.game clips, the engine's direct calls (what the learner runs)",
+}
+
+
 def profile(config: Path, updates: int, work: Path) -> dict[str, Any]:
-    """Median milliseconds per update of each phase, before (DeepSpeed clips) and after
-    (``learner.game`` clips): both engines in this process, updates alternated between them,
-    so background load hits both alike; the same initial weights, batches and minibatch order,
-    so their weights must come out bit-identical."""
+    """Median milliseconds per update of each phase for each of ``VARIANTS``: all engines in
+    this process, updates alternated between them, so background load hits them alike; the
+    same initial weights, batches and minibatch order, so their weights must come out
+    bit-identical."""
     s = learner_settings(config)
     job = yaml.safe_load(config.read_text())["job"]
     T, N = int(job.get("rollout_length", 128)), int(job.get("num_envs", 8))
-    variants = [Variant(s, work / "before", True), Variant(s, work / "after", False)]
+    variants = [Variant(s, work / name, name) for name in VARIANTS]
     pool = fragments(s, variants[0].engine.module, s.fragments_per_update, T, N)
     try:
         for u in range(1, updates + 1):
@@ -249,24 +262,29 @@ def profile(config: Path, updates: int, work: Path) -> dict[str, Any]:
         "updates": updates,
         "minibatches_per_update": s.update_epochs * -(-batch // s.minibatch_size),
         "checkpoint_every": s.checkpoint_every,
-        "bit_identical_weights": digests[0] == digests[1],
+        "bit_identical_weights": len(set(digests)) == 1,
     }
-    for label, v in zip(("before", "after"), variants, strict=True):
+    for v in variants:
         ms = {k: 1000 * statistics.median(v.times[k]) for k in PHASES}
         ms["checkpoint"] = 1000 * statistics.mean(v.times["checkpoint"])  # every 10th: amortised
-        result[label] = {"gradient_clipping": v.name, "ms_per_update": ms,
-                         "total_ms": sum(ms.values())}  # fmt: skip
+        result[v.name] = {"variant": VARIANTS[v.name], "ms_per_update": ms,
+                          "total_ms": sum(ms.values())}  # fmt: skip
     return result
 
 
 def print_profile(result: dict[str, Any]) -> None:
-    b, a = result["before"]["ms_per_update"], result["after"]["ms_per_update"]
     print(f"{result['algo']} update, {result['minibatches_per_update']} minibatches: median ms "
-          f"per update, before (DeepSpeed clips) / after (learner.game clips)")  # fmt: skip
+          f"per update")  # fmt: skip
+    for name, what in VARIANTS.items():
+        print(f"  {name:<14} {what}")
+    print(f"  {'phase':<11}" + "".join(f"{name:>15}" for name in VARIANTS))
     for phase in PHASES:
-        print(f"  {phase:<11} {b[phase]:8.2f}  {a[phase]:8.2f}")
-    total_b, total_a = result["before"]["total_ms"], result["after"]["total_ms"]
-    print(f"  {'total':<11} {total_b:8.2f}  {total_a:8.2f}  ({total_a / total_b:.2f}x)")
+        row = "".join(f"{result[name]['ms_per_update'][phase]:15.2f}" for name in VARIANTS)
+        print(f"  {phase:<11}{row}")
+    first = result["deepspeed"]["total_ms"]
+    row = "".join(f"{result[n]['total_ms']:9.2f} ({result[n]['total_ms'] / first:.2f}x)"
+                  for n in VARIANTS)  # fmt: skip
+    print(f"  {'total':<11}{row}")
     print(f"  weights bit-identical after {result['updates']} updates: "
           f"{result['bit_identical_weights']}")  # fmt: skip
 
@@ -279,8 +297,10 @@ def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="rlfleet-profile-") as tmp:
         result = profile(args.config, args.updates, Path(tmp))
-    print(json.dumps(result, indent=2))
+    out = ROOT / "bench" / "results" / "ppo_update_profile.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print_profile(result)
+    print(f"wrote {out.relative_to(ROOT)}")
     return 0 if result["bit_identical_weights"] else 1
 
 

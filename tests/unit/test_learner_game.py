@@ -15,6 +15,7 @@ from common import tensor
 from common.policies import PolicyConfig, build_policy
 from learner.engine import Engine, build_engine
 from learner.game import FragmentBatch, decode_fragment, prepare, update
+from learner.game_workload import build_game_engine
 from learner.settings import LearnerSettings
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
@@ -350,3 +351,40 @@ def test_target_kl_stops_the_epochs_early(engine: Engine) -> None:
     batch = synthetic_batch(engine)
     cfg = settings(learning_rate=5e-2, update_epochs=4, minibatch_size=32, target_kl=1e-9)
     assert update(engine, batch, cfg)["losses/epochs"] == 1
+
+
+@pytest.mark.slow  # two DeepSpeed engines
+def test_direct_calls_train_the_same_bits_as_deepspeeds() -> None:
+    """The learner's engine (one fp32 rank, learner.game clipping) makes the module, backward
+    and optimizer calls itself; trained side by side with the same engine making DeepSpeed's
+    calls, the weights and the step counters its checkpoints record come out identical."""
+    cfg = settings(learning_rate=1e-2, minibatch_size=32, update_epochs=2, max_grad_norm=0.05)
+    space = gym.spaces.Box(-np.inf, np.inf, (OBS_DIM,), np.float32)
+    engines = []
+    for direct in (True, False):
+        torch.manual_seed(0)
+        policy = build_policy(space, gym.spaces.Discrete(2), PolicyConfig(hidden_sizes=(16, 16)))
+        policy.forward = policy.evaluate  # type: ignore[method-assign]
+        built = build_game_engine(policy, cfg)
+        assert built.direct  # what the learner runs
+        built.direct = direct
+        engines.append(built)
+    try:
+        batch = synthetic_batch(engines[0])
+        for engine in engines:
+            for _ in range(3):
+                update(engine, batch, cfg, generator=torch.Generator().manual_seed(0),
+                       clip_grad=True)  # fmt: skip
+        direct, deepspeed = (e.named_weights() for e in engines)
+        for name, weight in deepspeed.items():
+            assert torch.equal(direct[name], weight), name
+        steps = [(e.ds.global_steps, e.ds.global_samples) for e in engines]
+        assert steps[0] == steps[1] and steps[0][0] == 3 * 2 * 4  # updates x epochs x minibatches
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_an_engine_with_deepspeed_clipping_keeps_deepspeeds_calls(engine: Engine) -> None:
+    assert engine.settings.gradient_clipping  # max_grad_norm's default, clipped by DeepSpeed
+    assert not engine.direct
