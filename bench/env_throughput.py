@@ -9,6 +9,10 @@ column: a bare Python gRPC echo of the same message sizes (bench/grpc_echo.py) i
 which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`). A third remote
 column steps the co-located ring with busy polling on both ends (`colocated_busy_poll_us`, a
 second server started with it): no scheduler wake-up per step, at the cost of busy cores.
+A fourth steps the co-located ring with this process's stepping thread and a third server
+pinned to one CPU (`RLFLEET_CPUS`), as `cpu_placement: auto` places an actor and its env
+server on a 2-core machine (the learner on the other CPU): in lock step the two never run at
+once, and a wake-up on the same CPU is a context switch rather than a cross-CPU interrupt.
 Two double-buffered columns (gRPC and co-located, `x2`) step two streams of half the envs each
 from two concurrent loops, as an actor with `double_buffer: on` does: the server steps one half
 while this process handles the other half's answer.
@@ -19,19 +23,22 @@ while this process handles the other half's answer.
 Prints a table and writes bench/results/env_throughput.json (machine, versions, ratios).
 Targets at 64 envs on the 2-core build machine: gRPC >= 0.8x in-process steps/s
 (`ratio_at_64`), co-located >= 0.9x (`colocated_ratio_at_64` with the default blocking
-doorbells, `colocated_busy_poll_ratio_at_64` with busy polling).
+doorbells, placed by the OS; `colocated_one_core_ratio_at_64` on one CPU;
+`colocated_busy_poll_ratio_at_64` with busy polling).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -100,6 +107,36 @@ class RemoteRun:
         return steps * self.num_envs / elapsed
 
 
+class OneCoreRun(RemoteRun):
+    """A RemoteRun whose stepping thread runs on `cpu` while it measures (its server is
+    pinned there too)."""
+
+    def __init__(self, session: EnvSession, num_envs: int, cpu: int) -> None:
+        super().__init__(session, num_envs)
+        self.cpu = cpu
+
+    async def measure(self, seconds: float) -> float:
+        with pinned_thread(self.cpu):
+            return await super().measure(seconds)
+
+
+@contextlib.contextmanager
+def pinned_thread(cpu: int) -> Iterator[None]:
+    """The calling thread on `cpu` only, then back where it was allowed before."""
+    before = os.sched_getaffinity(0)  # pid 0: this thread
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def one_core_cpu() -> int:
+    """Where the one-core column runs: the first CPU this process may use (where
+    `cpu_placement: auto` puts every service but the learner on a 2-core machine)."""
+    return min(os.sched_getaffinity(0))
+
+
 class DoubleBufferedRun:
     """Two Session streams of half the envs each, stepped by two concurrent loops: one half's
     step is in flight (the server stepping it) while this process handles the other's answer,
@@ -151,17 +188,18 @@ async def grpc_ceiling(echo: str, env_id: str, row: dict[str, Any]) -> None:
 
 
 async def compare(
-    addresses: tuple[str, str],
+    addresses: tuple[str, str, str],
     env_id: str,
     num_envs: int,
     seconds: float,
     rounds: int,
     busy_poll_us: int,
 ) -> dict:
-    """Alternate short in-process, gRPC, co-located and busy-polled co-located rounds (the
-    build machines are shared and noisy, so interleaving keeps background load from favouring
-    one side); the medians. `addresses`: the plain server, the busy-polling one."""
-    plain, polling = addresses
+    """Alternate short in-process, gRPC, co-located, one-core co-located and busy-polled
+    co-located rounds (the build machines are shared and noisy, so interleaving keeps
+    background load from favouring one side); the medians. `addresses`: the plain server, the
+    busy-polling one, the one pinned to `one_core_cpu()`."""
+    plain, polling, one_core = addresses
     local = LocalRun(env_id, num_envs)
     local.measure(0.2)  # warm up
     sessions = [
@@ -170,6 +208,9 @@ async def compare(
         await _open(polling, env_id, num_envs, colocated=True, busy_poll_us=busy_poll_us),
     ]
     remotes: list[RemoteRun | DoubleBufferedRun] = [RemoteRun(s, num_envs) for s in sessions]
+    with pinned_thread(one_core_cpu()):  # its gRPC setup too, as the session's stepping
+        sessions.append(await _open(one_core, env_id, num_envs, colocated=True))
+    remotes.append(OneCoreRun(sessions[-1], num_envs, one_core_cpu()))
     for colocated in (False, True) if num_envs >= 2 else ():  # gRPC x2, co-located x2
         first, second = _halves(num_envs)
         pair = (
@@ -192,7 +233,7 @@ async def compare(
             await session.close()
     local.envs.close()
     lo = float(np.median(local_sps))
-    re, co, polled, *double = (float(np.median(sps)) for sps in remote_sps)
+    re, co, polled, one_core_sps, *double = (float(np.median(sps)) for sps in remote_sps)
     double_rows = {}
     if double:
         double_rows = {
@@ -210,14 +251,30 @@ async def compare(
         "colocated_ratio": co / lo,
         "colocated_busy_poll_sps": polled,
         "colocated_busy_poll_ratio": polled / lo,
+        "colocated_one_core_sps": one_core_sps,
+        "colocated_one_core_ratio": one_core_sps / lo,
         **double_rows,
     }
 
 
 async def bench_latency(
-    address: str, env_id: str, count: int, *, colocated: bool = False, busy_poll_us: int = 0
+    address: str,
+    env_id: str,
+    count: int,
+    *,
+    colocated: bool = False,
+    busy_poll_us: int = 0,
+    cpu: int | None = None,
 ) -> dict[str, float]:
-    """Round-trip time of single-env steps, in microseconds."""
+    """Round-trip time of single-env steps, in microseconds (stepped on `cpu` when given)."""
+    pin = pinned_thread(cpu) if cpu is not None else contextlib.nullcontext()
+    with pin:
+        return await _latency(address, env_id, count, colocated, busy_poll_us)
+
+
+async def _latency(
+    address: str, env_id: str, count: int, colocated: bool, busy_poll_us: int
+) -> dict[str, float]:
     async with await _open(address, env_id, 1, colocated, busy_poll_us) as session:
         actions = _actions(1)
         times = []
@@ -229,9 +286,14 @@ async def bench_latency(
     return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99))}
 
 
-def start_server(port: int, busy_poll_us: int = 0) -> subprocess.Popen[bytes]:
+def start_server(
+    port: int, busy_poll_us: int = 0, cpu: int | None = None
+) -> subprocess.Popen[bytes]:
+    """An env server process; with `cpu`, pinned there once serving (services/placement.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_LOG_LEVEL": "WARNING"}
     env["RLFLEET_ENV_SERVER__COLOCATED_BUSY_POLL_US"] = str(busy_poll_us)
+    if cpu is not None:
+        env["RLFLEET_CPUS"] = str(cpu)
     cmd = [sys.executable, "-m", "services.cli", "serve", "env_server", "--port", str(port)]
     server = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
@@ -287,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
-    port, poll_port, echo_port = free_port(), free_port(), free_port()
-    servers = [start_server(port), start_server(poll_port, args.busy_poll_us)]
+    ports = [free_port() for _ in range(4)]
+    port, poll_port, one_core_port, echo_port = ports
+    servers = [
+        start_server(port),
+        start_server(poll_port, args.busy_poll_us),
+        start_server(one_core_port, cpu=one_core_cpu()),
+    ]
     echo = start_echo(echo_port)
-    addresses = (f"127.0.0.1:{port}", f"127.0.0.1:{poll_port}")
+    addresses = (f"127.0.0.1:{port}", f"127.0.0.1:{poll_port}", f"127.0.0.1:{one_core_port}")
     rows: list[dict[str, Any]] = []
     try:
         for n in args.envs:
@@ -304,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, address, how in (
                 ("gRPC", addresses[0], {}),
                 ("co-located", addresses[0], {"colocated": True}),
+                ("co-located one core", addresses[2], {"colocated": True, "cpu": one_core_cpu()}),
                 (
                     "co-located busy-poll",
                     addresses[1],
@@ -328,11 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         "latency_single_env": latencies["gRPC"],
         "latency_single_env_colocated": latencies["co-located"],
         "latency_single_env_colocated_busy_poll": latencies["co-located busy-poll"],
+        "latency_single_env_colocated_one_core": latencies["co-located one core"],
         "target_ratio_at_64": TARGET_AT_64,
         "ratio_at_64": row_64.get("ratio"),
         "grpc_ceiling_ratio_at_64": row_64.get("grpc_ceiling_ratio"),
         "target_colocated_ratio_at_64": COLOCATED_TARGET_AT_64,
         "colocated_ratio_at_64": row_64.get("colocated_ratio"),
+        "colocated_one_core_ratio_at_64": row_64.get("colocated_one_core_ratio"),
         "colocated_busy_poll_ratio_at_64": row_64.get("colocated_busy_poll_ratio"),
         "double_buffer_ratio_at_64": row_64.get("double_buffer_ratio"),
         "colocated_double_buffer_ratio_at_64": row_64.get("colocated_double_buffer_ratio"),
@@ -348,14 +418,16 @@ def print_table(
     print(f"{env_id}: steps/s, one Session stream vs in-process SyncVectorEnv (SAME_STEP)")
     print(
         f"{'envs':>6} {'in-process':>12} {'gRPC':>12} {'ratio':>7} {'ceiling':>8} "
-        f"{'co-located':>12} {'ratio':>7} {'busy-poll':>12} {'ratio':>7} "
+        f"{'co-located':>12} {'ratio':>7} {'one core':>12} {'ratio':>7} "
+        f"{'busy-poll':>12} {'ratio':>7} "
         f"{'gRPC x2':>12} {'ratio':>7} {'co-loc. x2':>12} {'ratio':>7}"
     )
     for r in rows:
         print(
             f"{r['num_envs']:>6} {r['local_sps']:>12,.0f} {r['remote_sps']:>12,.0f} "
             f"{r['ratio']:>7.2f} {r['grpc_ceiling_ratio']:>8.2f} {r['colocated_sps']:>12,.0f} "
-            f"{r['colocated_ratio']:>7.2f} {r['colocated_busy_poll_sps']:>12,.0f} "
+            f"{r['colocated_ratio']:>7.2f} {r['colocated_one_core_sps']:>12,.0f} "
+            f"{r['colocated_one_core_ratio']:>7.2f} {r['colocated_busy_poll_sps']:>12,.0f} "
             f"{r['colocated_busy_poll_ratio']:>7.2f} "
             + " ".join(
                 f"{r[f'{k}_sps']:>12,.0f} {r[f'{k}_ratio']:>7.2f}" if f"{k}_sps" in r else ""
@@ -364,7 +436,8 @@ def print_table(
         )
     print(
         "ceiling: in-process step time / (that + a bare gRPC echo of the step's message sizes, "
-        f"bench/grpc_echo.py), the best a lock-step gRPC stream could do here; busy-poll: "
+        f"bench/grpc_echo.py), the best a lock-step gRPC stream could do here; one core: "
+        "co-located, the server and this process's stepping thread on one CPU; busy-poll: "
         f"co-located with colocated_busy_poll_us={poll_us} on both ends; x2: double-buffered, "
         "two streams of half the envs each, one stepping while the other's answer is handled"
     )
@@ -377,6 +450,7 @@ def print_table(
     for name, key, target in (
         ("gRPC", "ratio", TARGET_AT_64),
         ("co-located", "colocated_ratio", COLOCATED_TARGET_AT_64),
+        ("co-located on one core", "colocated_one_core_ratio", COLOCATED_TARGET_AT_64),
         ("co-located busy-poll", "colocated_busy_poll_ratio", COLOCATED_TARGET_AT_64),
         ("gRPC double-buffered", "double_buffer_ratio", TARGET_AT_64),
         ("co-located double-buffered", "colocated_double_buffer_ratio", COLOCATED_TARGET_AT_64),
