@@ -158,7 +158,7 @@ class Engine:
         )
         # One fp32 rank without ZeRO or DeepSpeed's clipping: DeepSpeed's forward, backward and
         # step then do what the module, ``loss.backward()`` and the optimizer do, plus hooks,
-        # timers and bookkeeping that cost a small policy a quarter of its update
+        # timers and bookkeeping that cost about 15% of a small policy's update
         # (bench/ppo_update_profile.py). ``direct`` makes those calls itself, with the same
         # arithmetic (the same bits) and the engine's step counters advanced as DeepSpeed would.
         self.direct = (
