@@ -1,1 +1,13 @@
 """rlfleet shared runtime: server bootstrap, config, bus, codec, telemetry, launcher, CLI."""
+
+import os
+
+# Off unless the user set it: gRPC's fork support (on in grpcio's builds) restarts gRPC's
+# poller thread in every child that `subprocess` forks, and a child forked to run a
+# `preexec_fn` (the parent-death signal every rlfleet child gets) then closes that poller's
+# epoll descriptor with `close_fds` before its exec: grpcio >= 1.80 aborts the child there
+# while the parent has RPCs in flight (grpc/grpc#43055; a launcher health-checking one service
+# while it started another lost 31 of 300 such children in a test, none with this off).
+# rlfleet never forks without exec, the one case fork support is for. gRPC reads it when it is
+# first imported, so it is set here, before any module of the runtime imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
