@@ -371,8 +371,8 @@ async def _fetch_version(
     return int(manifest.version), tensors
 
 
-_FIRST_POLL_S = 0.25  # at most this between tries for the first version (WeightFollower.first)
-_WAITING_LOG_S = 5.0  # between two "waiting for the learner's weights" lines
+_FIRST_POLL_S = 0.25  # between tries for the first version (WeightFollower.first)
+_FIRST_LOG_EVERY = 20  # tries between two "waiting" lines: one every ~5 s
 
 
 class WeightFollower:
@@ -413,7 +413,7 @@ class WeightFollower:
         for it to be up), so the first tries come quickly: the learner's first version is what
         they wait for, and every poll interval they sleep through delays the run's start."""
         deadline = time.monotonic() + timeout_s
-        next_log = 0.0
+        tries = 0
         while True:
             try:
                 version, state = await _fetch_version(self.address, None)
@@ -424,9 +424,9 @@ class WeightFollower:
                     raise Unavailable(
                         f"learner {self.address}: no weights within {timeout_s:g}s: {exc}"
                     ) from exc
-                if time.monotonic() >= next_log:
+                if tries % _FIRST_LOG_EVERY == 0:
                     log.info("waiting for the learner's weights at %s: %s", self.address, exc)
-                    next_log = time.monotonic() + _WAITING_LOG_S
+            tries += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), min(self.retry_s, _FIRST_POLL_S))
             if stop.is_set():

@@ -6,17 +6,16 @@ from __future__ import annotations
 from sampler.actors.actor import GameActor
 from sampler.actors.settings import GameActorSettings
 from services.registry import ServiceContext, ServiceSpec
-from services.start_order import named_services
 
 __all__ = ["SPEC", "main"]
 
 
 def needs(settings: GameActorSettings) -> tuple[str, ...]:
-    """What `rlfleet up` starts first (services/start_order.py): every service the actor names
-    (its env servers, whose sessions it opens first thing) but its learner: the actor waits for
-    the first weights itself (WeightFollower.first), so it imports torch and opens its envs
-    while the learner loads instead of after."""
-    return tuple(name for name in named_services(settings) if name != settings.learner)
+    """What `rlfleet up` starts first (services/start_order.py): the env servers the actor
+    names, whose sessions it opens first thing. Not the learner: the actor waits for the first
+    weights itself (WeightFollower.first), so it imports torch and opens its envs while the
+    learner loads instead of after."""
+    return tuple(dict.fromkeys(ref for ref in settings.env_servers if ":" not in ref))
 
 
 async def main(ctx: ServiceContext[GameActorSettings]) -> None:
