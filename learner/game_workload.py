@@ -399,9 +399,6 @@ def _checkpoint_state(checkpoints: Path) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) else None
 
 
-_SPACES_RETRY_S = 0.25  # the learner starts with its env servers: it polls until one answers
-
-
 def _local_spaces(env_id: str, env_kwargs: dict[str, Any]) -> tuple[Any, Any]:
     import gymnasium
 
@@ -451,5 +448,5 @@ async def _remote_spaces(
                 raise
             except Exception as exc:  # not up yet: try the next one, then again
                 last = exc
-        await asyncio.sleep(_SPACES_RETRY_S)
+        await asyncio.sleep(1.0)
     raise TimeoutError(f"no env server of {addresses} answered within {timeout_s:g}s: {last}")

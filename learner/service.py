@@ -14,7 +14,6 @@ from learner.loop import LearnerLoop
 from learner.ranks import Ranks, follow
 from learner.settings import LearnerSettings
 from services.registry import ServiceContext, ServiceSpec
-from services.start_order import needs_nothing
 
 __all__ = ["SPEC", "main"]
 
@@ -30,9 +29,4 @@ async def main(ctx: ServiceContext[LearnerSettings]) -> None:
     await LearnerLoop(ctx, workload, ranks).run()
 
 
-# needs_nothing: the one peer it needs at start, an env server that reports the spaces, it asks
-# itself, retrying until `spaces_timeout_s` (game_workload._remote_spaces); so it loads torch
-# and DeepSpeed while the env servers start instead of after.
-SPEC = ServiceSpec(
-    kind="learner", settings=LearnerSettings, main=main, grpc=True, needs=needs_nothing
-)
+SPEC = ServiceSpec(kind="learner", settings=LearnerSettings, main=main, grpc=True)
