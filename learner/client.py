@@ -371,10 +371,6 @@ async def _fetch_version(
     return int(manifest.version), tensors
 
 
-_FIRST_POLL_S = 0.25  # between tries for the first version (WeightFollower.first)
-_FIRST_LOG_EVERY = 20  # tries between two "waiting" lines: one every ~5 s
-
-
 class WeightFollower:
     """Fetches each newer announced version in the background; hands it over on request."""
 
@@ -409,11 +405,8 @@ class WeightFollower:
         self, stop: asyncio.Event, timeout_s: float
     ) -> tuple[int, dict[str, Any]] | None:
         """The learner's latest version, retrying while it is not up or has none yet; None
-        when told to stop meanwhile. Followers start beside the learner (they need not wait
-        for it to be up), so the first tries come quickly: the learner's first version is what
-        they wait for, and every poll interval they sleep through delays the run's start."""
+        when told to stop meanwhile."""
         deadline = time.monotonic() + timeout_s
-        tries = 0
         while True:
             try:
                 version, state = await _fetch_version(self.address, None)
@@ -424,11 +417,9 @@ class WeightFollower:
                     raise Unavailable(
                         f"learner {self.address}: no weights within {timeout_s:g}s: {exc}"
                     ) from exc
-                if tries % _FIRST_LOG_EVERY == 0:
-                    log.info("waiting for the learner's weights at %s: %s", self.address, exc)
-            tries += 1
+                log.info("waiting for the learner's weights at %s: %s", self.address, exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), min(self.retry_s, _FIRST_POLL_S))
+                await asyncio.wait_for(stop.wait(), self.retry_s)
             if stop.is_set():
                 return None
 

@@ -139,17 +139,6 @@ def test_the_lm_job_starts_its_sampler_at_once() -> None:
     assert stop_waves(run, needs) == [["rollout-0"], ["sampler-0"], ["learner"], ["reward"]]
 
 
-def test_a_game_actor_starts_beside_its_learner() -> None:
-    # The actor needs its env servers up (it opens their sessions first) but not the learner:
-    # it polls for the first weights itself, so its start-up overlaps the learner's.
-    run = load_run_config(REPO / "examples" / "cartpole_ppo.yaml", {})
-    needs = start_needs(run)
-    assert needs == {"env-0": (), "learner": ("env-0",), "actor-0": ("env-0",)}
-    assert describe_start(list(needs), needs) == "env-0; learner after env-0; actor-0 after env-0"
-    # It still stops before the learner it takes weights from.
-    assert stop_waves(run, needs) == [["actor-0"], ["learner"], ["env-0"]]
-
-
 def test_named_services_sees_optional_and_list_references() -> None:
     run = load_run_config(REPO / "examples" / "grpo_arith.yaml", {})
     settings = {entry.name: entry.settings for entry in run.services}
