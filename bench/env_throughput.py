@@ -3,7 +3,8 @@
 The server runs as its own process (`python -m services.cli serve env_server --port P`), the
 client steps Session streams in lock step, and every side uses the same pre-generated random
 actions, so policy cost is excluded. Two remote columns: gRPC (StepRequest messages) and
-co-located (the same server, steps through a shared-memory ring: docs/colocated.md). Also
+co-located (the same server, steps through a shared-memory ring: docs/colocated.md; the client
+waits for each answer as a game actor does, asleep in the kernel in lock step). Also
 measures the round-trip latency of one single-env step on each, and the floor of the gRPC
 column: a bare Python gRPC echo of the same message sizes (bench/grpc_echo.py) in the same run,
 which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`). A third remote
@@ -51,6 +52,7 @@ if not __package__:  # run as a script: make the repository root importable
 
 from bench.grpc_echo import round_trip_us
 from env_server.client import EnvSession
+from sampler.actors.settings import GameActorSettings
 from services.ports import free_port
 from services.server import wait_for_health
 
@@ -58,6 +60,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "env_throughput.json"
 TARGET_AT_64 = 0.8
 COLOCATED_TARGET_AT_64 = 0.9
+# How long a lock-step game actor with one env server waits for a co-located answer asleep in
+# the kernel before awaiting it in its event loop (docs/colocated.md).
+ACTOR_BLOCK_US: int = GameActorSettings.model_fields["colocated_block_us"].default
 
 
 def _actions(num_envs: int, count: int = 1024, seed: int = 0) -> np.ndarray:
@@ -157,11 +162,19 @@ def _halves(num_envs: int) -> tuple[int, int]:
 
 
 async def _open(
-    address: str, env_id: str, num_envs: int, colocated: bool, busy_poll_us: int = 0
+    address: str,
+    env_id: str,
+    num_envs: int,
+    colocated: bool,
+    busy_poll_us: int = 0,
+    lock_step: bool = True,
 ) -> EnvSession:
+    """A session, reset; co-located ones wait for answers as a game actor does: blocking for
+    up to its `colocated_block_us` in lock step, in the event loop when double-buffered."""
     session = EnvSession(address)
     await session.create(env_id, num_envs, seed=0)
-    if colocated and not await session.colocate(busy_poll_us=busy_poll_us):
+    block_us = ACTOR_BLOCK_US if lock_step else 0
+    if colocated and not await session.colocate(busy_poll_us=busy_poll_us, block_us=block_us):
         raise RuntimeError(f"the server declined the co-located ring: {session.colocate_reason}")
     await session.reset()
     return session
@@ -214,8 +227,8 @@ async def compare(
     for colocated in (False, True) if num_envs >= 2 else ():  # gRPC x2, co-located x2
         first, second = _halves(num_envs)
         pair = (
-            await _open(plain, env_id, first, colocated=colocated),
-            await _open(plain, env_id, second, colocated=colocated),
+            await _open(plain, env_id, first, colocated=colocated, lock_step=False),
+            await _open(plain, env_id, second, colocated=colocated, lock_step=False),
         )
         sessions += pair
         remotes.append(DoubleBufferedRun(pair, num_envs))

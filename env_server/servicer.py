@@ -19,7 +19,9 @@ machine (shared, so noisy), CartPole-v1, one client process per session, 4 s eac
   to_thread, while the 256-env session lost 7-27% of its throughput.
 CartPole's step is pure Python holding the GIL, so a thread adds a hand-off per message and buys
 no parallelism; other sessions wait at most one message's stepping either way. Creating and
-closing pools, which can take seconds (pygame, sprites), do go to a thread.
+closing pools, which can take seconds (pygame, sprites), do go to a thread. So do the steps of a
+co-located ring, on the server's ring thread, which sleeps on the rings' doorbells (env_server/
+colocated.py says why); a session's pool lock keeps them and the stream's requests apart.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import contextlib
 import itertools
 import logging
 import math
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -40,7 +43,7 @@ from google.protobuf import struct_pb2
 from common import spaces, tensor
 from env_server import registry
 from env_server.client.types import StepResult
-from env_server.colocated import Declined, RingPoller, ServerRing
+from env_server.colocated import Declined, RingServer, ServerRing
 from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
@@ -111,8 +114,8 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         # "auto": accept co-located rings from clients on this host; "off": decline every offer.
         self.colocated = colocated
         self.colocated_max_bytes = colocated_max_bytes
-        # Busy polling of this server's rings after each answer (None: off).
-        self.ring_poller = RingPoller(colocated_busy_poll_us) if colocated_busy_poll_us else None
+        # The thread serving the rings; it polls them this long after each answer (0: off).
+        self.rings = RingServer(colocated_busy_poll_us)
         # Game links (env_server/game_link): the spaces a game declared for an env id that the
         # registry does not know, so a learner can ask for them like for any env (see _create).
         self.linked_spaces = linked_spaces
@@ -188,6 +191,8 @@ class _Session:
         self.linked_env: str | None = None  # a game link's env id: spaces only, no pool
         self.closed = False
         self.ring: ServerRing | None = None  # the co-located fast path, once accepted
+        # Held while the pool is in use: by the ring's thread for each step, by a gRPC request.
+        self.pool_lock = threading.Lock()
         self._holds_slot = False
 
     async def read(self, context: grpc.aio.ServicerContext, idle_s: float | None) -> Any:
@@ -219,15 +224,18 @@ class _Session:
         kind = request.WhichOneof("request")
         try:
             if kind == "step":
-                self._step(request.step, response.step)
+                with self._pool_in_hand():
+                    self._step(request.step, response.step)
             elif kind == "reset":
-                self._reset(request.reset, response.reset)
+                with self._pool_in_hand():
+                    self._reset(request.reset, response.reset)
             elif kind == "create":
                 await self._create(request.create, response.create)
             elif kind == "render":
-                frames = self._require_pool("render").render(
-                    request.render.env_indices, max_bytes=self.service.max_render_bytes
-                )
+                with self._pool_in_hand():
+                    frames = self._require_pool("render").render(
+                        request.render.env_indices, max_bytes=self.service.max_render_bytes
+                    )
                 response.render.frames.CopyFrom(tensor.encode(frames))
             elif kind == "colocate":
                 self._colocate(request.colocate, response.colocate)
@@ -242,6 +250,20 @@ class _Session:
             response.ClearField("result")
             response.error.CopyFrom(to_status(exc))
         return response
+
+    @contextlib.contextmanager
+    def _pool_in_hand(self) -> Iterator[None]:
+        """The pool for one gRPC request. Never waits (the event loop serves every session):
+        while a co-located step holds the pool, FailedPrecondition, as a client gets for
+        overlapping requests of one session."""
+        if not self.pool_lock.acquire(blocking=False):
+            raise FailedPrecondition(
+                "a co-located step of this session is under way: one request at a time"
+            )
+        try:
+            yield
+        finally:
+            self.pool_lock.release()
 
     def _require_pool(self, what: str) -> EnvPool:
         if self.linked_env is not None:
@@ -363,10 +385,11 @@ class _Session:
             self.ring = ServerRing(
                 pool,
                 req,
+                pool_lock=self.pool_lock,
+                server=service.rings,
                 max_bytes=service.colocated_max_bytes,
                 on_steps=service._steps.inc,
                 on_close=service._colocated.dec,
-                poller=service.ring_poller,
             )
         except Declined as exc:
             out.accepted, out.reason = False, str(exc)
@@ -427,12 +450,18 @@ class _Session:
         pool, self.pool = self.pool, None
         if pool is not None:
             # Shielded: the stream may be ending because it was cancelled, and the envs must
-            # still be closed (pygame windows, subprocesses of wrapped envs).
+            # still be closed (pygame windows, subprocesses of wrapped envs). In a thread that
+            # takes the pool lock: a ring step may still be under way.
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(asyncio.to_thread(pool.close))
+                await asyncio.shield(asyncio.to_thread(_close_when_free, pool, self.pool_lock))
         if self._holds_slot:
             self._holds_slot = False
             self.service._release()
+
+
+def _close_when_free(pool: EnvPool, lock: threading.Lock) -> None:
+    with lock:
+        pool.close()
 
 
 def _close_built_pool(task: asyncio.Future[EnvPool]) -> None:

@@ -225,7 +225,7 @@ class EnvSession:
         )
         return self.info
 
-    async def colocate(self, slots: int = 2, busy_poll_us: int = 0) -> bool:
+    async def colocate(self, slots: int = 2, busy_poll_us: int = 0, block_us: int = 0) -> bool:
         """Offer the server a shared-memory ring for this session's steps (after create).
 
         True when accepted: `step` then goes through the ring and returns read-only views of
@@ -234,6 +234,10 @@ class EnvSession:
         predates it): steps stay on gRPC and `colocate_reason` says why. Errors of the stream
         itself (the server is gone) are raised as from any request. `busy_poll_us`: poll for
         each step's answer this long before awaiting it (env_server/client/shm_ring.py).
+        `block_us`: then wait for it this long in the kernel, the event loop blocked, before
+        awaiting it; for a caller that steps one session in lock step (the steps of several
+        sessions awaited together would be taken one after the other). Either way a step
+        lets the event loop run at least every 2 ms.
         """
         if self.info is None:
             raise FailedPrecondition("colocate before create: create the pool first")
@@ -253,7 +257,7 @@ class EnvSession:
         except Unsupported as exc:
             self.colocate_reason = str(exc)
             return False
-        ring = ClientRing.create(layout, busy_poll_us)
+        ring = ClientRing.create(layout, busy_poll_us, block_us)
         try:
             answer = (await self._request(colocate=ring.offer())).colocate
             if answer.accepted:

@@ -162,12 +162,13 @@ def layout_for(
 
 
 def busy_recv(sock: socket.socket, size: int, poll_s: float) -> bytes | None:
-    """The next packet of non-blocking `sock`, polling for up to `poll_s` without sleeping;
-    None when none came (b"" at end of file). OSError as `recv` raises it."""
+    """The next packet of `sock`, polling for up to `poll_s` without sleeping (non-blocking
+    reads, whatever the socket's mode); None when none came (b"" at end of file). OSError as
+    `recv` raises it."""
     deadline = time.perf_counter() + poll_s
     while True:
         try:
-            return sock.recv(size)
+            return sock.recv(size, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             if time.perf_counter() >= deadline:
                 return None

@@ -62,6 +62,7 @@ class GameActor:
             stop_event=self.stop,
             colocated=settings.colocated,
             colocated_busy_poll_us=settings.colocated_busy_poll_us,
+            colocated_block_us=settings.colocated_block_us,
             double_buffer=settings.double_buffer == "on",
             name=ctx.name,
         )
@@ -266,6 +267,9 @@ class GameActor:
         if self._publishing is not None:
             await self._publishing
         self._publishing = asyncio.create_task(self._send(fragment))
+        # Let it start now: steps answered without the event loop (colocated_block_us) would
+        # run it only at their next yield, up to 2 ms later.
+        await asyncio.sleep(0)
 
     async def _send(self, fragment: Any) -> None:
         assert self.bus is not None

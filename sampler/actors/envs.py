@@ -121,12 +121,16 @@ class EnvGroup:
         stop_event: asyncio.Event | None = None,
         colocated: str = "auto",
         colocated_busy_poll_us: int = 0,
+        colocated_block_us: int = 0,
         double_buffer: bool = False,
         name: str = "actor",
     ) -> None:
         self.env_id = env_id
         self.colocated = colocated  # "auto" or "off"
         self.colocated_busy_poll_us = colocated_busy_poll_us
+        # Blocking waits only for a lone session: steps of several are awaited together.
+        lone = len(addresses) == 1 and not double_buffer
+        self.colocated_block_us = colocated_block_us if lone else 0
         self.name = name  # the actor's, for the metric
         self.env_kwargs = dict(env_kwargs or {})
         self.request_timeout_s = request_timeout_s
@@ -278,8 +282,8 @@ class EnvGroup:
             delay = min(delay * 2, 5.0)
 
     async def _colocate(self, link: Link, session: EnvSession) -> None:
-        busy_poll_us = self.colocated_busy_poll_us
-        if self.colocated == "auto" and not await session.colocate(busy_poll_us=busy_poll_us):
+        waits = {"busy_poll_us": self.colocated_busy_poll_us, "block_us": self.colocated_block_us}
+        if self.colocated == "auto" and not await session.colocate(**waits):
             log.info("env server %s: gRPC steps (%s)", link.address, session.colocate_reason)
         link.transport = session.transport
 

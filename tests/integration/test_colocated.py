@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,15 +26,15 @@ from gymnasium.vector import AutoresetMode
 from prometheus_client import REGISTRY
 
 from env_server.client import EnvSession
-from env_server.client.shm_ring import DONE, host_id, layout_for
-from env_server.colocated import ServerRing
+from env_server.client.shm_ring import DONE, STEP, host_id, layout_for
+from env_server.colocated import RingServer, ServerRing
 from env_server.pool import EnvPool
 from env_server.service import EnvServerSettings
 from env_server.service import main as serve_envs
 from rlfleet.env.v1 import env_pb2
 from sampler.actors.actor import GameActor
 from sampler.actors.settings import GameActorSettings
-from services.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import wait_for_health
@@ -207,7 +209,15 @@ async def test_a_ring_over_the_servers_limit_is_resource_exhausted() -> None:
     )
     offer.doorbell = "d"
     with pytest.raises(ResourceExhausted, match="colocated_max_bytes"):
-        ServerRing(pool, offer, max_bytes=layout.total_bytes - 1, on_steps=print, on_close=print)
+        ServerRing(
+            pool,
+            offer,
+            pool_lock=threading.Lock(),
+            server=RingServer(),
+            max_bytes=layout.total_bytes - 1,
+            on_steps=print,
+            on_close=print,
+        )
     pool.close()
 
 
@@ -318,3 +328,86 @@ async def test_busy_polling_rings_step_like_grpc_while_the_server_serves_grpc() 
 async def _step_forever(session: EnvSession) -> None:
     while True:
         await session.step(np.ones(16, np.int64))
+
+
+async def test_blocking_waits_step_like_awaited_ones_and_let_the_loop_run(
+    servers: dict[str, str],
+) -> None:
+    """`block_us` (a lock-step actor's default) waits for answers in the kernel: the same
+    steps as waiting in the event loop, and other tasks still run while it steps."""
+    actions = np.random.default_rng(4).integers(0, 2, size=(400, 16))
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def run(block_us: int) -> tuple[np.ndarray, int]:
+        async with EnvSession(servers[AUTO]) as session:
+            await session.create("CartPole-v1", 16, seed=5)
+            assert await session.colocate(block_us=block_us), session.colocate_reason
+            assert (session._ring._blocker is not None) == bool(block_us)  # type: ignore[union-attr]
+            rows = [np.array((await session.reset())[0])]
+            ticker = asyncio.create_task(tick())
+            await asyncio.sleep(0)
+            before = ticks
+            for a in actions:
+                rows.append(np.array((await session.step(a)).observations))
+            ticked = ticks - before
+            ticker.cancel()
+            return np.stack(rows), ticked
+
+    (blocked, ticked), (awaited, _) = await run(10_000), await run(0)
+    np.testing.assert_array_equal(blocked, awaited)
+    assert ticked >= 5, f"the event loop ran {ticked} times in 400 blocking steps"
+
+
+class _SlowCartPole(gym.Wrapper):
+    """CartPole whose steps take 0.3 s, recording when steps and close happen."""
+
+    events: list[str] = []
+
+    def step(self, action: Any) -> Any:
+        self.events.append("step")
+        time.sleep(0.3)
+        self.events.append("stepped")
+        return super().step(action)
+
+    def close(self) -> None:
+        self.events.append("close")
+        super().close()
+
+
+_SLOW = "rlfleet-test/SlowCartPole-v0"
+
+
+@pytest.fixture
+def slow_env() -> Iterator[str]:
+    """_SlowCartPole registered with gymnasium (the in-process servers see it) for one test."""
+    gym.register(_SLOW, entry_point=lambda **_: _SlowCartPole(gym.make("CartPole-v1")))
+    yield _SLOW
+    gym.registry.pop(_SLOW, None)
+
+
+async def test_the_pool_is_never_used_by_a_ring_step_and_a_request_at_once(
+    servers: dict[str, str], slow_env: str
+) -> None:
+    """While the ring server steps a pool, the session's gRPC requests are refused (not run
+    beside it), and closing the session closes the pool only once the step is over."""
+    _SlowCartPole.events.clear()
+    async with EnvSession(servers[AUTO]) as session:
+        await session.create(slow_env, 1, seed=0)
+        await session.reset()
+        assert await session.colocate()
+        ring = session._ring
+        assert ring is not None and ring._conn is not None
+        ring._conn.send(STEP.pack(1, 1))  # a ring step no client call waits for
+        await _wait_for(lambda: "step" in _SlowCartPole.events, 10)
+        with pytest.raises(FailedPrecondition, match="one request at a time"):
+            await session.reset()
+        ring._conn.send(STEP.pack(2, 0))  # and one more under way as the session closes
+        await _wait_for(lambda: _SlowCartPole.events.count("step") == 2, 10)
+    await _wait_for(lambda: "close" in _SlowCartPole.events, 10)
+    assert _SlowCartPole.events == ["step", "stepped", "step", "stepped", "close"]
