@@ -97,11 +97,17 @@ class RingServer:
                     last_answer = time.perf_counter()
 
     def _answer(self, fd: int) -> bool:
-        """Answer the ring's waiting packet, if any; let it go once it is closed."""
+        """Answer the ring's waiting packet, if any; let it go once it is closed. A ring that
+        fails here (a bug: steps answer their own errors) is closed, the others served on."""
         ring = self._rings.get(fd)
         if ring is None:
             return False
-        answered = ring.answer_waiting()
+        try:
+            answered = ring.answer_waiting()
+        except Exception:
+            log.exception("co-located ring failed: closed")
+            ring.close()
+            answered = False
         if not ring.open:
             with self._lock:
                 self._epoll.unregister(fd)  # before its socket closes: fds are reused

@@ -1,5 +1,6 @@
-"""The co-located ring's layout and views (env_server/client/shm_ring.py) and the client ring's
-checks that need no server (env_server/client/colocated.py)."""
+"""The co-located ring's layout and views (env_server/client/shm_ring.py), the client ring's
+checks that need no server (env_server/client/colocated.py) and the server's ring thread
+(env_server/colocated.py's RingServer) over socket pairs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gymnasium import spaces
 
 from env_server.client.colocated import SEGMENT_PREFIX, ClientRing, _put_actions
 from env_server.client.shm_ring import MAX_SLOTS, Unsupported, busy_recv, host_id, layout_for
+from env_server.colocated import RingServer
 from services.errors import InvalidArgument
 
 BOX = spaces.Box(-1.0, 1.0, (3, 2), np.float32)
@@ -109,3 +111,54 @@ def test_busy_recv_polls_for_a_packet_then_gives_up() -> None:
         b.close()
         assert busy_recv(a, 64, 0) == b"second"
         assert busy_recv(a, 64, 1.0) == b""  # the peer closed: end of file, not a timeout
+
+
+class _EchoRing:
+    """What RingServer drives: a doorbell fd, answer_waiting, open, close and release."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.client, self.server = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.fileno = self.server.fileno()
+        self.fail, self.open, self.released = fail, True, threading.Event()
+
+    def answer_waiting(self) -> bool:
+        if self.fail:
+            raise RuntimeError("a bug in a ring")
+        packet = self.server.recv(64, socket.MSG_DONTWAIT)
+        if not packet:
+            self.open = False
+            return False
+        self.server.send(packet)
+        return True
+
+    def close(self) -> None:
+        self.open = False
+
+    def release(self) -> None:
+        self.server.close()
+        self.released.set()
+
+
+def test_the_ring_server_serves_every_ring_from_one_thread_and_survives_a_failing_one() -> None:
+    server = RingServer()
+    rings = [_EchoRing(), _EchoRing(fail=True), _EchoRing()]
+    for ring in rings:
+        server.add(ring)  # type: ignore[arg-type]
+    rings[0].client.send(b"a")
+    rings[1].client.send(b"b")  # its answer_waiting raises: that ring is closed and let go
+    rings[2].client.send(b"c")
+    for ring, packet in ((rings[0], b"a"), (rings[2], b"c")):
+        ring.client.settimeout(10)
+        assert ring.client.recv(64) == packet
+    assert rings[1].released.wait(10)
+    rings[0].client.close()  # end of file: the ring server lets it go
+    assert rings[0].released.wait(10)
+    rings[2].client.send(b"d")
+    assert rings[2].client.recv(64) == b"d"
+    rings[2].client.close()
+    assert rings[2].released.wait(10)
+    for _ in range(200):  # with the last ring gone, its thread ends
+        if server._thread is None:
+            break
+        time.sleep(0.01)
+    assert server._thread is None
