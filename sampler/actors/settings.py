@@ -59,7 +59,7 @@ class GameActorSettings(StrictModel):
     # the same name where cores are spare (docs/colocated.md); 0 (off) by default.
     colocated_busy_poll_us: int = Field(default=0, ge=0, le=10_000)
     # Then wait for it up to this long (microseconds) asleep in the kernel, the event loop
-    # blocked, rather than in the event loop: on the 2-core build machine 4-10% more steps/s
+    # blocked, rather than in the event loop: on the 2-core build machine 5-11% more steps/s
     # for 64 CartPole envs (docs/colocated.md). Only where it cannot serialize anything: one
     # env server and double_buffer off (else its sessions' steps are awaited together).
     colocated_block_us: int = Field(default=10_000, ge=0, le=1_000_000)
