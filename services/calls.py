@@ -58,12 +58,17 @@ async def call_with_retry(
     max_delay_s: float = 30.0,
 ) -> T | None:
     """``fn()``, retried with exponential backoff while it fails transiently (RETRIED) and
-    ``stop`` is not set; None when stopped. Other errors propagate."""
+    ``stop`` is not set; None when stopped, also when the call failed once ``stop`` was set
+    (a run ending stops every service at once: the callee cancels the calls it is serving,
+    which is the shutdown, not a failure to report). Other errors propagate."""
     delay = first_delay_s
     while True:
         try:
             return await fn()
         except RlfleetError as exc:
+            if stop.is_set():
+                log.info("%s ended by the shutdown (%s): %s", what, exc.code.name, exc)
+                return None
             if exc.code not in RETRIED:
                 raise
             log.warning("%s failed (%s): %s; retrying in %.0fs", what, exc.code.name, exc, delay)

@@ -175,6 +175,13 @@ async def test_call_with_retry_retries_only_transient_errors(
         )
         assert time.monotonic() - started < 5
         fake.busy = 0
+        # Failing once stopped (the callee shutting down with the run): None, not the error.
+        assert (
+            await call_with_retry(
+                lambda: client.generate_request(_request("invalid")), "stopping", stop
+            )
+            is None
+        )
     assert grpc.StatusCode.UNAVAILABLE in RETRIED
     assert grpc.StatusCode.INVALID_ARGUMENT not in RETRIED
 
