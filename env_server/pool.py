@@ -44,6 +44,7 @@ class EnvPool:
         seed: int | None = None,
         float64_rewards: bool = False,
     ) -> None:
+        from gymnasium import spaces
         from gymnasium.vector import AutoresetMode
 
         self.envs: list[gymnasium.Env] = []
@@ -58,6 +59,7 @@ class EnvPool:
         self._same_step = autoreset_mode == AutoresetMode.SAME_STEP
         self._next_step = autoreset_mode == AutoresetMode.NEXT_STEP
         self.observation_space = self.envs[0].observation_space
+        self._box_observations = isinstance(self.observation_space, spaces.Box)
         self.action_space = self.envs[0].action_space
         self.render_mode = self.envs[0].render_mode
         self.metadata: dict[str, Any] = dict(getattr(self.envs[0], "metadata", None) or {})
@@ -216,7 +218,7 @@ class EnvPool:
     def _finals(self, finals: dict[int, Any]) -> Any:
         """The final observations of the envs in `finals`, zeros for the others."""
         space = self.observation_space
-        if _is_box(space):  # the common case: only the few rows that ended are written
+        if self._box_observations:  # the common case: only the few rows that ended are written
             shape = space.shape or ()
             out = np.zeros((self.num_envs, *shape), dtype=space.dtype)
             for i, row in finals.items():
@@ -337,12 +339,6 @@ def _shapes(rows: list[Any]) -> set[tuple[int, ...]]:
         return {row.shape for row in rows}
     except AttributeError:
         return set()
-
-
-def _is_box(space: Any) -> bool:
-    from gymnasium import spaces
-
-    return isinstance(space, spaces.Box)
 
 
 def _add_info(infos: dict[str, Any], info: dict[str, Any], i: int, n: int) -> None:
