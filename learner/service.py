@@ -9,9 +9,6 @@ several ranks (``ranks: N`` or under torchrun) rank 0 runs the loop and the othe
 
 from __future__ import annotations
 
-from learner.game_workload import GameWorkload
-from learner.loop import LearnerLoop
-from learner.ranks import Ranks, follow
 from learner.settings import LearnerSettings
 from services.registry import ServiceContext, ServiceSpec
 
@@ -20,6 +17,11 @@ __all__ = ["SPEC", "main"]
 
 async def main(ctx: ServiceContext[LearnerSettings]) -> None:
     """Train until total_timesteps env steps are consumed (exit 0) or the service is stopped."""
+    # Imported here, not at the top: `rlfleet up` reads this module's SPEC and needs no torch.
+    from learner.game_workload import GameWorkload
+    from learner.loop import LearnerLoop
+    from learner.ranks import Ranks, follow
+
     settings = ctx.settings
     workload = GameWorkload(ctx, settings)
     ranks = Ranks.start(settings)  # None: one process
@@ -29,4 +31,19 @@ async def main(ctx: ServiceContext[LearnerSettings]) -> None:
     await LearnerLoop(ctx, workload, ranks).run()
 
 
-SPEC = ServiceSpec(kind="learner", settings=LearnerSettings, main=main, grpc=True)
+def preload(settings: LearnerSettings) -> None:
+    """What main imports: torch, the workload and DeepSpeed (its engine's modules)."""
+    from learner.engine import preload_engine
+    from learner.game_workload import engine_settings
+    from learner.ranks import Ranks  # noqa: F401
+
+    preload_engine(engine_settings(settings))
+
+
+SPEC = ServiceSpec(
+    kind="learner",
+    settings=LearnerSettings,
+    main=main,
+    grpc=True,
+    preload=preload,
+)

@@ -302,6 +302,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_until_done(args: argparse.Namespace) -> int:
     from services.config import load_service_settings
     from services.registry import ServiceContext, get_service
+    from services.start_gate import wait_at_gate
     from services.telemetry import setup_tracing, start_metrics_server
 
     spec = get_service(args.kind)
@@ -314,6 +315,9 @@ def _serve_until_done(args: argparse.Namespace) -> int:
         level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s %(levelname)s {ctx.name} %(name)s: %(message)s",
     )
+    spec.preload(settings)
+    if not wait_at_gate(os.environ):
+        return 0  # the run ended before this service's needs were up: it never started
     setup_tracing(ctx.name, os.environ.get("RLFLEET_TRACING", "none"))
     if ctx.metrics_port is not None:
         # On the gRPC bind host: loopback locally, all interfaces in a container (--host

@@ -2,7 +2,9 @@
 
 The launcher starts an embedded nats-server (unless the config names one), then every service
 as ``python -m services.cli serve KIND`` in its own process group on a free loopback port, each
-as soon as the services it needs are up (healthy, for a gRPC service): independent services
+process at once (its imports meanwhile) and each service's start, at its start gate
+(services/start_gate.py), as soon as the services it needs are up (healthy, for a gRPC
+service): independent services
 start together, and with nothing declared the start is in config order, waiting for each gRPC
 service's health before the next (services/start_order.py decides what waits for what). It
 supervises them (bounded restarts with backoff on a crash; none for a service that exits
@@ -52,6 +54,7 @@ from services.placement import ENV_CPUS, format_cpus
 from services.ports import free_ports
 from services.registry import ServiceSpec, get_job, get_service
 from services.run_security import LAUNCHER, RunSecurity
+from services.start_gate import StartGate
 from services.start_order import (
     describe_start,
     direct_needs,
@@ -215,6 +218,12 @@ class _Service:
     exit_codes: list[int] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     healthy_start: int = 0  # the start that last passed its health check (the dashboard)
+    gate: StartGate | None = None  # the current process's start gate while it is shut
+
+    @property
+    def gated(self) -> bool:
+        """Its process is up but not started yet (importing, or waiting for its needs)."""
+        return self.gate is not None
 
     @property
     def name(self) -> str:
@@ -224,7 +233,7 @@ class _Service:
         """What the dashboard shows of this service; only reads (called from its thread)."""
         process = self.process
         code = process.returncode if process is not None else None
-        if process is None:
+        if process is None or (code is None and self.gated):
             state = "waiting"
         elif code is None:
             running = "healthy" if self.healthy_start == self.starts else "starting"
@@ -601,13 +610,15 @@ class Launcher:
         return not self._run_ending()
 
     async def _supervise(self, svc: _Service, env: dict[str, str], config_copy: Path) -> None:
-        """Start (once its needs are up), watch and restart one service until it is done or
-        the run ends."""
-        if not await self._needs_up(svc):
-            return
+        """Spawn at once, start once its needs are up (services/start_gate.py), watch and
+        restart one service until it is done or the run ends."""
         while not self._stopping:
             process = await self._spawn(svc, env, config_copy)
-            if svc.spec.grpc and not await self._healthy(svc, process):
+            if not await self._let_start(svc, process):
+                if process.returncode is None:
+                    return  # the run ended first: _stop_one discards the gated process
+                # It died at its gate (an import failed, say): a crash like any other.
+            elif svc.spec.grpc and not await self._healthy(svc, process):
                 if process.returncode is None:
                     return  # _healthy ended the run: never became healthy
             elif not svc.ready.is_set():
@@ -649,6 +660,27 @@ class Launcher:
             )
             await asyncio.sleep(delay)
 
+    async def _let_start(self, svc: _Service, process: asyncio.subprocess.Process) -> bool:
+        """Open the gate of `process` once `svc`'s needs are up; False when the process exits
+        or the run ends first (the gate is then closed, which a waiting service exits on)."""
+        gate = svc.gate
+        assert gate is not None
+        needs_up = asyncio.ensure_future(self._needs_up(svc))
+        exited = asyncio.ensure_future(process.wait())
+        try:
+            await asyncio.wait({needs_up, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if needs_up.done() and needs_up.result() and process.returncode is None:
+                gate.open()
+                svc.gate = None
+                return True
+            return False
+        finally:
+            for task in (needs_up, exited):
+                task.cancel()
+            gate.close()
+            if process.returncode is not None:
+                svc.gate = None  # died at its gate: a start that failed, not one never made
+
     async def _spawn(
         self, svc: _Service, env: dict[str, str], config_copy: Path
     ) -> asyncio.subprocess.Process:
@@ -660,13 +692,16 @@ class Launcher:
             reg.ENV_METRICS_PORT: str(svc.metrics_port),
             ENV_EXIT_REASON: str(svc.reason_path),
         }
+        gate = StartGate()
+        child_env.update(gate.env())
         if svc.entry.threads is not None:
             child_env["OMP_NUM_THREADS"] = str(svc.entry.threads)
         if svc.entry.cpus:  # the service pins itself once started up (services/placement.py)
             child_env[ENV_CPUS] = format_cpus(svc.entry.cpus)
         svc.reason_path.unlink(missing_ok=True)  # a reason is about this start only
         svc.starts += 1
-        with svc.log_path.open("ab") as log:
+        with svc.log_path.open("ab") as log, contextlib.ExitStack() as on_failure:
+            on_failure.callback(gate.close)
             # Own session = own process group: a terminal Ctrl-C reaches only the launcher,
             # which stops services in order, and killpg reaches whatever a service started.
             # SIGTERM at the launcher's death (even SIGKILL): the service's graceful stop.
@@ -678,7 +713,11 @@ class Launcher:
                 env=child_env,
                 start_new_session=True,
                 preexec_fn=parent_death_signal(signal.SIGTERM),
+                pass_fds=(gate.child_fd,),
             )
+            on_failure.pop_all()
+            gate.spawned()
+            svc.gate = gate
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             header = f"=== {stamp} start {svc.starts} pid {svc.process.pid}: {shlex.join(argv)}\n"
             log.write(header.encode())
@@ -721,9 +760,16 @@ class Launcher:
             await asyncio.gather(*(self._stop_one(svc) for svc in started))
 
     async def _stop_one(self, svc: _Service) -> None:
-        """SIGTERM, wait the grace, then SIGKILL."""
+        """SIGTERM, wait the grace, then SIGKILL; a process still at its start gate was never
+        started: it is killed and not counted."""
         process = svc.process
         if process is None:
+            return
+        if svc.gated:
+            _kill_group(process, signal.SIGKILL)
+            await process.wait()
+            svc.gate, svc.process = None, None
+            svc.starts -= 1
             return
         if process.returncode is None:
             _kill_group(process, signal.SIGTERM)

@@ -82,6 +82,10 @@ class ServiceSpec(Generic[SettingsT]):
     # it, the safe order for a kind that does not say; `needs_nothing` for a kind that waits
     # for its peers itself, `named_services` for one that calls them as soon as it starts.
     needs: Callable[[SettingsT], Iterable[str]] | None = None
+    # Imports (with what they need set first) an instance with these settings makes as it
+    # starts: `rlfleet up` runs this while the services it needs come up
+    # (services/start_gate.py). The spec's own module stays light: the launcher imports it.
+    preload: Callable[[SettingsT], None] = lambda settings: None
 
 
 def _entry_points(group: str) -> list[metadata.EntryPoint]:

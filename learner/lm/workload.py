@@ -107,14 +107,7 @@ class LMWorkload:
         self.phases.say(f"loading model {s.model_path} onto a DeepSpeed engine ({s.device})")
         self.tokenizer = load_tokenizer(s.model_path)
         model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
-        ds = DeepSpeedSettings(
-            zero_stage=s.zero_stage,
-            precision=s.precision,
-            gradient_clipping=s.max_grad_norm,
-            train_micro_batch_size=s.micro_batch_size or s.minibatch_size,
-            device=s.device,
-            cache_dir=s.cache_dir,
-        )
+        ds = engine_settings(s)
         self.engine = build_engine(model, OptimizerSettings(lr=s.learning_rate, eps=1e-8), ds)
         module: Any = self.engine.module  # a transformers model
         self.vocab_size = module.get_input_embeddings().num_embeddings
@@ -441,3 +434,15 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
         out["reward/total"] = float(np.mean(totals))
         out["reward/std"] = float(np.std(totals))
     return out
+
+
+def engine_settings(s: LMLearnerSettings) -> DeepSpeedSettings:
+    """The DeepSpeed settings of the LM learner's engine."""
+    return DeepSpeedSettings(
+        zero_stage=s.zero_stage,
+        precision=s.precision,
+        gradient_clipping=s.max_grad_norm,
+        train_micro_batch_size=s.micro_batch_size or s.minibatch_size,
+        device=s.device,
+        cache_dir=s.cache_dir,
+    )

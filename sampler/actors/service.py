@@ -15,4 +15,12 @@ async def main(ctx: ServiceContext[GameActorSettings]) -> None:
     await GameActor(ctx, ctx.settings).run()
 
 
-SPEC = ServiceSpec(kind="game_actor", settings=GameActorSettings, main=main, grpc=False)
+def _preload(settings: GameActorSettings) -> None:
+    """The learner's policy runs on torch (imported as the policy is built)."""
+    if settings.policy == "learner":
+        import common.policies  # noqa: F401  (and torch)
+
+
+SPEC = ServiceSpec(
+    kind="game_actor", settings=GameActorSettings, main=main, grpc=False, preload=_preload
+)

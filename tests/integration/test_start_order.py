@@ -8,6 +8,7 @@ SERVING, `healthy_after_s` later) and "received SIGTERM" (millisecond timestamps
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from datetime import datetime
@@ -64,8 +65,46 @@ def test_independent_services_start_together_and_a_dependent_waits(tmp_path: Pat
         up_at,
         healthy,
     )
-    # The dependent started only once both were healthy.
+    # The dependent started only once both were healthy, its process long before (warm start:
+    # spawned at once, its imports done while it waited at its start gate).
+    assert when(run_dir, "main", "at the start gate") > max(healthy.values())
     assert when(run_dir, "main", "gRPC listening on") > max(healthy.values())
+    assert spawned(run_dir, "main") + 1 < min(healthy.values())
+    assert_nothing_left(run_dir)
+
+
+def spawned(run_dir: Path, name: str) -> float:
+    """When the launcher spawned ``name``'s first process: its log's header (whole seconds)."""
+    header = (run_dir / "logs" / f"{name}.log").read_text().splitlines()[0]
+    assert header.startswith("=== "), header
+    return datetime.strptime(header[4:23], "%Y-%m-%d %H:%M:%S").timestamp()
+
+
+def test_a_run_stopped_before_a_service_could_start_leaves_it_not_started(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """        - name: never-healthy
+          service: heartbeat
+          settings: {interval_s: 0.2, healthy_after_s: 600}
+        - name: waiting
+          service: heartbeat
+          after: [never-healthy]
+          settings: {interval_s: 0.2}
+        """,
+    )
+    up = Up(config, run_dir, services=("never-healthy", "waiting"))
+    try:
+        up.wait_until(
+            "the waiting service's process",
+            lambda: (run_dir / "logs" / "waiting.log").exists(),
+            timeout_s=60,
+        )
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0, up.diagnostics()  # no main service: a stop is a clean end
+    finally:
+        up.stop()
+    assert re.search(r"waiting\s+heartbeat\s+not started\s+restarts 0", up.output), up.output
+    assert "gRPC listening" not in (run_dir / "logs" / "waiting.log").read_text()
     assert_nothing_left(run_dir)
 
 
