@@ -3,7 +3,8 @@
 ``heartbeat`` is a real service with no domain logic: a gRPC server answering health checks
 that publishes a metrics event every ``interval_s``. It lets the launcher, the CLI and a
 deployment be checked end to end (start, health, monitor, restart, stop) without any RL code,
-and its ``fail_after_s`` / ``exit_after_s`` settings produce crashes and clean exits on demand.
+and its ``fail_after_s`` / ``exit_after_s`` settings produce crashes and clean exits on demand
+(``preload_s`` / ``preload_fails``: a slow or failing start-up import).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class HeartbeatSettings(StrictModel):
     fail_after_s: float | None = Field(default=None, gt=0)  # crash (exit 1) after this long
     exit_after_s: float | None = Field(default=None, gt=0)  # finish (exit 0) after this long
     healthy_after_s: float = Field(default=0.0, ge=0)  # report SERVING only after this long
+    # Its preload (services/start_gate.py) takes this long, like a slow import, or fails, like an
+    # import that cannot be made: the launcher's warm start, checked end to end.
+    preload_s: float = Field(default=0.0, ge=0)
+    preload_fails: bool = False
     # Other services (instance names or host:port) whose resolved addresses each beat reports:
     # shows that name references in settings reach the right endpoint.
     peers: list[ServiceRef] = []
@@ -95,4 +100,13 @@ async def main(ctx: ServiceContext[HeartbeatSettings]) -> None:
         raise RuntimeError(f"heartbeat {ctx.name}: failing on purpose after {deadline}s")
 
 
-SPEC = ServiceSpec(kind="heartbeat", settings=HeartbeatSettings, main=main, grpc=True)
+def preload(settings: HeartbeatSettings) -> None:
+    """What `preload_s` and `preload_fails` ask for."""
+    time.sleep(settings.preload_s)
+    if settings.preload_fails:
+        raise ImportError("heartbeat: its preload fails on purpose (preload_fails)")
+
+
+SPEC = ServiceSpec(
+    kind="heartbeat", settings=HeartbeatSettings, main=main, grpc=True, preload=preload
+)

@@ -139,3 +139,57 @@ def test_stop_goes_in_reverse_dependency_order(tmp_path: Path) -> None:
     # Each is told to stop only once the one that needs it has stopped.
     assert stopped["top"] <= told["middle"] and stopped["middle"] <= told["base"], (told, stopped)
     assert_nothing_left(run_dir)
+
+
+def test_a_service_imports_while_what_it_needs_comes_up(tmp_path: Path) -> None:
+    """Warm start: `main`'s preload (a 3 s "import") runs while `slow` becomes healthy (3 s), so
+    main is serving about when slow is, not 3 s after it."""
+    config, run_dir = write_config(
+        tmp_path,
+        f"""\
+        - name: slow
+          service: heartbeat
+          settings: {{interval_s: 0.2, healthy_after_s: {HEALTHY_AFTER_S}}}
+        - name: main
+          service: heartbeat
+          main: true
+          after: [slow]
+          settings: {{interval_s: 0.2, exit_after_s: 1, preload_s: {HEALTHY_AFTER_S}}}
+        """,
+    )
+    up = Up(config, run_dir, services=("slow", "main"))
+    try:
+        assert up.wait(60) == 0, up.diagnostics()
+    finally:
+        up.stop()
+    healthy = when(run_dir, "slow", "serving on")
+    listening = when(run_dir, "main", "gRPC listening on")
+    assert healthy < listening < healthy + HEALTHY_AFTER_S - 1, (healthy, listening)
+    assert_nothing_left(run_dir)
+
+
+def test_a_service_that_dies_at_its_gate_is_restarted_then_fails_the_run(tmp_path: Path) -> None:
+    config, run_dir = write_config(
+        tmp_path,
+        """\
+        - name: base
+          service: heartbeat
+          settings: {interval_s: 0.2}
+        - name: broken
+          service: heartbeat
+          after: [base]
+          restarts: 1
+          settings: {interval_s: 0.2, preload_fails: true}
+        """,
+    )
+    up = Up(config, run_dir, services=("base", "broken"))
+    try:
+        assert up.wait(60) == 1, up.diagnostics()
+    finally:
+        up.stop()
+    assert "broken crashed (exit 1); restart 1/1" in up.output, up.output
+    assert "broken failed (exit 1) after 1 restart(s)" in up.output, up.output
+    log = (run_dir / "logs" / "broken.log").read_text()
+    assert log.count("ImportError: heartbeat: its preload fails") == 2, log  # both starts
+    assert "gRPC listening" not in log and "start gate" not in log, log
+    assert_nothing_left(run_dir)
