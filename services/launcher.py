@@ -675,9 +675,10 @@ class Launcher:
                 return True
             return False
         finally:
+            gate.close()
             for task in (needs_up, exited):
                 task.cancel()
-            gate.close()
+            await asyncio.gather(needs_up, exited, return_exceptions=True)
             if process.returncode is not None:
                 svc.gate = None  # died at its gate: a start that failed, not one never made
 
