@@ -12,8 +12,10 @@ puts on the remote/local ratio).
 `shapes` asks whether another way of using Python gRPC would lift that floor: a `grpc.aio` and
 a synchronous (thread pool) server, each called with a bidi stream and with unary calls from
 `grpc.aio` and from the synchronous API (blocking, the stream fed from a queue), interleaved
-rounds, the message sizes of a 64-env CartPole step by default. It prints the median round
-trip of each and writes bench/results/grpc_echo_shapes.json.
+rounds, the message sizes of a 64-env CartPole step by default. It also counts the CPU time each
+end spends per round trip of the `grpc.aio` stream (both processes, all their threads): what
+overlapping messages (double-buffering) could at best hide is the wait, never that CPU. It
+prints the median round trip of each and writes bench/results/grpc_echo_shapes.json.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -105,6 +107,21 @@ async def round_trip_us(
     address: str, request_bytes: int, reply_bytes: int, count: int = 1000, warmup: int = 100
 ) -> float:
     """Median microseconds of one request/reply of these sizes on one stream."""
+    times = await _stream_round_trips(address, request_bytes, reply_bytes, count, warmup)
+    return float(np.median(times) * 1e6)
+
+
+async def _stream_round_trips(
+    address: str,
+    request_bytes: int,
+    reply_bytes: int,
+    count: int,
+    warmup: int,
+    measured: Callable[[], object] = lambda: None,
+) -> list[float]:
+    """Seconds of each of `count` request/reply round trips on one `grpc.aio` stream, after
+    `warmup` ones; `measured()` is called right before the first timed one and right after
+    the last."""
     async with grpc.aio.insecure_channel(address) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         stream = channel.stream_stream(
@@ -113,13 +130,39 @@ async def round_trip_us(
         call = stream()
         request = _SIZE.pack(reply_bytes) + bytes(max(request_bytes - _SIZE.size, 0))
         times = []
-        for _ in range(count + warmup):
+        for i in range(count + warmup):
+            if i == warmup:
+                measured()
             started = time.perf_counter()
             await call.write(request)
             await call.read()
             times.append(time.perf_counter() - started)
+        measured()
         await call.done_writing()
-    return float(np.median(times[warmup:]) * 1e6)
+    return times[warmup:]
+
+
+async def stream_cpu_us(
+    address: str, server_pid: int, request_bytes: int, reply_bytes: int, count: int
+) -> dict[str, float]:
+    """CPU microseconds that this process and the server (all threads, user + system) spend
+    per round trip of one `grpc.aio` stream, and the wall time per round trip."""
+    import psutil
+
+    server = psutil.Process(server_pid)
+    marks: list[tuple[float, float, float]] = []
+
+    def mark() -> None:
+        mine, theirs = psutil.Process().cpu_times(), server.cpu_times()
+        marks.append((mine.user + mine.system, theirs.user + theirs.system, time.perf_counter()))
+
+    await _stream_round_trips(address, request_bytes, reply_bytes, count, 100, mark)
+    (client_0, server_0, wall_0), (client_1, server_1, wall_1) = marks
+    return {
+        "client_cpu_us": (client_1 - client_0) / count * 1e6,
+        "server_cpu_us": (server_1 - server_0) / count * 1e6,
+        "wall_us": (wall_1 - wall_0) / count * 1e6,
+    }
 
 
 def _median_us(times: list[float], warmup: int) -> float:
@@ -180,6 +223,7 @@ def shapes(request_bytes: int, reply_bytes: int, rounds: int, count: int) -> dic
     }
     request = _SIZE.pack(reply_bytes) + bytes(max(request_bytes - _SIZE.size, 0))
     samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # the aio stream's CPU per round trip, each end
     try:
         for _ in range(rounds):
             for (server, _process), port in zip(servers.items(), ports, strict=True):
@@ -193,6 +237,11 @@ def shapes(request_bytes: int, reply_bytes: int, rounds: int, count: int) -> dic
                 }
                 for client, us in got.items():
                     samples.setdefault(f"{server} server, {client}", []).append(us)
+            aio_cpu = stream_cpu_us(
+                f"127.0.0.1:{ports[0]}", servers["aio"].pid, request_bytes, reply_bytes, count
+            )
+            for key, us in asyncio.run(aio_cpu).items():
+                cpu.setdefault(key, []).append(us)
     finally:
         for process in servers.values():
             process.terminate()
@@ -206,6 +255,10 @@ def shapes(request_bytes: int, reply_bytes: int, rounds: int, count: int) -> dic
         "median_round_trip_us": medians,
         "samples_us": samples,
         "fastest": min(medians, key=lambda k: medians[k]),
+        # CPU time per round trip of the aio stream on the aio server (medians of the rounds):
+        # the client's and the server's, each process with all its threads.
+        "aio_stream_cpu_us": {k: float(np.median(v)) for k, v in cpu.items()},
+        "aio_stream_cpu_samples_us": cpu,
     }
 
 
@@ -230,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round trip of a {args.request_bytes} B request / {args.reply_bytes} B reply:")
         for name, us in sorted(medians.items(), key=lambda kv: kv[1]):
             print(f"  {name:<28} {us:8.0f} us")
+        cpu: dict[str, float] = result["aio_stream_cpu_us"]  # type: ignore[assignment]
+        print(
+            f"CPU per round trip of the aio stream: client {cpu['client_cpu_us']:.0f} us, "
+            f"server {cpu['server_cpu_us']:.0f} us (wall {cpu['wall_us']:.0f} us)"
+        )
         result.update(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpus=os.cpu_count())
         result["grpcio"] = grpc.__version__
         args.out.parent.mkdir(parents=True, exist_ok=True)
