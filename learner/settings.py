@@ -1,7 +1,8 @@
 """Settings of the `learner` kind (YAML `settings:` or RLFLEET_LEARNER__<KEY>).
 
 Pure pydantic, no torch at import: the launcher imports this to validate a run before anything
-starts. Validating ``algo`` imports ``learner.algos`` (the typed registries, torch) lazily.
+starts. Validating ``algo`` reads ``learner.algos``' presets; only a name that is not built in
+(or installed plugins) loads the typed registries' functions, and torch with them.
 Defaults are CleanRL's PPO defaults for CartPole (batch of 4 fragments of 128 steps x 1 env =
 512 transitions, 4 minibatches of 128, 4 epochs), so the system and bench/ppo_baseline.py match.
 """
@@ -61,13 +62,16 @@ def check_device(device: str) -> str:
 
 def check_game_algo(name: str) -> str:
     """``name`` if it is a valid ``GAME_PRESETS`` entry whose ``loss_knobs`` are all
-    ``LearnerSettings`` fields, else ``ValueError`` (listing the known names)."""
-    from learner.algos.presets import resolve_game_preset
+    ``LearnerSettings`` fields, else ``ValueError`` (listing the known names). A built-in name
+    is checked without importing torch (``builtin_game_preset``)."""
+    from learner.algos.presets import builtin_game_preset, resolve_game_preset
 
-    try:
-        preset = resolve_game_preset(name)  # a name of another family says which it is
-    except LookupError as exc:  # UnknownNameError lists the known ones
-        raise ValueError(str(exc)) from None
+    preset = builtin_game_preset(name)
+    if preset is None:
+        try:
+            preset = resolve_game_preset(name)  # a name of another family says which it is
+        except LookupError as exc:  # UnknownNameError lists the known ones
+            raise ValueError(str(exc)) from None
     unknown = sorted(set(preset.loss_knobs.values()) - set(LearnerSettings.model_fields))
     if unknown:
         raise ValueError(

@@ -49,9 +49,17 @@ from learner.algos.registry import (
     PRESETS,
     SCHEDULES,
     Registry,
+    plugins_installed,
 )
 
-__all__ = ["GamePreset", "OldLogp", "Preset", "resolve_game_preset", "resolve_preset"]
+__all__ = [
+    "GamePreset",
+    "OldLogp",
+    "Preset",
+    "builtin_game_preset",
+    "resolve_game_preset",
+    "resolve_preset",
+]
 
 # pi_old of the policy ratio, per row of a batch:
 # - "behaviour": the sampler's log-probs (TrajectoryCompletion.logprobs) for every row: the ratio
@@ -179,6 +187,15 @@ class GamePreset(BaseModel):
 def resolve_game_preset(name: str) -> GamePreset:
     """The game preset ``name``, validated (``UnknownNameError`` lists the known ones)."""
     return GamePreset.model_validate(GAME_PRESETS.get(name).model_dump())
+
+
+def builtin_game_preset(name: str) -> GamePreset | None:
+    """The built-in game preset ``name`` as registered, without importing the algorithm
+    functions (torch): what ``rlfleet up`` and ``rlfleet validate`` check ``algo`` with. None
+    when ``name`` is not built in, or when ``rlfleet.algos`` plugins are installed (a broken one
+    must fail validation): then ``resolve_game_preset``. Not validated against the function
+    registries here; tests resolve every built-in preset."""
+    return None if plugins_installed() else GAME_PRESETS.registered(name)
 
 
 def resolve_preset(name: str, **overrides: Any) -> Preset:

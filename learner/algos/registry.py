@@ -21,19 +21,22 @@ function of another family fails when the preset is validated, with a message na
 and the family the name belongs to. Registering a name twice is an error; looking up an unknown
 name lists the known ones, with a did-you-mean.
 
-Built-in algorithms register themselves when ``learner.algos`` is imported. Third-party packages
-extend the registries through the ``rlfleet.algos`` entry-point group: each entry point's value is a
-module that registers its functions on import, e.g. in the plugin's ``pyproject.toml``::
+Built-in functions register themselves when their modules (``BUILTIN_MODULES``, which import
+torch) are imported; the presets (``learner.algos.presets``, data) when ``learner.algos`` is.
+Third-party packages extend the registries through the ``rlfleet.algos`` entry-point group: each
+entry point's value is a module that registers its functions on import, e.g. in the plugin's
+``pyproject.toml``::
 
     [project.entry-points."rlfleet.algos"]
     my_losses = "my_package.losses"      # module body: @POLICY_LOSSES.register("my_loss") ...
 
-Plugins load once, lazily, on the first lookup in any registry.
+Both load once, lazily, on the first lookup in any registry: the built-ins, then the plugins.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -53,6 +56,14 @@ if TYPE_CHECKING:
     from learner.algos.presets import GamePreset, Preset
 
 ENTRY_POINT_GROUP = "rlfleet.algos"
+# The modules whose import registers the built-in functions (loaded by load_plugins).
+BUILTIN_MODULES = (
+    "learner.algos.advantages",
+    "learner.algos.aggregation",
+    "learner.algos.kl",
+    "learner.algos.losses",
+    "learner.algos.schedules",
+)
 
 T = TypeVar("T")
 F = TypeVar("F")
@@ -207,6 +218,11 @@ class Registry(Generic[T]):
         except KeyError:
             raise self._unknown(name, field) from None
 
+    def registered(self, name: str) -> T | None:
+        """``name``'s object if it is registered already, else None; unlike ``get`` this loads
+        nothing (neither the built-in functions nor the plugins)."""
+        return self._items.get(name)
+
     def _unknown(self, name: str, field: str | None) -> UnknownNameError:
         prefix = f"{field}: " if field else ""
         known = ", ".join(sorted(self._items)) or "none"
@@ -294,10 +310,16 @@ _plugins_loaded = False
 _plugins_lock = threading.RLock()
 
 
-def load_plugins() -> None:
-    """Import every ``rlfleet.algos`` entry point once (idempotent, thread-safe).
+def plugins_installed() -> bool:
+    """Whether any package declares an ``rlfleet.algos`` entry point (nothing is imported)."""
+    return bool(entry_points(group=ENTRY_POINT_GROUP))
 
-    The flag is set before importing, so a plugin that looks names up while it imports does not
+
+def load_plugins() -> None:
+    """Import the built-in functions' modules, then every ``rlfleet.algos`` entry point, once
+    (idempotent, thread-safe).
+
+    The flag is set before importing, so a module that looks names up while it imports does not
     recurse. A plugin that fails to import raises ``PluginLoadError`` (a clash with a registered
     name raises ``DuplicateNameError``, a function that does not match its family's protocol
     ``SignatureError``) naming the entry point; loading is not retried later, so a broken plugin
@@ -310,6 +332,8 @@ def load_plugins() -> None:
         if _plugins_loaded:
             return
         _plugins_loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             try:
                 ep.load()

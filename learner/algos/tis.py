@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.aggregate import masked_mean
+from learner.algos.aggregation import masked_mean
 
 
 @torch.no_grad()

@@ -87,7 +87,7 @@ def _no_grad_logp(model: TrainEngine | nn.Module, batch: Batch, chunk: int) -> T
     return torch.cat(parts)  # [B, L-1]
 
 
-# What each aggregation (learner.algos.aggregate) divides by, from its [b, T] mask: tokens, or
+# What each aggregation (learner.algos.aggregation) divides by, from its [b, T] mask: tokens, or
 # sequences with at least one token. Every one is linear in the loss, so the aggregate of a whole
 # minibatch is the sum over its micro-batches of their aggregates, each weighted by its share of
 # this normaliser (``seq-mean-token-sum-norm``'s default norm, T, is the same in every part:

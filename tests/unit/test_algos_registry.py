@@ -1,9 +1,13 @@
 """Typed registries (one protocol per family, checked at registration; unknown and wrong-family
-names explained at lookup) and lazy loading of ``rlfleet.algos`` entry-point plugins."""
+names explained at lookup), lazy loading of the built-in functions and of ``rlfleet.algos``
+entry-point plugins, and a game ``algo`` checked without torch."""
 
+import subprocess
 import sys
+import types
 import uuid
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
@@ -28,9 +32,12 @@ from learner.algos import (
     WrongFamilyError,
     gae,
     grpo,
+    load_plugins,
     ppo_clip,
 )
+from learner.algos.presets import builtin_game_preset
 from learner.algos.registry import FAMILIES
+from learner.settings import check_game_algo
 
 
 def test_register_and_get():
@@ -208,3 +215,59 @@ def test_broken_plugin_names_the_entry_point(plugin):
     plugin("raise RuntimeError('boom')\n")
     with pytest.raises(PluginLoadError, match=r"plugin 'demo' \(rlfleet_test_plugin_.*boom"):
         POLICY_LOSSES.names()
+
+
+def _python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (what it imports is its own), from the repo root."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_validating_a_game_run_does_not_import_torch():
+    # What `rlfleet up` / `rlfleet validate` do before any service starts: torch (about 1 s,
+    # and the launcher's whole validation took 3.7 s with it against 1 s without) stays out.
+    _python(
+        "import sys\n"
+        "from services.cli import main\n"
+        "from learner.settings import check_game_algo\n"
+        "assert main(['validate', 'examples/cartpole_ppo.yaml']) == 0\n"
+        "assert main(['validate', 'examples/cartpole_appo.yaml']) == 0\n"
+        "assert check_game_algo('a2c') == 'a2c'\n"
+        "import learner.algos\n"
+        "assert 'torch' not in sys.modules, 'validation imported torch'\n"
+        "from learner.algos import gae  # a function: now its module, and torch\n"
+        "assert 'torch' in sys.modules and gae.__module__ == 'learner.algos.advantages.gae'\n"
+    )
+
+
+def test_the_first_lookup_registers_the_builtins():
+    _python(
+        "import sys\n"
+        "from learner.algos.registry import GAME_PRESETS, POLICY_LOSSES\n"
+        "assert 'learner.algos.losses' not in sys.modules\n"
+        "assert POLICY_LOSSES.registered('ppo') is None  # registered() loads nothing\n"
+        "assert GAME_PRESETS.registered('ppo') is not None  # presets are data, always there\n"
+        "from learner.algos.losses import ppo_clip\n"
+        "assert POLICY_LOSSES.get('ppo') is ppo_clip\n"
+    )
+
+
+def test_builtin_game_preset_is_the_registered_one_unless_plugins_are_installed(plugin):
+    assert builtin_game_preset("ppo") is GAME_PRESETS.get("ppo")
+    assert builtin_game_preset("ppx") is None  # unknown: resolve_game_preset explains
+    plugin("from learner.algos.registry import POLICY_LOSSES\n")
+    assert builtin_game_preset("ppo") is None  # a plugin may be broken: load it to see
+    with pytest.raises(ValueError, match="unknown game algorithm preset 'ppx'; known: a2c"):
+        check_game_algo("ppx")
+
+
+def test_every_public_name_is_what_it_names():
+    # A submodule of learner.algos named like one of its functions would shadow the function
+    # once imported (the package is lazy: learner.algos.aggregate the module, not the function).
+    load_plugins()
+    for name in algos.__all__:
+        value = getattr(algos, name)
+        assert not isinstance(value, types.ModuleType), f"learner.algos.{name} is a module"

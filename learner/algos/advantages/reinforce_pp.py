@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from learner.algos.advantages.groups import check_inputs, float_dtype, group_stats, reward_metrics
-from learner.algos.aggregate import masked_mean
+from learner.algos.aggregation import masked_mean
 from learner.algos.normalize import normalize_advantages
 from learner.algos.registry import GROUP_ADVANTAGES
 

@@ -24,7 +24,7 @@ def sft_loss(
 
     With ``phi=True`` (CHORD-phi) the loss is ``-sg[p (1 - p)] * logp`` with ``p = exp(logp)``;
     the weight is detached, so the gradient is ``-p (1 - p)`` times that of the NLL. Reduce with
-    ``learner.algos.aggregate`` (the paper uses token-mean).
+    ``learner.algos.aggregation`` (the paper uses token-mean).
     """
     loss = -logp  # [B, T]
     if phi:

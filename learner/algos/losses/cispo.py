@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.aggregate import masked_mean
+from learner.algos.aggregation import masked_mean
 from learner.algos.registry import POLICY_LOSSES
 
 

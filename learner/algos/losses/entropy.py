@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.aggregate import masked_mean
+from learner.algos.aggregation import masked_mean
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.aggregate import masked_mean
+from learner.algos.aggregation import masked_mean
 from learner.algos.registry import POLICY_LOSSES
 
 
@@ -39,7 +39,7 @@ def ppo_clip(
     ``loss = min(loss, -A * c)``, so a token whose ratio has run past c gives no gradient.
 
     Returns ``(loss, metrics)``: ``loss`` has the shape of ``logp``, unreduced and unmasked (reduce
-    with ``learner.algos.aggregate``); ``metrics`` are masked means, detached 0-dim tensors:
+    with ``learner.algos.aggregation``); ``metrics`` are masked means, detached 0-dim tensors:
 
     - ``approx_kl``: k3 estimator of KL(old || new), mean((ratio - 1) - log ratio), as CleanRL;
     - ``clipfrac``: fraction of entries whose ratio lies outside [1 - clip_low, 1 + clip_high]

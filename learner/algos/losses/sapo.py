@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algos.aggregate import masked_mean
+from learner.algos.aggregation import masked_mean
 from learner.algos.registry import POLICY_LOSSES
 
 _MAX_LOG_RATIO = 20.0  # verl clamps log r to [-20, 20] before exp()
