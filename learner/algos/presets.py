@@ -57,6 +57,7 @@ __all__ = [
     "OldLogp",
     "Preset",
     "builtin_game_preset",
+    "builtin_preset",
     "resolve_game_preset",
     "resolve_preset",
 ]
@@ -196,6 +197,12 @@ def builtin_game_preset(name: str) -> GamePreset | None:
     must fail validation): then ``resolve_game_preset``. Not validated against the function
     registries here; tests resolve every built-in preset."""
     return None if plugins_installed() else GAME_PRESETS.registered(name)
+
+
+def builtin_preset(name: str) -> Preset | None:
+    """The built-in LM preset ``name`` as registered, without torch; as ``builtin_game_preset``
+    (overrides need ``resolve_preset``, which checks them against the functions' parameters)."""
+    return None if plugins_installed() else PRESETS.registered(name)
 
 
 def resolve_preset(name: str, **overrides: Any) -> Preset:

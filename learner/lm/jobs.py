@@ -343,9 +343,11 @@ def _reward_service(s: LMJobSettings) -> dict[str, Any]:
 
 
 def _resolved(s: LMJobSettings) -> Preset:
-    from learner.algos.presets import resolve_preset
+    """The job's preset (a built-in one without overrides read without importing torch)."""
+    from learner.algos.presets import builtin_preset, resolve_preset
 
-    return resolve_preset(s.preset, **s.algo)
+    preset = None if s.algo else builtin_preset(s.preset)
+    return preset if preset is not None else resolve_preset(s.preset, **s.algo)
 
 
 def _learner(s: LMJobSettings) -> dict[str, Any]:

@@ -35,8 +35,9 @@ from learner.algos import (
     load_plugins,
     ppo_clip,
 )
-from learner.algos.presets import builtin_game_preset
+from learner.algos.presets import builtin_game_preset, builtin_preset
 from learner.algos.registry import FAMILIES
+from learner.lm.settings import check_preset, check_preset_name
 from learner.settings import check_game_algo
 
 
@@ -226,7 +227,7 @@ def _python(code: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_validating_a_game_run_does_not_import_torch():
+def test_validating_a_run_with_builtin_presets_does_not_import_torch():
     # What `rlfleet up` / `rlfleet validate` do before any service starts: torch (about 1 s,
     # and the launcher's whole validation took 3.7 s with it against 1 s without) stays out.
     _python(
@@ -235,6 +236,7 @@ def test_validating_a_game_run_does_not_import_torch():
         "from learner.settings import check_game_algo\n"
         "assert main(['validate', 'examples/cartpole_ppo.yaml']) == 0\n"
         "assert main(['validate', 'examples/cartpole_appo.yaml']) == 0\n"
+        "assert main(['validate', 'examples/grpo_arith.yaml']) == 0\n"
         "assert check_game_algo('a2c') == 'a2c'\n"
         "import learner.algos\n"
         "assert 'torch' not in sys.modules, 'validation imported torch'\n"
@@ -255,13 +257,20 @@ def test_the_first_lookup_registers_the_builtins():
     )
 
 
-def test_builtin_game_preset_is_the_registered_one_unless_plugins_are_installed(plugin):
+def test_builtin_presets_are_the_registered_ones_unless_plugins_are_installed(plugin):
     assert builtin_game_preset("ppo") is GAME_PRESETS.get("ppo")
+    assert builtin_preset("dapo") is PRESETS.get("dapo")
     assert builtin_game_preset("ppx") is None  # unknown: resolve_game_preset explains
+    assert builtin_preset("ppo") is None  # a game preset, not an LM one
     plugin("from learner.algos.registry import POLICY_LOSSES\n")
     assert builtin_game_preset("ppo") is None  # a plugin may be broken: load it to see
+    assert builtin_preset("dapo") is None
     with pytest.raises(ValueError, match="unknown game algorithm preset 'ppx'; known: a2c"):
         check_game_algo("ppx")
+    with pytest.raises(ValueError, match="'ppo' is a policy loss and a game algorithm preset"):
+        check_preset_name("ppo")
+    with pytest.raises(ValueError, match="policy loss 'ppo' has no hyperparameter 'tau'"):
+        check_preset("grpo", {"loss_kwargs": {"tau": 1.0}})
 
 
 def test_every_public_name_is_what_it_names():
