@@ -7,8 +7,8 @@ and named presets, each a small pure function. The families a preset chooses fro
 The registries, presets and protocols import without torch; the functions (torch) are imported
 when first named (``learner.algos.gae``) or when a registry is first looked up, which registers
 the built-ins and then loads the ``rlfleet.algos`` entry-point plugins (``load_plugins``). So
-``rlfleet up`` and ``rlfleet validate`` check a game job's ``algo`` without importing torch
-(``presets.builtin_game_preset``).
+``rlfleet up`` and ``rlfleet validate`` check a built-in game ``algo`` or LM ``preset`` without
+importing torch (``presets.builtin_game_preset`` / ``builtin_preset``).
 """
 
 from __future__ import annotations
