@@ -23,7 +23,6 @@ import importlib
 import logging
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from torch import nn
 from learner import safe_load
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 from services.cache import user_cache_dir
+from services.ports import free_port
 
 __all__ = ["Engine", "TrainEngine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
 
@@ -52,12 +52,6 @@ def cache_dir(configured: Path | None = None) -> Path:
     if configured is not None:
         return Path(configured).expanduser()
     return user_cache_dir()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _launched() -> bool:
@@ -89,7 +83,7 @@ def _prepare_environment(settings: DeepSpeedSettings) -> str:
             LOCAL_RANK="0",
             WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
         )
     return device
 

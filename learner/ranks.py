@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Awaitable
@@ -43,6 +42,7 @@ from learner.settings import LearnerSettings
 from learner.workload import Progress, Workload
 from services.bus.nats_server import parent_death_signal
 from services.errors import InvalidArgument
+from services.ports import free_port
 from services.registry import ENV_LAUNCHER_PID, ENV_METRICS_PORT, ServiceContext
 from services.server import GrpcServer
 
@@ -52,12 +52,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STOP_WAIT_S = 30.0  # how long rank 0 waits for the others to exit after "stop"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def digest(engine: Engine) -> str:
@@ -102,7 +96,7 @@ class Ranks:
         """Become rank 0 of a world on this host and start the other ranks with this process's
         command line; they die with it (SIGKILL at its death)."""
         world = str(self.world)
-        shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         shared.update(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
         os.environ.update(shared, RANK="0", LOCAL_RANK="0")
         for rank in range(1, self.world):

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+from services.ports import free_ports
 from services.security import TlsFiles
 
 __all__ = ["BINARY_ENV", "EmbeddedNats", "NatsUser", "find_nats_server", "parent_death_signal"]
@@ -106,12 +107,6 @@ def _check_binary(path: Path, *, source: str) -> Path:
     if not os.access(path, os.X_OK):
         raise ConfigError(f"nats-server binary {str(path)!r} (from {source}) is not executable")
     return path
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -293,7 +288,7 @@ class EmbeddedNats:
         fixed = self._requested_port or self._port
         if fixed:
             return binary, [fixed]
-        return binary, [_free_port(self.host) for _ in range(3)]
+        return binary, free_ports(3, self.host)
 
     def _failed_attempt(self, exc: Unavailable, attempt: int, attempts: int) -> bool:
         """Clean up a failed start; True when another port should be tried."""
