@@ -36,6 +36,7 @@ Both load once, lazily, on the first lookup in any registry: the built-ins, then
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import threading
@@ -310,8 +311,10 @@ _plugins_loaded = False
 _plugins_lock = threading.RLock()
 
 
+@functools.cache  # a scan of every installed distribution's metadata, ~10 ms
 def plugins_installed() -> bool:
-    """Whether any package declares an ``rlfleet.algos`` entry point (nothing is imported)."""
+    """Whether any package declares an ``rlfleet.algos`` entry point (nothing is imported);
+    asked once per process, as the plugins are loaded once."""
     return bool(entry_points(group=ENTRY_POINT_GROUP))
 
 

@@ -171,9 +171,11 @@ def plugin(tmp_path, monkeypatch):
         names.append(name)
         eps = [EntryPoint(name="demo", value=name, group=registry.ENTRY_POINT_GROUP)]
         monkeypatch.setattr(registry, "entry_points", lambda group: eps)
+        registry.plugins_installed.cache_clear()
         return name
 
     yield make
+    registry.plugins_installed.cache_clear()
     for name in names:
         sys.modules.pop(name, None)
 
