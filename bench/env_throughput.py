@@ -51,7 +51,7 @@ if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grpc_echo import round_trip_us
-from env_server.client import EnvSession
+from clients.env import EnvSession
 from sampler.actors.settings import GameActorSettings
 from services.ports import free_port
 from services.server import wait_for_health

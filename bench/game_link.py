@@ -86,8 +86,8 @@ class TickEnv(gym.Env[np.ndarray, np.int64]):
 
 
 def python_client(address: str, agents: int, links: int, ticks: int, warmup: int, k: int) -> dict:
-    """What the TS and C++ bench clients do, with env_server.game_link_client: L threads."""
-    from env_server.game_link_client import GameLink
+    """What the TS and C++ bench clients do, with clients.game_link: L threads."""
+    from clients.game_link import GameLink
 
     env = TickEnv()
     obs = np.full((agents, OBS_SIZE), 0.5, np.float32)
@@ -243,7 +243,7 @@ def run_client(
 
 async def envservice_sps(address: str, env_id: str, num_envs: int, steps: int) -> float:
     """Env-steps/s of one Session of `num_envs` envs in lock step (pre-generated actions)."""
-    from env_server.client import EnvSession
+    from clients.env import EnvSession
 
     actions = np.random.default_rng(0).integers(0, 2, size=(256, num_envs), dtype=np.int64)
     async with EnvSession(address) as session:

@@ -352,8 +352,8 @@ async def running_system(ctx: dict[str, Any], first: int, a: argparse.Namespace)
 
 
 async def amain(a: argparse.Namespace) -> dict[str, Any]:
-    from reward_service.client import RewardClient
-    from sampler.client import SamplerClient, SamplerPool
+    from clients.reward import RewardClient
+    from clients.sampler import SamplerClient, SamplerPool
     from services.bus import Bus, EmbeddedNats
 
     model = model_dir(a.model_size)

@@ -65,7 +65,7 @@ PARTS = ("fetch_s", "gate_wait_s", "load_s", "vllm_reload_s", "first_sample_s", 
 async def floor_client(address: str, version: int, repeats: int) -> dict[str, Any]:
     """Runs in a child process (the sampler's position): raw stream and fetch_weights times."""
     from bench.weight_sync import raw_stream
-    from learner.client import fetch_weights
+    from clients.learner import fetch_weights
     from services.server import channel
 
     out: dict[str, Any] = {"raw_stream_s": [], "fetch_alone_s": []}
@@ -105,8 +105,8 @@ def disk_weights(model: Path) -> dict[str, Any]:
 async def run_size(size: str, a: argparse.Namespace, nats_url: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from clients.sampler import SamplerClient
     from learner.weights import announce
-    from sampler.client import SamplerClient
     from services.bus import Bus
 
     model = model_dir(size)

@@ -2,7 +2,7 @@
 processes behind one driver, the same load, in the same run.
 
 What a GRPO job with ``num_samplers: 2`` does (learner/lm/jobs.py ``expand``): every rollout
-driver gets the list of samplers, and its ``SamplerPool`` (sampler/client.py) sends each Generate
+driver gets the list of samplers, and its ``SamplerPool`` (clients/sampler.py) sends each Generate
 call to the next one in turn, ``concurrency`` calls in flight (RolloutSettings.concurrency, the
 driver's workers). Here, in this process: a ``SamplerPool`` over one sampler and one over two,
 ``--concurrency`` workers each taking the next call of a round, every request the driver's own
@@ -184,7 +184,7 @@ async def measure(
 
 
 async def amain(a: argparse.Namespace) -> dict[str, Any]:
-    from sampler.client import SamplerPool
+    from clients.sampler import SamplerPool
 
     model = model_dir(a.model_size)
     run_dir = WORK_DIR / f"sampler_replicas-{os.getpid()}"

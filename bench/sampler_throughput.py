@@ -64,7 +64,7 @@ class Service:
     name = "service"
 
     def __init__(self, proc: SamplerProcess) -> None:
-        from sampler.client import SamplerClient
+        from clients.sampler import SamplerClient
 
         self.client = SamplerClient(proc.address)
 

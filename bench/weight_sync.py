@@ -43,8 +43,8 @@ import torch
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clients.learner import fetch_weights
 from common.weights import chunk_spans
-from learner.client import fetch_weights
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
 from services.server import GrpcServer, channel
 

@@ -4,9 +4,9 @@
 - pool.py: N environments of one session stepped in lock step;
 - servicer.py: the gRPC EnvService (one pool per Session stream);
 - service.py: the `env_server` service kind (`rlfleet serve env_server`);
-- client/: the client module other services import: EnvSession, RemoteVectorEnv, RemoteEnv and
-  the plain types both sides share (client/types.py);
-- game_link/: GameLinkService, for games that own their loop (docs/game_link.md);
-  game_link_client.py: its Python SDK, importable by a game without the server;
+- game_link/: GameLinkService, for games that own their loop (docs/game_link.md).
+
+Its clients (EnvSession, RemoteVectorEnv, the GameLink SDK) live in `clients.env` and
+`clients.game_link`.
 - play.py, commands.py: `rlfleet play` and `rlfleet envs`.
 """

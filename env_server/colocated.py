@@ -27,8 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from common import spaces
-from env_server.client.shm_ring import (
+from clients.env.shm_ring import (
     DONE,
     MAX_ERROR_BYTES,
     MAX_SLOTS,
@@ -39,6 +38,7 @@ from env_server.client.shm_ring import (
     host_id,
     layout_for,
 )
+from common import spaces
 from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2
 from services.errors import InvalidArgument, ResourceExhausted, RlfleetError, to_status

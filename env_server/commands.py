@@ -15,7 +15,7 @@ def _envs_args(parser: argparse.ArgumentParser) -> None:
 
 def _envs(args: argparse.Namespace) -> int:
     if args.server:
-        from env_server.client import list_envs
+        from clients.env import list_envs
 
         rows = asyncio.run(list_envs(args.server))
     else:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import numpy as np
 
-from env_server.client.types import EpisodeStats, StepResult
+from clients.env.types import EpisodeStats, StepResult
 from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from env_server.client.types import EnvEntry
+from clients.env.types import EnvEntry
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from services.references import import_reference_module, is_reference, split_reference
 from services.registry import entry_point_registry

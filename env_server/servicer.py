@@ -40,9 +40,9 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from clients.env.types import StepResult
 from common import spaces, tensor
 from env_server import registry
-from env_server.client.types import StepResult
 from env_server.colocated import Declined, RingServer, ServerRing
 from env_server.pool import EnvPool
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc

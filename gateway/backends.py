@@ -3,7 +3,7 @@ balances, health-checks and fails over.
 
 The engine interface is ``Replica``: what the serving classes need from one sampler (a stream
 of GenerateStreamResponse per request, GetInfo, a health probe). ``SamplerReplica`` implements
-it over ``sampler.client.SamplerClient`` (the sampler's client module, the only way in) plus
+it over ``clients.sampler.SamplerClient`` (the sampler's client module, the only way in) plus
 the standard gRPC health service; tests implement it with a fake.
 
 - Balancing: the healthy backend with the fewest open streams; ties go round-robin.
@@ -72,11 +72,11 @@ class Replica(Protocol):
 
 
 class SamplerReplica:
-    """``Replica`` over sampler.client: SamplerClient for GetInfo and GenerateStream, the gRPC
+    """``Replica`` over clients.sampler: SamplerClient for GetInfo and GenerateStream, the gRPC
     health service (on a channel of its own) for probes."""
 
     def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
-        from sampler.client import SERVICE_NAME, SamplerClient
+        from clients.sampler import SERVICE_NAME, SamplerClient
         from services.server import channel
 
         self.address = address

@@ -4,5 +4,4 @@
   `rlfleet.rewards` entry-point group;
 - `models.py`: reward models (Hugging Face sequence classifiers);
 - `servicer.py` (+ `validation.py`, `runner.py`): `rlfleet.reward.v1.RewardService`;
-- `client.py`: the async client other services use.
 """

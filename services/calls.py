@@ -1,7 +1,7 @@
 """Calling another service: errors that say which peer raised them, retries of transient
 failures, and waiting for a peer to become healthy.
 
-The service clients (sampler/client.py, reward_service/client.py, ...) run each call through
+The service clients (clients/sampler.py, clients/reward.py, ...) run each call through
 ``rpc``, so a failed call raises the services.errors class the server raised, its message
 prefixed with the peer and method ("reward service 10.0.0.3:50051: Score: unknown reward ...").
 ``call_with_retry`` decides what is worth asking again; ``wait_healthy`` waits at start-up.

@@ -1,7 +1,7 @@
 """Weight versions as one checksummed byte stream (rlfleet.learner.v1.WeightService).
 
 Shared by both ends: the learner builds manifests and chunks (learner/weights.py), samplers and
-actors fetch (``learner.client.fetch_weights``). The layout, digest and chunk rules are those of
+actors fetch (``clients.learner.fetch_weights``). The layout, digest and chunk rules are those of
 protos/rlfleet/learner/v1/weights.proto:
 
 - a version's stream is its tensors' raw little-endian bytes concatenated in manifest order;

@@ -4,7 +4,7 @@ The policy runs inside the env server, next to the links (see docs/design.md, Ga
 pass of the hub's loop takes every observation batch that is waiting, of every link (several
 ticks of one pipelined link included: the policy is stateless), concatenates those of one env
 id and runs one forward, so links share inference calls. The behaviours are the game actor's
-(common.behaviour); with `policy: learner` the weights come from learner.client.WeightFollower
+(common.behaviour); with `policy: learner` the weights come from clients.learner.WeightFollower
 and a newer version is swapped in between two passes. Until the first version has arrived
 nothing is answered: replies wait for it (the proto's rule).
 """
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from clients.learner import WeightFollower
 from common.behaviour import Behaviour, Decision, RandomBehaviour, TorchBehaviour
 from env_server.game_link.settings import GameLinkSettings
-from learner.client import WeightFollower
 from services.errors import InvalidArgument, RlfleetError
 
 __all__ = ["PolicyHub"]

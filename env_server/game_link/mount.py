@@ -7,11 +7,11 @@ import contextlib
 import logging
 from typing import Any
 
+from clients.learner import WeightFollower
 from env_server.game_link.hub import PolicyHub
 from env_server.game_link.links import LinkRegistry
 from env_server.game_link.servicer import GameLinkService
 from env_server.game_link.settings import GameLinkSettings
-from learner.client import WeightFollower
 from rlfleet.env.v1 import game_link_pb2, game_link_pb2_grpc
 from services.bus import Bus, stream_name, traj_subject
 from services.errors import ConfigError

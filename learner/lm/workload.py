@@ -331,7 +331,7 @@ class LMWorkload:
         s, cfg = self.settings, self.settings.eval
         if cfg is None or s.reward_service is None:
             return
-        from reward_service.client import RewardClient
+        from clients.reward import RewardClient
 
         assert self.engine is not None
         if self._eval_tasks is None:

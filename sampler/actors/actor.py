@@ -20,10 +20,10 @@ import time
 import uuid
 from typing import Any
 
+from clients.learner import WeightFollower
 from common.behaviour import Behaviour, RandomBehaviour, TorchBehaviour
 from common.fragments import producer_id
 from common.stats import ActorStats
-from learner.client import WeightFollower
 from sampler.actors.envs import EnvGroup, TickEvents
 from sampler.actors.rollout import FragmentMeta, Rollout
 from sampler.actors.sampling import DoubleBuffer, fill_lock_step

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from env_server.client import EnvSession, SessionInfo, StepResult
+from clients.env import EnvSession, SessionInfo, StepResult
 from services.errors import InvalidArgument, RlfleetError, Unavailable, code_of
 from services.telemetry import metrics
 

@@ -1,2 +1,2 @@
 """The language-model sampler (kind `sampler`): SamplerService over a generation engine
-(sampler/engines) whose weights follow the learner's versions (learner.client.WeightFollower)."""
+(sampler/engines) whose weights follow the learner's versions (clients.learner.WeightFollower)."""

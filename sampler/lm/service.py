@@ -9,7 +9,7 @@ while the learner's current version is fetched, when following the run; that ver
 last (a reload takes milliseconds and keeps the warm-up's kernels); only then SERVING. Without
 `weights_from` the sampler serves the model folder's weights (serve mode: version 0, named
 `served_model_name`). Later versions are loaded into the running engine as they are announced
-(learner.client.WeightFollower fetches them in the background), each through the servicer's
+(clients.learner.WeightFollower fetches them in the background), each through the servicer's
 VersionGate.
 
 Each start-up phase (engine start, waiting for the first version, warm-up) is announced on the
@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from learner.client import WeightFollower
+from clients.learner import WeightFollower
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import EngineConfig, GenerationEngine, build_engine
 from sampler.lm.servicer import SamplerService

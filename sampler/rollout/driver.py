@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from reward_service.client import SERVICE_NAME as REWARD_SERVICE
-from reward_service.client import RewardClient
+from clients.reward import SERVICE_NAME as REWARD_SERVICE
+from clients.reward import RewardClient
+from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
+from clients.sampler import SamplerPool
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.client import SERVICE_NAME as SAMPLER_SERVICE
-from sampler.client import SamplerPool
 from sampler.rollout.groups import (
     Expert,
     build_groups,

@@ -19,8 +19,8 @@ import pytest_asyncio
 from google.rpc import error_details_pb2
 from prometheus_client import REGISTRY
 
+from clients.env import EnvSession, RemoteVectorEnv, list_envs
 from common import tensor
-from env_server.client import EnvSession, RemoteVectorEnv, list_envs
 from env_server.service import SERVICE_NAME, EnvServerSettings, main
 from env_server.servicer import EnvService
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc

@@ -5,7 +5,7 @@ each opens a stream, sends its steps and checks every response's result or in-ba
 and BadRequest field. The lifecycle rules are tests here: pipelining order, Goodbye/Farewell,
 takeover (ABORTED), shutdown (UNAVAILABLE), limits (RESOURCE_EXHAUSTED), resume within the
 window (seamless, mismatched, expired) checked on the rollout fragments the server publishes,
-the spaces a learner asks EnvService for, and the Python SDK (env_server/game_link_client.py).
+the spaces a learner asks EnvService for, and the Python SDK (clients/game_link.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 
+from clients.game_link import AsyncGameLink, GameLink
 from common import spaces, tensor
 from env_server.game_link.settings import GameLinkSettings
-from env_server.game_link_client import AsyncGameLink, GameLink
 from env_server.service import EnvServerSettings, main
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc, game_link_pb2, game_link_pb2_grpc

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
+from clients.sampler import SERVICE_NAME
 from gateway.settings import GatewaySettings
-from sampler.client import SERVICE_NAME
 from services.ports import free_port
 from services.server import wait_for_health
 from tests.unit.test_gateway_fakes import ThreadedGateway

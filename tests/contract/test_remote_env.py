@@ -22,7 +22,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import AutoresetMode
 
-from env_server.client import (
+from clients.env import (
     ClosedEnvError,
     InvalidActionError,
     RemoteAttributeError,
@@ -345,7 +345,7 @@ def test_close_prints_nothing(tmp_path: Path, address: str) -> None:
     script.write_text(
         "import warnings, numpy as np\n"
         "warnings.simplefilter('always')\n"
-        "from env_server.client import RemoteEnv, RemoteVectorEnv\n"
+        "from clients.env import RemoteEnv, RemoteVectorEnv\n"
         f"address = {address!r}\n"
         "for k in range(6):\n"
         "    env = RemoteEnv(address, 'CartPole-v1') if k % 2 else "

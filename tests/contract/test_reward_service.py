@@ -24,7 +24,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from reward_service.client import SERVICE_NAME, RewardClient
+from clients.reward import SERVICE_NAME, RewardClient
 from reward_service.service import RewardSettings, serve
 from reward_service.settings import RewardModelSettings
 from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc

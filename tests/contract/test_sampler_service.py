@@ -17,10 +17,10 @@ import grpc
 import numpy as np
 import pytest
 
+from clients.sampler import SamplerClient, to_prompt
 from common import tensor
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
-from sampler.client import SamplerClient, to_prompt
 from services.errors import InvalidArgument, ResourceExhausted, from_rpc_error
 from services.server import channel
 from tests.fixtures.lm import MAX_MODEL_LEN, LmStack

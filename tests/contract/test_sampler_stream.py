@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from google.protobuf import duration_pb2
 
+from clients.sampler import SamplerClient, to_prompt
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.client import SamplerClient, to_prompt
 from services.errors import InvalidArgument
 from tests.fixtures.lm import ServingSampler, serving_sampler
 

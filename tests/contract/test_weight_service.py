@@ -1,4 +1,4 @@
-"""WeightService (learner/weights.py) and fetch_weights (learner/client.py) over real gRPC.
+"""WeightService (learner/weights.py) and fetch_weights (clients/learner.py) over real gRPC.
 
 Each test starts a GrpcServer on a loopback port in this process. Faults are injected by a
 wrapper servicer in front of the real one: it drops a stream with UNAVAILABLE after N chunks, or
@@ -18,8 +18,8 @@ import grpc
 import pytest
 import torch
 
+from clients.learner import fetch_weights
 from common.weights import Chunk, WeightsCorrupted, encode_chunk, parse_chunk
-from learner.client import fetch_weights
 from learner.weights import (
     MIN_CHUNK_BYTES,
     SERVICE_NAME,

@@ -44,7 +44,7 @@ LIST_ENVS = "rlfleet.env.v1.EnvService/ListEnvs"
 TRACE_PROBE = """
 import asyncio
 from services.telemetry import setup_tracing, shutdown_tracing
-from env_server.client import list_envs
+from clients.env import list_envs
 setup_tracing("trace-probe", "otlp")
 print(len(asyncio.run(list_envs("env-server:50051"))), "envs")
 shutdown_tracing()

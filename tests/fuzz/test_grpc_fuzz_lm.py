@@ -145,7 +145,7 @@ async def test_weight_service(
 
 
 async def test_still_serving_after_the_fuzz(lm_stack: LmStack) -> None:
-    from sampler.client import SamplerClient
+    from clients.sampler import SamplerClient
 
     async with SamplerClient(lm_stack.address, timeout_s=120) as client:
         reply = await client.generate(["Q: 2+2=?\nA:"], n=1, max_tokens=3, seed=1)

@@ -25,8 +25,8 @@ from google.rpc import status_pb2
 from gymnasium.vector import AutoresetMode
 from prometheus_client import REGISTRY
 
-from env_server.client import EnvSession
-from env_server.client.shm_ring import DONE, STEP, host_id, layout_for
+from clients.env import EnvSession
+from clients.env.shm_ring import DONE, STEP, host_id, layout_for
 from env_server.colocated import RingServer, ServerRing
 from env_server.pool import EnvPool
 from env_server.service import EnvServerSettings
@@ -225,7 +225,7 @@ _CLIENT = textwrap.dedent(
     """
     import asyncio, sys
     import numpy as np
-    from env_server.client import EnvSession
+    from clients.env import EnvSession
 
     async def main():
         session = EnvSession(sys.argv[1])

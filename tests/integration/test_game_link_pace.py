@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from env_server.game_link_client import AsyncGameLink
+from clients.game_link import AsyncGameLink
 from services.bus import Bus, stream_name, traj_subject
 from tests.contract.test_game_link import Server
 from tests.integration.test_actor_learner import HIDDEN, StandInLearner, paced_on_taken_sequences

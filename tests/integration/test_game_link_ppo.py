@@ -1,7 +1,7 @@
 """A game that owns its loop trains a real PPO learner through GameLinkService.
 
 The game is `play` below: a process stepping its own CartPoles (8 agents of one link) through
-the Python SDK (env_server/game_link_client.py), lock step. The env server (game_link enabled,
+the Python SDK (clients/game_link.py), lock step. The env server (game_link enabled,
 policy: learner) and the DeepSpeed learner run as `rlfleet serve` processes on a real NATS; the
 learner gets the game's spaces from the env server once the game has said Hello.
 
@@ -52,7 +52,7 @@ def play(session_key: str, seed: int) -> None:
     import gymnasium as gym
     import numpy as np
 
-    from env_server.game_link_client import GameLink
+    from clients.game_link import GameLink
 
     envs = [gym.make("CartPole-v1") for _ in range(AGENTS)]
     link = GameLink(

@@ -194,7 +194,7 @@ SNAKE_GAME = """\
 import os
 import numpy as np
 from env_server.envs.snake import SnakeEnv
-from env_server.game_link_client import GameLink
+from clients.game_link import GameLink
 
 n = int(os.environ["BOARDS"])
 boards = [SnakeEnv() for _ in range(n)]

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from clients.reward import SERVICE_NAME as REWARD_SERVICE
+from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from common import tensor
-from reward_service.client import SERVICE_NAME as REWARD_SERVICE
 from reward_service.service import serve
 from reward_service.settings import RewardSettings
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
-from sampler.client import SERVICE_NAME as SAMPLER_SERVICE
 from sampler.rollout.driver import RolloutDriver
 from sampler.rollout.settings import RewardSpec, RolloutSettings
 from services.bus import Bus, EmbeddedNats, events_subject, stream_name, traj_subject

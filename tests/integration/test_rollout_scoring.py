@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from clients.reward import SERVICE_NAME as REWARD_SERVICE
+from clients.reward import RewardClient
 from common import tensor
 from common.datasets import Task
-from reward_service.client import SERVICE_NAME as REWARD_SERVICE
-from reward_service.client import RewardClient
 from reward_service.service import serve
 from reward_service.settings import RewardSettings
 from rlfleet.bus.v1 import trajectory_pb2

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from clients.sampler import SamplerClient
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.client import SamplerClient
 from tests.fixtures.lm import serving_sampler
 
 pytestmark = pytest.mark.slow  # the quantizer environment and a vLLM engine

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from clients.sampler import SamplerClient, to_prompt
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.client import SamplerClient, to_prompt
 from services.errors import InvalidArgument, Unavailable
 from tests.fixtures.lm import ServingSampler, serving_sampler
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.sampler import SamplerClient
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.client import SamplerClient
 from services.errors import Unavailable
 from services.server import channel
 from tests.fixtures.lm import LmStack, disk_weights

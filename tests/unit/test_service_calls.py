@@ -1,5 +1,5 @@
 """The runtime's calling helpers (services/calls.py, services/grpc_names.py) and the sampler's
-client (sampler/client.py) against a fake SamplerService on a loopback GrpcServer: no model.
+client (clients/sampler.py) against a fake SamplerService on a loopback GrpcServer: no model.
 
 The fake answers Generate with one completion per prompt whose text names the replica, and
 raises what the prompt text asks for ("invalid", "busy"), so the tests see which replica
@@ -16,12 +16,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from reward_service.client import SERVICE_NAME as REWARD_SERVICE
+from clients.reward import SERVICE_NAME as REWARD_SERVICE
+from clients.sampler import SERVICE_NAME, SamplerClient, SamplerPool
 from rlfleet.env.v1 import env_pb2
 from rlfleet.learner.v1 import learner_pb2, weights_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
-from sampler.client import SERVICE_NAME, SamplerClient, SamplerPool
 from services.calls import RETRIED, call_with_retry, rpc, wait_healthy
 from services.errors import InvalidArgument, NotFound, ResourceExhausted, RlfleetError
 from services.grpc_names import method_path, service_name

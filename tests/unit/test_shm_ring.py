@@ -1,5 +1,5 @@
-"""The co-located ring's layout and views (env_server/client/shm_ring.py), the client ring's
-checks that need no server (env_server/client/colocated.py) and the server's ring thread
+"""The co-located ring's layout and views (clients/env/shm_ring.py), the client ring's
+checks that need no server (clients/env/colocated.py) and the server's ring thread
 (env_server/colocated.py's RingServer) over socket pairs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from env_server.client.colocated import SEGMENT_PREFIX, ClientRing, _put_actions
-from env_server.client.shm_ring import MAX_SLOTS, Unsupported, busy_recv, host_id, layout_for
+from clients.env.colocated import SEGMENT_PREFIX, ClientRing, _put_actions
+from clients.env.shm_ring import MAX_SLOTS, Unsupported, busy_recv, host_id, layout_for
 from env_server.colocated import RingServer
 from services.errors import InvalidArgument
 

@@ -14,7 +14,7 @@
 //   rlfleet::Farewell counts = link.close("game over");
 //
 // The protocol is rlfleet.env.v1.GameLinkService (protos/rlfleet/env/v1/game_link.proto); the
-// names match the Python (env_server/game_link_client.py) and TypeScript SDKs. A GameLink is
+// names match the Python (clients/game_link.py) and TypeScript SDKs. A GameLink is
 // used from one thread (the game loop); it is movable, not copyable. gRPC stays out of this
 // header: only the generated message types (spaces, tensor trees) appear here.
 #pragma once

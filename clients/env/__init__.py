@@ -1,6 +1,6 @@
 """The env server's client module: remote environments that look local (`EnvService`).
 
-Other services import only this package (and the types in ``env_server.client.types``), never
+Other services import only this package (and the types in ``clients.env.types``), never
 the server's pool, registry or servicer.
 
 - `EnvSession`: async, one Session stream, numpy in and out (arrays are read-only views over the
@@ -23,7 +23,7 @@ session; gymnasium.error.ClosedEnvironmentError). `RemoteAttributeError` (an Att
 what get_attr/call/set_attr raise for what the wire cannot reach.
 """
 
-from env_server.client.session import (
+from clients.env.session import (
     ClosedEnvError,
     EnvSession,
     InvalidActionError,
@@ -33,8 +33,8 @@ from env_server.client.session import (
     SyncEnvSession,
     list_envs,
 )
-from env_server.client.types import EnvEntry, EpisodeStats, StepResult
-from env_server.client.vector import RemoteEnv, RemoteVectorEnv
+from clients.env.types import EnvEntry, EpisodeStats, StepResult
+from clients.env.vector import RemoteEnv, RemoteVectorEnv
 
 __all__ = [
     "ClosedEnvError",

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from google.rpc import status_pb2
 
-from env_server.client.shm_ring import (
+from clients.env.shm_ring import (
     DONE,
     MAX_ERROR_BYTES,
     STEP,
@@ -36,7 +36,7 @@ from env_server.client.shm_ring import (
     close_quietly,
     host_id,
 )
-from env_server.client.types import EpisodeStats, StepResult
+from clients.env.types import EpisodeStats, StepResult
 from rlfleet.env.v1 import env_pb2
 from services.errors import InvalidArgument, RlfleetError, Unavailable, from_status
 

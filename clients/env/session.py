@@ -17,10 +17,10 @@ from google.protobuf import struct_pb2
 from google.rpc import status_pb2
 from gymnasium.vector import AutoresetMode
 
+from clients.env.colocated import ClientRing
+from clients.env.shm_ring import Unsupported, host_id, layout_for
+from clients.env.types import EnvEntry, EpisodeStats, StepResult
 from common import spaces, tensor
-from env_server.client.colocated import ClientRing
-from env_server.client.shm_ring import Unsupported, host_id, layout_for
-from env_server.client.types import EnvEntry, EpisodeStats, StepResult
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
     FailedPrecondition,
@@ -233,7 +233,7 @@ class EnvSession:
         this cannot work (another host, spaces the ring cannot hold, a server that declines or
         predates it): steps stay on gRPC and `colocate_reason` says why. Errors of the stream
         itself (the server is gone) are raised as from any request. `busy_poll_us`: poll for
-        each step's answer this long before awaiting it (env_server/client/shm_ring.py).
+        each step's answer this long before awaiting it (clients/env/shm_ring.py).
         `block_us`: then wait for it this long in the kernel, the event loop blocked, before
         awaiting it; for a caller that steps one session in lock step (the steps of several
         sessions awaited together would be taken one after the other). Either way a step

@@ -12,8 +12,8 @@ from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
-from env_server.client.session import RemoteAttributeError, SessionInfo, SyncEnvSession
-from env_server.client.types import EpisodeStats
+from clients.env.session import RemoteAttributeError, SessionInfo, SyncEnvSession
+from clients.env.types import EpisodeStats
 
 # What get_attr/call can answer without the server: per-env attributes the client knows.
 _LOCAL_ATTRS = ("action_space", "metadata", "observation_space", "render_mode", "spec")
