@@ -46,12 +46,12 @@ if not __package__:
 
 from common import tensor  # noqa: E402
 from common.policies import build_policy  # noqa: E402
-from learner import game  # noqa: E402
 from learner.consumer import Ledger  # noqa: E402
 from learner.engine import build_engine  # noqa: E402
-from learner.game_workload import build_game_engine  # noqa: E402
+from learner.game import update as game  # noqa: E402
+from learner.game.settings import LearnerSettings  # noqa: E402
+from learner.game.workload import build_game_engine  # noqa: E402
 from learner.loop import seed_everything  # noqa: E402
-from learner.settings import LearnerSettings  # noqa: E402
 from learner.weights import WeightStore  # noqa: E402
 from rlfleet.bus.v1 import trajectory_pb2  # noqa: E402
 from rlfleet.common.v1 import tensor_pb2  # noqa: E402

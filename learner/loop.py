@@ -1,7 +1,7 @@
 """The learner's run, written once: bus in, updates, versions out, for any ``Workload``
 (learner.workload: the protocol, and the ``Progress`` counters the loop keeps).
 
-A workload (``learner.game_workload``: PPO/A2C over rollout fragments; ``learner.lm.workload``:
+A workload (``learner.game.workload``: PPO/A2C over rollout fragments; ``learner.lm.workload``:
 GRPO-family updates over trajectory groups) holds what is particular to its data and model, in
 the spirit of torchtune's recipe interface (setup / train / checkpoint / cleanup). The loop owns
 the rest: the gRPC server (WeightService, LearnerService.GetStatus), the bus, the durable

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from learner.engine import Engine
-from learner.settings import LearnerSettings
+from learner.game.settings import LearnerSettings
 from learner.workload import Progress, Workload
 from services.bus.nats_server import parent_death_signal
 from services.errors import InvalidArgument

@@ -2,7 +2,7 @@
 protocol a workload implements, the ``Progress`` counters the loop keeps and checkpoints, and
 the ``Envelope`` a workload reads off each message before it is decoded.
 
-Implementations: ``learner.game_workload.GameWorkload`` (PPO/A2C over rollout fragments) and
+Implementations: ``learner.game.workload.GameWorkload`` (PPO/A2C over rollout fragments) and
 ``learner.lm.workload.LMWorkload`` (GRPO family over trajectory groups).
 """
 

@@ -3,7 +3,7 @@ real processes (embedded nats-server, env-0, the DeepSpeed learner, actor-0 and 
 modest target return so it stays short. The learner trains on V-trace (its metrics report the
 importance ratios), applies every fragment once, and the run ends by reaching the target.
 
-Also: the game learner's engine (learner.game_workload.build_game_engine: learner.game clips the
+Also: the game learner's engine (learner.game.workload.build_game_engine: learner.game clips the
 gradients instead of DeepSpeed, AdamW's foreach step) trains to the same weights, bit for bit, as
 the plain DeepSpeed engine."""
 
@@ -72,10 +72,10 @@ def test_the_learners_own_clipping_gives_deepspeeds_weights_bit_for_bit(algo: st
     from bench.ppo_update_profile import fragments
     from common.policies import build_policy
     from learner.engine import build_engine
-    from learner.game import FragmentBatch, decode_fragment, update
-    from learner.game_workload import build_game_engine
+    from learner.game.settings import LearnerSettings
+    from learner.game.update import FragmentBatch, decode_fragment, update
+    from learner.game.workload import build_game_engine
     from learner.loop import seed_everything
-    from learner.settings import LearnerSettings
     from rlfleet.bus.v1 import trajectory_pb2
 
     s = LearnerSettings(algo=algo, device="cpu", fragments_per_update=2, minibatch_size=64,

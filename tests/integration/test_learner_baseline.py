@@ -17,8 +17,8 @@ from common import tensor
 from common.policies import PolicyConfig, build_policy
 from learner.algos import aggregate, entropy_loss, gae, normalize_advantages, ppo_clip, value_loss
 from learner.engine import build_engine
-from learner.game import FragmentBatch, decode_fragment, update
-from learner.settings import LearnerSettings
+from learner.game.settings import LearnerSettings
+from learner.game.update import FragmentBatch, decode_fragment, update
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
 

@@ -16,8 +16,8 @@ import torch
 
 from common.policies import PolicyConfig, build_policy
 from learner.engine import Engine, _shm_buffer_path, build_engine
-from learner.game import Fragment, FragmentBatch, update
-from learner.settings import LearnerSettings
+from learner.game.settings import LearnerSettings
+from learner.game.update import Fragment, FragmentBatch, update
 
 pytestmark = pytest.mark.slow  # DeepSpeed engines: not in `make test-fast`
 

@@ -25,7 +25,7 @@ from common.artifacts import DESCRIPTION_FILE, WEIGHTS_FILE, save_policy
 from common.policies import build_policy
 from common.policy_config import PolicyConfig
 from env_server.play import play
-from learner.game_workload import GameWorkload
+from learner.game.workload import GameWorkload
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from learner.algos import (
     ppo_clip,
     resolve_game_preset,
 )
-from learner.settings import LearnerSettings
+from learner.game.settings import LearnerSettings
 
 
 @pytest.mark.parametrize("name", ["ppo", "a2c"])

@@ -37,8 +37,8 @@ from learner.algos import (
 )
 from learner.algos.presets import builtin_game_preset, builtin_preset
 from learner.algos.registry import FAMILIES
+from learner.game.settings import check_game_algo
 from learner.lm.settings import check_preset, check_preset_name
-from learner.settings import check_game_algo
 
 
 def test_register_and_get():
@@ -235,7 +235,7 @@ def test_validating_a_run_with_builtin_presets_does_not_import_torch():
     _python(
         "import sys\n"
         "from services.cli import main\n"
-        "from learner.settings import check_game_algo\n"
+        "from learner.game.settings import check_game_algo\n"
         "assert main(['validate', 'examples/cartpole_ppo.yaml']) == 0\n"
         "assert main(['validate', 'examples/cartpole_appo.yaml']) == 0\n"
         "assert main(['validate', 'examples/grpo_arith.yaml']) == 0\n"

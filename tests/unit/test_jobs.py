@@ -228,7 +228,7 @@ def test_counts_have_upper_bounds(tmp_path: Path, knobs: str, message: str) -> N
 
 
 def test_largest_allowed_counts_still_validate() -> None:
-    from learner.jobs import MAX_ACTORS, GameJobSettings
+    from learner.game.jobs import MAX_ACTORS, GameJobSettings
 
     settings = GameJobSettings(env_id="CartPole-v1", num_actors=MAX_ACTORS, num_envs=64)
     assert settings.num_actors == MAX_ACTORS
@@ -251,7 +251,8 @@ def test_cuda_device_without_cuda_fails_validation(tmp_path: Path) -> None:
         err.value
     )
     # The learner's own settings check it too (a hand-written learner entry, no job).
-    from learner.settings import DeepSpeedSettings, LearnerSettings
+    from learner.game.settings import LearnerSettings
+    from learner.settings import DeepSpeedSettings
 
     with pytest.raises(ValueError, match="no usable CUDA device"):
         LearnerSettings(device="cuda")
@@ -263,7 +264,8 @@ def test_cuda_device_without_cuda_fails_validation(tmp_path: Path) -> None:
 def test_auto_and_cpu_devices_need_no_cuda_and_the_check_can_be_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from learner.settings import SKIP_DEVICE_CHECK_ENV, LearnerSettings
+    from learner.game.settings import LearnerSettings
+    from learner.settings import SKIP_DEVICE_CHECK_ENV
 
     for device in ("auto", "cpu"):
         body = f"run: {{name: r}}\njob:\n  kind: ppo\n  env_id: CartPole-v1\n  device: {device}\n"
@@ -274,10 +276,11 @@ def test_auto_and_cpu_devices_need_no_cuda_and_the_check_can_be_skipped(
 
 
 def test_cuda_device_validates_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.game.settings
     import learner.settings
 
     monkeypatch.setattr(learner.settings, "_cuda_available", lambda: True)
-    assert learner.settings.LearnerSettings(device="cuda").device == "cuda"
+    assert learner.game.settings.LearnerSettings(device="cuda").device == "cuda"
 
 
 # --- rewards and envs named by reference (module:name, path/to/file.py:name) -----------------
@@ -435,7 +438,7 @@ def test_serve_job_alias(tmp_path: Path) -> None:
 
 def test_aliases_point_at_real_knobs() -> None:
     from gateway.jobs import ServeJobSettings
-    from learner.jobs import GameJobSettings
+    from learner.game.jobs import GameJobSettings
     from learner.lm.jobs import LMJobSettings, RewardKnob
 
     for model in (GameJobSettings, LMJobSettings, RewardKnob, ServeJobSettings):

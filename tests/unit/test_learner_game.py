@@ -14,9 +14,9 @@ import torch
 from common import tensor
 from common.policies import PolicyConfig, build_policy
 from learner.engine import Engine, build_engine
-from learner.game import FragmentBatch, decode_fragment, prepare, update
-from learner.game_workload import build_game_engine
-from learner.settings import LearnerSettings
+from learner.game.settings import LearnerSettings
+from learner.game.update import FragmentBatch, decode_fragment, prepare, update
+from learner.game.workload import build_game_engine
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2
 from services.errors import InvalidArgument

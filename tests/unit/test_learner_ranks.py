@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
+from learner.game.settings import LearnerSettings  # noqa: E402
 from learner.ranks import Ranks  # noqa: E402
-from learner.settings import LearnerSettings  # noqa: E402
 from learner.workload import Progress  # noqa: E402
 from services.errors import InvalidArgument  # noqa: E402
 
@@ -39,7 +39,7 @@ SETTINGS = {
 
 
 def _fragments() -> list[object]:
-    from learner.game import decode_fragment
+    from learner.game.update import decode_fragment
     from tests.unit.test_learner_game import make_fragment
 
     rng = np.random.default_rng(7)
@@ -60,7 +60,7 @@ def _train(items: list[object], generator: torch.Generator, out: Path, rank: int
 
     from common.policies import PolicyConfig, build_policy
     from learner.engine import build_engine
-    from learner.game import FragmentBatch, update
+    from learner.game.update import FragmentBatch, update
 
     # The pair runs ZeRO-1 (each rank checkpoints its optimizer shard), the reference ZeRO-0.
     cfg = LearnerSettings.model_validate({**SETTINGS, "zero_stage": int(world > 1)})

@@ -18,7 +18,7 @@ The math is bench/ppo_baseline.py's (CleanRL's ``ppo.py`` with time-limit bootst
    metrics.
 
 The consumer's bookkeeping (``AppliedWindow``, ``triage``) is shared with the LM workload and
-lives in learner.consumer; the service around this (learner.game_workload) only adapts it.
+lives in learner.consumer; the service around this (learner.game.workload) only adapts it.
 
 About 500 lines: the four steps above are one pipeline, each step's checks next to the shapes it
 reads, and splitting them would spread one tensor's story over several files.
@@ -51,7 +51,7 @@ from services.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from learner.engine import Engine
-    from learner.settings import LearnerSettings
+    from learner.game.settings import LearnerSettings
 
 __all__ = [
     "Fragment",
@@ -400,7 +400,7 @@ def update(
     """One update on ``batch``: epochs x shuffled minibatches; returns CleanRL-named metrics
     (means over the minibatches run). ``lr`` sets the learning rate first (annealing).
     ``clip_grad``: clip the gradients to ``cfg.max_grad_norm`` here (``clip_grad_norm``), for an
-    engine built without DeepSpeed's clipping (``learner.game_workload.engine_settings``)."""
+    engine built without DeepSpeed's clipping (``learner.game.workload.engine_settings``)."""
     if lr is not None:
         engine.set_lr(lr)
     module: Any = engine.module

@@ -43,9 +43,10 @@ from common.policies import build_policy
 from learner.algos import constant, linear_anneal
 from learner.consumer import now
 from learner.engine import Engine, build_engine
-from learner.game import Fragment, FragmentBatch, decode_fragment, update
+from learner.game.settings import LearnerSettings
+from learner.game.update import Fragment, FragmentBatch, decode_fragment, update
 from learner.loop import LearnerLoop
-from learner.settings import DeepSpeedSettings, LearnerSettings
+from learner.settings import DeepSpeedSettings
 from learner.workload import Envelope, Progress
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject

@@ -6,7 +6,7 @@ It expands into ordinary service entries (env servers, the learner as the run's 
 actors), which the run file could also spell out by hand. With `game:` the envs are an external
 game's: the env servers host GameLink following the learner, and the game's command runs as
 `process` services that connect to them, instead of actors. Pure pydantic: importing this does not
-import torch, nor does validating ``algo`` (a built-in name: learner.settings.check_game_algo).
+import torch, nor does validating ``algo`` (a built-in name: learner.game.settings.check_game_algo).
 
 Just under 500 lines: most of it is the one settings model (every knob with its help text, which
 `rlfleet jobs ppo` prints, and the 70-line table of other tools' names for them); the actor and
@@ -20,7 +20,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from learner.settings import check_device, check_game_algo
+from learner.game.settings import check_game_algo
+from learner.settings import check_device
 from services.config import StrictModel, Switch, error_at
 from services.placement import own_cpu_for
 from services.registry import JobSpec, get_service

@@ -2,14 +2,14 @@
 DeepSpeed engine, weight versions out through WeightService and the bus.
 
 The run itself (consumer, ledger, checkpoint-then-ack, versions, GetStatus) is learner.loop's;
-what is particular to game RL is learner.game_workload's, and the math learner.game's. With
+what is particular to game RL is learner.game.workload's, and the math learner.game's. With
 several ranks (``ranks: N`` or under torchrun) rank 0 runs the loop and the others follow it
 (learner.ranks).
 """
 
 from __future__ import annotations
 
-from learner.settings import LearnerSettings
+from learner.game.settings import LearnerSettings
 from services.registry import ServiceContext, ServiceSpec
 
 __all__ = ["SPEC", "main"]
@@ -18,7 +18,7 @@ __all__ = ["SPEC", "main"]
 async def main(ctx: ServiceContext[LearnerSettings]) -> None:
     """Train until total_timesteps env steps are consumed (exit 0) or the service is stopped."""
     # Imported here, not at the top: `rlfleet up` reads this module's SPEC and needs no torch.
-    from learner.game_workload import GameWorkload
+    from learner.game.workload import GameWorkload
     from learner.loop import LearnerLoop
     from learner.ranks import Ranks, follow
 
@@ -34,7 +34,7 @@ async def main(ctx: ServiceContext[LearnerSettings]) -> None:
 def preload(settings: LearnerSettings) -> None:
     """What main imports: torch, the workload and DeepSpeed (its engine's modules)."""
     from learner.engine import preload_engine
-    from learner.game_workload import engine_settings
+    from learner.game.workload import engine_settings
     from learner.ranks import Ranks  # noqa: F401
 
     preload_engine(engine_settings(settings))
