@@ -1,7 +1,9 @@
 """Settings every learner workload shares: the DeepSpeed engine, the optimizer, the device.
 
-Pure pydantic, no torch at import: the launcher imports this to validate a run before anything
-starts.
+Also the engine knobs (``ZeroStageKnob``, ``PrecisionKnob``, ``DeviceKnob``: type, bounds, help
+and check declared once for every learner's settings and job) and ``knob``, which lets a job
+reuse a service setting's declaration with one stated difference. Pure pydantic, no torch at
+import: the launcher imports this to validate a run before anything starts.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
+from pydantic.fields import FieldInfo
 
 from services.config import StrictModel
 
@@ -19,9 +22,14 @@ __all__ = [
     "SKIP_DEVICE_CHECK_ENV",
     "DeepSpeedSettings",
     "Device",
+    "DeviceKnob",
     "OptimizerSettings",
     "Precision",
+    "PrecisionKnob",
+    "ZeroStageKnob",
     "check_device",
+    "check_precision",
+    "knob",
 ]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -53,6 +61,37 @@ def check_device(device: str) -> str:
     return device
 
 
+def check_precision(precision: Precision, device: Device) -> None:
+    """``ValueError`` for a precision the device cannot train in."""
+    if precision == "fp16" and device == "cpu":
+        raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
+
+
+# The engine knobs, each declared once for every learner's settings and job; a model gives the
+# default by assignment (``zero_stage: ZeroStageKnob = 0``), so that it stays a keyword argument
+# with a default for mypy's pydantic plugin.
+ZeroStageKnob = Annotated[
+    int,
+    Field(ge=0, le=3, description="DeepSpeed ZeRO stage of the learner (0: plain data parallel)"),
+]
+PrecisionKnob = Annotated[
+    Precision,
+    Field(description="learner training precision (bf16/fp16: mixed precision via DeepSpeed)"),
+]
+DeviceKnob = Annotated[
+    Device,
+    AfterValidator(check_device),
+    Field(description="learner device (auto: cuda when available)"),
+]
+
+
+def knob(model: type[BaseModel], name: str, **changes: Any) -> Any:
+    """The declaration of ``model``'s field ``name`` (type, bounds, help) with ``changes``, e.g.
+    ``default=256``: how a model that shares a knob states its one difference instead of
+    declaring the knob again. Typed ``Any``, like ``Field``, to stand as any field's default."""
+    return FieldInfo.merge_field_infos(model.model_fields[name], **changes)
+
+
 class OptimizerSettings(StrictModel):
     """The client torch.optim.AdamW (no FusedAdam JIT build); eps 1e-5 as CleanRL."""
 
@@ -69,18 +108,12 @@ class OptimizerSettings(StrictModel):
 class DeepSpeedSettings(StrictModel):
     """What learner.engine turns into a DeepSpeed config."""
 
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    precision: Precision = "fp32"
+    zero_stage: ZeroStageKnob = 0
+    precision: PrecisionKnob = "fp32"
     gradient_clipping: float | None = Field(default=0.5, gt=0)  # global grad-norm clip; None = off
     train_micro_batch_size: int = Field(default=128, ge=1)  # rows per backward (the minibatch)
-    device: Device = "auto"
+    device: DeviceKnob = "auto"
     # Where JIT-built ops (the CPU shared-memory comm op, 40-50 s to build once) are cached:
     # TORCH_EXTENSIONS_DIR = <cache_dir>/torch_extensions unless that variable is set already.
     # None: $RLFLEET_CACHE_DIR, else $XDG_CACHE_HOME/rlfleet, else ~/.cache/rlfleet.
     cache_dir: Path | None = None
-
-    @field_validator("device")
-    @classmethod
-    def _available_device(cls, device: Device) -> Device:
-        check_device(device)
-        return device

@@ -8,9 +8,10 @@ game's: the env servers host GameLink following the learner, and the game's comm
 `process` services that connect to them, instead of actors. Pure pydantic: importing this does not
 import torch, nor does validating ``algo`` (a built-in name: learner.game.settings.check_game_algo).
 
-Just under 500 lines: most of it is the one settings model (every knob with its help text, which
-`rlfleet jobs ppo` prints, and the 70-line table of other tools' names for them); the actor and
-the `game:` expansions share all of it.
+The training knobs are the learner's (learner.game.settings.GameTrainingKnobs, each declared
+there once with its help text, which `rlfleet jobs ppo` prints); the settings model here adds the
+knobs of the processes around it and the 70-line table of other tools' names for them, and the
+actor and the `game:` expansions share all of it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from learner.game.settings import check_game_algo
-from learner.settings import check_device
+from learner.game.settings import GameTrainingKnobs, LearnerSettings
+from learner.settings import knob
 from services.config import StrictModel, Switch, error_at
 from services.placement import own_cpu_for
 from services.registry import JobSpec, get_service
@@ -74,10 +75,13 @@ class GameSettings(StrictModel):
     )
 
 
-class GameJobSettings(StrictModel):
+class GameJobSettings(GameTrainingKnobs):
     """PPO/A2C over remote environment pools. Batch per update =
     fragments_per_update x rollout_length x num_envs transitions (with `game:`, x the agents
-    of one game link instead of num_envs)."""
+    of one game link instead of num_envs).
+
+    The training knobs (algo to seed) are the learner's own declarations (GameTrainingKnobs),
+    passed on by name; the rest say how many processes step the envs and how."""
 
     aliases: ClassVar[Mapping[str, str]] = {
         "env": "env_id",
@@ -147,17 +151,6 @@ class GameJobSettings(StrictModel):
         "mixed_precision": "use precision (fp32 | bf16 | fp16)",
     }
 
-    algo: str = Field(
-        default="ppo",
-        description="game algorithm preset (GAME_PRESETS name): ppo, a2c, or a plugin's",
-    )
-    env_id: str = Field(
-        min_length=1,
-        description="environment id the env servers host, e.g. CartPole-v1 (`rlfleet envs`)",
-    )
-    env_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments for the environment's constructor"
-    )
     env_servers: int | list[str] = Field(
         default=1,
         description="env servers to start (env-0, env-1, ...), or host:port of running ones",
@@ -189,55 +182,11 @@ class GameJobSettings(StrictModel):
         description="auto: with one learner rank and 2+ CPUs, `rlfleet up` runs the learner on "
         "a CPU of its own and every other service on the rest; off: the OS places them",
     )
-    total_timesteps: int = Field(
-        default=500_000, ge=1, description="env steps (transitions, all envs) to train for"
-    )
-    target_return: float | None = Field(
-        default=None,
-        description="stop early once the mean return of the last 20 episodes reaches this",
-    )
+    # Not the learner's knob of that name: unset, it follows num_actors (or game.instances).
     fragments_per_update: int | None = Field(
         default=None,
         ge=1,
         description="fragments (of all actors) per update; default: num_actors",
-    )
-    update_epochs: int = Field(default=4, ge=1, description="SGD passes over each batch")
-    minibatch_size: int = Field(
-        default=256,
-        ge=1,
-        description="transitions per SGD step (the batch is split into minibatches of this size)",
-    )
-    learning_rate: float = Field(default=2.5e-4, gt=0, description="optimizer (Adam) learning rate")
-    anneal_lr: bool = Field(
-        default=True, description="anneal the learning rate linearly to 0 over total_timesteps"
-    )
-    gamma: float = Field(default=0.99, ge=0, le=1, description="discount factor")
-    gae_lambda: float = Field(
-        default=0.95, ge=0, le=1, description="GAE lambda (bias/variance trade-off of advantages)"
-    )
-    clip_coef: float = Field(
-        default=0.2,
-        gt=0,
-        description="PPO ratio clip range epsilon (also clips the value loss with clip_vloss)",
-    )
-    clip_vloss: bool = Field(
-        default=True, description="clip the value loss around the old values like the policy ratio"
-    )
-    ent_coef: float = Field(default=0.01, ge=0, description="entropy bonus coefficient")
-    vf_coef: float = Field(default=0.5, ge=0, description="value loss coefficient")
-    max_grad_norm: float | None = Field(
-        default=0.5, gt=0, description="clip the global gradient norm to this (null: no clipping)"
-    )
-    norm_adv: bool = Field(default=True, description="normalize advantages per minibatch")
-    target_kl: float | None = Field(
-        default=None,
-        gt=0,
-        description="stop an update's epochs early once the approximate KL exceeds this",
-    )
-    max_policy_lag: int = Field(
-        default=1,
-        ge=0,
-        description="drop fragments more than this many policy versions old (0: on-policy only)",
     )
     hidden_sizes: tuple[int, ...] = Field(
         default=(64, 64), description="widths of the policy and value MLPs' hidden layers"
@@ -245,27 +194,7 @@ class GameJobSettings(StrictModel):
     activation: Literal["tanh", "relu"] = Field(
         default="tanh", description="hidden-layer activation"
     )
-    checkpoint_every: int = Field(
-        default=10, ge=1, description="updates between learner checkpoints"
-    )
-    zero_stage: int = Field(
-        default=0,
-        ge=0,
-        le=3,
-        description="DeepSpeed ZeRO stage of the learner (0: plain data parallel)",
-    )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32", description="learner training precision"
-    )
-    learner_ranks: int = Field(
-        default=1, ge=1, description="data-parallel DeepSpeed ranks of the learner (processes)"
-    )
-    device: Literal["cpu", "cuda", "auto"] = Field(
-        default="auto", description="learner device (auto: cuda when available); actors run on cpu"
-    )
-    seed: int = Field(
-        default=1, ge=0, description="base seed (actor i's envs get distinct seeds from it)"
-    )
+    learner_ranks: int = knob(LearnerSettings, "ranks")  # the learner's `ranks`
     restarts: int = Field(
         default=3, ge=0, description="restarts of each service before the run fails"
     )
@@ -279,16 +208,6 @@ class GameJobSettings(StrictModel):
         "stepping env_id; env_id is then the id the game declares; num_envs/num_actors do not "
         "apply (the game's agents are the envs)",
     )
-
-    @field_validator("algo")
-    @classmethod
-    def _known_algo(cls, name: str) -> str:
-        return check_game_algo(name)
-
-    @field_validator("device")
-    @classmethod
-    def _available_device(cls, device: Literal["cpu", "cuda", "auto"]) -> str:
-        return check_device(device)
 
     @field_validator("env_servers")
     @classmethod
@@ -322,12 +241,12 @@ class GameJobSettings(StrictModel):
 
     def _check_game(self) -> None:
         """With ``game:`` the game brings the envs (its agents): actor knobs do not apply."""
-        for knob in ("num_envs", "num_actors"):
-            if knob in self.model_fields_set:
+        for name in ("num_envs", "num_actors"):
+            if name in self.model_fields_set:
                 raise error_at(
-                    f"{knob} does not apply with `game:`: the game's agents are the envs (each "
+                    f"{name} does not apply with `game:`: the game's agents are the envs (each "
                     "game process declares how many it steps); remove it, or set game.instances",
-                    knob,
+                    name,
                 )
         if not isinstance(self.env_servers, int):
             raise error_at(
@@ -442,35 +361,12 @@ def expand(settings: GameJobSettings, run_name: str) -> list[dict[str, Any]]:
             entry = {"name": name, "service": "env_server", "restarts": s.restarts}
             entries.append({**entry, "settings": env})
     fragments_per_update = s.default_fragments
-    learner: dict[str, Any] = {
-        "algo": s.algo,
-        "env_id": s.env_id,
-        "env_kwargs": s.env_kwargs,
+    learner = {
+        **s.model_dump(include=set(GameTrainingKnobs.model_fields)),
         "env_servers": servers[:1],
         "policy": policy,
-        "total_timesteps": s.total_timesteps,
-        "target_return": s.target_return,
         "fragments_per_update": fragments_per_update,
-        "update_epochs": s.update_epochs,
-        "minibatch_size": s.minibatch_size,
-        "learning_rate": s.learning_rate,
-        "anneal_lr": s.anneal_lr,
-        "gamma": s.gamma,
-        "gae_lambda": s.gae_lambda,
-        "clip_coef": s.clip_coef,
-        "clip_vloss": s.clip_vloss,
-        "ent_coef": s.ent_coef,
-        "vf_coef": s.vf_coef,
-        "max_grad_norm": s.max_grad_norm,
-        "norm_adv": s.norm_adv,
-        "target_kl": s.target_kl,
-        "max_policy_lag": s.max_policy_lag,
-        "checkpoint_every": s.checkpoint_every,
-        "zero_stage": s.zero_stage,
         "ranks": s.learner_ranks,
-        "precision": s.precision,
-        "device": s.device,
-        "seed": s.seed,
     }
     entries.append(
         {"name": "learner", "service": "learner", "main": True, "restarts": s.restarts,
@@ -528,8 +424,8 @@ PPO_JOB = JobSpec(kind="ppo", settings=GameJobSettings, expand=expand)
 class A2CJobSettings(GameJobSettings):
     """A2C: the same knobs, one epoch over the whole batch by default."""
 
-    algo: str = Field(default="a2c", description="game algorithm preset (GAME_PRESETS name)")
-    update_epochs: int = Field(default=1, ge=1, description="SGD passes over each batch")
+    algo: str = knob(GameTrainingKnobs, "algo", default="a2c")
+    update_epochs: int = knob(GameTrainingKnobs, "update_epochs", default=1)
 
 
 A2C_JOB = JobSpec(kind="a2c", settings=A2CJobSettings, expand=expand)
@@ -545,7 +441,8 @@ class APPOJobSettings(GameJobSettings):
     def versions_ahead(self) -> int:
         return self.max_policy_lag
 
-    algo: str = Field(default="appo", description="game algorithm preset (GAME_PRESETS name)")
+    algo: str = knob(GameTrainingKnobs, "algo", default="appo")
+    # APPO's own knob: lagged fragments are corrected, not dropped, so the bound means more.
     max_policy_lag: int = Field(
         default=4,
         ge=1,

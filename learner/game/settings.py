@@ -3,7 +3,9 @@
 Pure pydantic, no torch at import: the launcher imports this to validate a run before anything
 starts. Validating ``algo`` reads ``learner.algos``' presets; only a name that is not built in
 (or installed plugins) loads the typed registries' functions, and torch with them.
-Defaults are CleanRL's PPO defaults for CartPole, so the system and the PPO baseline match.
+The knobs a game job sets too are declared once, in ``GameTrainingKnobs``; a hand-written
+learner entry's own defaults are CleanRL's PPO defaults for CartPole, so the system and the PPO
+baseline match.
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ from pydantic import Field, field_validator, model_validator
 from common.policy_config import PolicyConfig
 from learner.settings import (
     DeepSpeedSettings,
-    Device,
+    DeviceKnob,
     OptimizerSettings,
-    Precision,
-    check_device,
+    PrecisionKnob,
+    ZeroStageKnob,
+    check_precision,
+    knob,
 )
 from services.config import ServiceRef, StrictModel
 
 if TYPE_CHECKING:
     from learner.algos.presets import GamePreset
 
-__all__ = ["LearnerSettings", "check_game_algo"]
+__all__ = ["GameTrainingKnobs", "LearnerSettings", "check_game_algo"]
 
 
 def check_game_algo(name: str) -> str:
@@ -50,38 +54,105 @@ def check_game_algo(name: str) -> str:
     return name
 
 
-class LearnerSettings(StrictModel):
-    """The game-RL learner (PPO/A2C over rollout fragments); see docs/internals.md, "Game RL"."""
+class GameTrainingKnobs(StrictModel):
+    """The knobs a game job and the game learner share, declared here once (type, default,
+    bounds, help, checks): both models inherit them, and the job's expand copies them to the
+    learner by name. The defaults are the job's; ``LearnerSettings`` states where a hand-written
+    learner entry's differ."""
 
-    # GAME_PRESETS name (ppo, a2c, or an rlfleet.algos plugin's): the advantage estimator and the
-    # policy loss, whose hyperparameters come from the knobs below (ppo: clip_low = clip_coef).
-    algo: str = "ppo"
-    env_id: str = Field(default="CartPole-v1", min_length=1)
-    env_kwargs: dict[str, Any] = Field(default_factory=dict)  # as the actors pass them
+    algo: str = Field(
+        default="ppo",
+        description="game algorithm preset (GAME_PRESETS name): ppo, a2c, or a plugin's; its "
+        "loss takes its hyperparameters from the knobs below (ppo: clip_low = clip_coef)",
+    )
+    env_id: str = Field(
+        min_length=1,
+        description="environment id the env servers host, e.g. CartPole-v1 (`rlfleet envs`)",
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the environment's constructor"
+    )
+    total_timesteps: int = Field(
+        default=500_000, ge=1, description="env steps (transitions, all envs) to train for"
+    )
+    target_return: float | None = Field(
+        default=None,
+        description="stop early once the mean return of the last 20 episodes reaches this",
+    )
+    update_epochs: int = Field(default=4, ge=1, description="SGD passes over each batch")
+    minibatch_size: int = Field(
+        default=256,
+        ge=1,
+        description="transitions per SGD step (the batch is split into minibatches of this size)",
+    )
+    learning_rate: float = Field(default=2.5e-4, gt=0, description="optimizer (Adam) learning rate")
+    anneal_lr: bool = Field(
+        default=True, description="anneal the learning rate linearly to 0 over total_timesteps"
+    )
+    gamma: float = Field(default=0.99, ge=0, le=1, description="discount factor")
+    gae_lambda: float = Field(
+        default=0.95, ge=0, le=1, description="GAE lambda (bias/variance trade-off of advantages)"
+    )
+    clip_coef: float = Field(
+        default=0.2,
+        gt=0,
+        description="PPO ratio clip range epsilon (also clips the value loss with clip_vloss)",
+    )
+    clip_vloss: bool = Field(
+        default=True, description="clip the value loss around the old values like the policy ratio"
+    )
+    ent_coef: float = Field(default=0.01, ge=0, description="entropy bonus coefficient")
+    vf_coef: float = Field(default=0.5, ge=0, description="value loss coefficient")
+    max_grad_norm: float | None = Field(
+        default=0.5, gt=0, description="clip the global gradient norm to this (null: no clipping)"
+    )
+    norm_adv: bool = Field(default=True, description="normalize advantages per minibatch")
+    target_kl: float | None = Field(
+        default=None,
+        gt=0,
+        description="stop an update's epochs early once the approximate KL exceeds this",
+    )
+    max_policy_lag: int = Field(
+        default=1,
+        ge=0,
+        description="drop fragments more than this many policy versions old (0: on-policy only)",
+    )
+    checkpoint_every: int = Field(
+        default=10, ge=1, description="updates between learner checkpoints"
+    )
+    zero_stage: ZeroStageKnob = 0
+    precision: PrecisionKnob = "fp32"
+    device: DeviceKnob = "auto"
+    seed: int = Field(
+        default=1, ge=0, description="base seed (actor i's envs get distinct seeds from it)"
+    )
+
+    @field_validator("algo")
+    @classmethod
+    def _known_algo(cls, name: str) -> str:
+        return check_game_algo(name)
+
+    @model_validator(mode="after")
+    def _trainable_precision(self) -> GameTrainingKnobs:
+        check_precision(self.precision, self.device)
+        return self
+
+
+class LearnerSettings(GameTrainingKnobs):
+    """The game-RL learner (PPO/A2C over rollout fragments); see docs/internals.md, "Game RL".
+
+    A hand-written learner entry (no job) keeps CleanRL's PPO defaults for CartPole where the
+    job's differ: the job's batch is num_actors x num_envs x rollout_length transitions."""
+
+    env_id: str = knob(GameTrainingKnobs, "env_id", default="CartPole-v1")
+    minibatch_size: int = knob(GameTrainingKnobs, "minibatch_size", default=128)
     # Where the observation/action spaces come from: the first reachable env server (a
     # one-env session, so the spaces are exactly what the actors step, plugins and wrappers
     # included); with none listed, gymnasium.make(env_id, **env_kwargs) in this process.
     env_servers: list[ServiceRef] = Field(default_factory=list)
     spaces_timeout_s: float = Field(default=120.0, gt=0)  # wait this long for an env server
     policy: PolicyConfig = PolicyConfig()
-
-    total_timesteps: int = Field(default=500_000, ge=1)  # env steps consumed, then done
-    # Done earlier once the mean return of the last `episode_window` episodes reaches this.
-    target_return: float | None = None
-    fragments_per_update: int = Field(default=4, ge=1)
-    update_epochs: int = Field(default=4, ge=1)
-    minibatch_size: int = Field(default=128, ge=1)
-    learning_rate: float = Field(default=2.5e-4, gt=0)
-    anneal_lr: bool = True  # linear to 0 over total_timesteps (CleanRL)
-    gamma: float = Field(default=0.99, ge=0, le=1)
-    gae_lambda: float = Field(default=0.95, ge=0, le=1)
-    clip_coef: float = Field(default=0.2, gt=0)
-    clip_vloss: bool = True
-    ent_coef: float = 0.01
-    vf_coef: float = 0.5
-    max_grad_norm: float | None = Field(default=0.5, gt=0)
-    norm_adv: bool = True  # per minibatch, as CleanRL
-    target_kl: float | None = Field(default=None, gt=0)
+    fragments_per_update: int = Field(default=4, ge=1)  # a job's default: one per actor
     bootstrap_truncated: bool = True  # bootstrap time limits from final_values
     # Values for GAE and the value-clipping anchor: True recomputes V(s_t), V(s_T) and V(final
     # observation) with the learner's current critic; False uses the actor's (behaviour) values.
@@ -91,10 +162,7 @@ class LearnerSettings(StrictModel):
     # env steps at lag 1 (23.8k vs 31.0k) and 17% fewer at lag 3 (28.3k vs 34.1k). At lag 0 both
     # give the same values. Fragments without values are always recomputed.
     recompute_values: bool = True
-    # Fragments older than this many versions are dropped (acked, counted). 0 = on-policy only.
-    max_policy_lag: int = Field(default=1, ge=0)
 
-    checkpoint_every: int = Field(default=10, ge=1)  # updates between checkpoints
     keep_checkpoints: int = Field(default=2, ge=1)
     keep_versions: int = Field(default=4, ge=1)  # weight versions the WeightService keeps
     # Unacked fragments come back this long after a crash; held ones get in_progress() every
@@ -104,36 +172,22 @@ class LearnerSettings(StrictModel):
     # unapplied); a spurious redelivery is harmless (applied ids are deduplicated).
     ack_wait_s: float = Field(default=8.0, gt=0)
     applied_window: int = Field(default=100_000, ge=1)  # fragment ids remembered for dedupe
-    episode_window: int = Field(default=20, ge=1)  # episodes in charts/episodic_return
+    # Episodes in charts/episodic_return, whose mean target_return is compared with.
+    episode_window: int = Field(default=20, ge=1)
 
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    precision: Precision = "fp32"
-    device: Device = "auto"
     cache_dir: Path | None = None  # see DeepSpeedSettings.cache_dir
-    seed: int = 1
-    # Data-parallel DeepSpeed ranks (learner.ranks). >1 without a launcher's WORLD_SIZE: this
-    # process is rank 0 and starts the others on this host; under torchrun (or any launcher
-    # setting RANK/WORLD_SIZE) the launcher's world counts and this must be 1 or equal it.
-    ranks: int = Field(default=1, ge=1)
+    # >1 without a launcher's WORLD_SIZE: this process is rank 0 and starts the others on this
+    # host (learner.ranks); under torchrun (or any launcher setting RANK/WORLD_SIZE) the
+    # launcher's world counts and this must be 1 or equal it. A game job's learner_ranks.
+    ranks: int = Field(
+        default=1, ge=1, description="data-parallel DeepSpeed ranks of the learner (processes)"
+    )
     # A rank waiting this long for rank 0 (which sends a heartbeat while it waits on the bus)
     # gives up: a lost rank 0 never leaves the others hanging.
     rank_timeout_s: float = Field(default=120.0, gt=0)
 
-    @field_validator("algo")
-    @classmethod
-    def _known_algo(cls, name: str) -> str:
-        return check_game_algo(name)
-
-    @field_validator("device")
-    @classmethod
-    def _available_device(cls, device: Device) -> Device:
-        check_device(device)
-        return device
-
     @model_validator(mode="after")
     def _consistent(self) -> LearnerSettings:
-        if self.precision == "fp16" and self.device == "cpu":
-            raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
         if self.ranks > 1 and self.zero_stage == 3:
             raise ValueError("ranks > 1 needs zero_stage 0, 1 or 2 (not 3)")
         return self

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from learner.lm.settings import LoraSettings
-from learner.settings import Device, Precision
+from learner.settings import DeviceKnob, PrecisionKnob, ZeroStageKnob, check_precision
 from services.config import StrictModel
 from services.errors import ConfigError
 from services.registry import JobSpec
@@ -71,11 +71,9 @@ class DPOSettings(StrictModel):
     lora: LoraSettings | None = Field(
         default=None, description="train LoRA adapters only, merged into final/ (null: full)"
     )
-    precision: Precision = Field(
-        default="fp32", description="parameter dtype (bf16/fp16: mixed precision via DeepSpeed)"
-    )
-    zero_stage: int = Field(default=0, ge=0, le=3, description="DeepSpeed ZeRO stage")
-    device: Device = Field(default="auto", description="cpu | cuda | auto (cuda when available)")
+    precision: PrecisionKnob = "fp32"
+    zero_stage: ZeroStageKnob = 0
+    device: DeviceKnob = "auto"
     cache_dir: Path | None = Field(
         default=None, description="DeepSpeed's JIT-built ops cache (default: its own)"
     )
@@ -92,8 +90,7 @@ class DPOSettings(StrictModel):
     def _consistent(self) -> DPOSettings:
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError("label_smoothing applies to loss_type 'sigmoid' only")
-        if self.precision == "fp16" and self.device == "cpu":
-            raise ValueError("precision 'fp16' needs device 'cuda' (DeepSpeed has no CPU fp16)")
+        check_precision(self.precision, self.device)
         return self
 
 
@@ -144,7 +141,7 @@ class DPOJobSettings(DPOSettings):
 
 def expand(settings: DPOJobSettings, run_name: str) -> list[dict[str, Any]]:
     """One service: the DPO learner, main (the run ends when it does)."""
-    learner = settings.model_dump(mode="json", exclude={"init_model", "restarts"})
+    learner = settings.model_dump(mode="json", include=set(DPOSettings.model_fields))
     return [
         {
             "name": "dpo",

@@ -7,8 +7,9 @@ main service), samplers (vLLM engines following the learner's versions) and roll
 ``model_path`` does not exist yet. Pure pydantic: importing this does not import torch; validating
 the preset and its ``algo`` overrides imports ``learner.algos`` (the typed registries), lazily.
 
-About 450 lines, most of them the knobs themselves: every field carries its description (what
-`rlfleet jobs grpo` prints) and the alias table maps other tools' names to them.
+The training knobs are the learner's (learner.lm.settings.LMTrainingKnobs, each declared there
+once with its description, which `rlfleet jobs grpo` prints); the settings model here adds the
+samplers', drivers', SFT's and evaluation's knobs and the table of other tools' names for them.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from learner.lm.settings import check_micro_batch_size, check_preset
-from services.config import StrictModel, Switch, unknown_key
+from learner.lm.settings import EvalSettings, LMTrainingKnobs, SFTSettings
+from learner.settings import knob
+from services.config import StrictModel, Switch
 from services.placement import own_cpu_for
 from services.references import is_reference
 from services.registry import JobSpec, get_service
@@ -93,20 +95,12 @@ def _check_reward(settings: dict[str, Any]) -> None:
         raise ValueError(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
 
 
-# Names of other tools for preset fields, inside `algo: {...}`.
-_ALGO_ALIASES = {
-    "beta": "kl_beta",
-    "kl_coef": "kl_beta",
-    "kl_coeff": "kl_beta",
-    "epsilon": "use loss_kwargs: {clip_low: ...} (the ratio clip range)",
-    "epsilon_high": "use loss_kwargs: {clip_high: ...}",
-    "entropy_coeff": "entropy_coef",
-    "dynamic_sample": "dynamic_sampling",
-}
+class LMJobSettings(LMTrainingKnobs):
+    """GRPO-family RL of a causal LM on a prompt dataset, warm-started by SFT.
 
-
-class LMJobSettings(StrictModel):
-    """GRPO-family RL of a causal LM on a prompt dataset, warm-started by SFT."""
+    The training knobs (preset to seed) are the learner's own declarations (LMTrainingKnobs),
+    passed on by name; the rest are the samplers', the rollout drivers', SFT's and
+    evaluation's."""
 
     aliases: ClassVar[Mapping[str, str]] = {
         "beta": "use algo: {kl_beta: ...} (TRL/ms-swift's beta is the KL coefficient)",
@@ -188,16 +182,8 @@ class LMJobSettings(StrictModel):
         "tis_cap": "use algo: {tis_cap: ...} (a preset field)",
     }
 
-    preset: str = Field(default="grpo", description="algorithm preset; set by the job kind")
-    algo: dict[str, Any] = Field(
-        default_factory=dict,
-        description="preset field overrides (learner.algos.presets.Preset fields), e.g. "
-        "{kl_beta: 0.04, loss_kwargs: {clip_high: 0.28}}",
-    )
-    model_path: Path = Field(
-        default=Path("runs/models/tiny-arith"),
-        description="Hugging Face model folder the learner trains and samplers serve",
-    )
+    # A default the learner has not: the folder init-model fills when it is missing.
+    model_path: Path = knob(LMTrainingKnobs, "model_path", default=Path("runs/models/tiny-arith"))
     init_model: Literal["tiny", "small", "base100m"] | None = Field(
         default="tiny",
         description="size of the model init-model creates at model_path when missing (null: never)",
@@ -223,42 +209,17 @@ class LMJobSettings(StrictModel):
     temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling probability mass")
     stop: list[str] = Field(default_factory=list, description="strings that end a completion")
-    groups_per_update: int = Field(
-        default=8,
-        ge=1,
-        description="prompt groups per update (after filters); batch = it x group_size completions",
-    )
-    total_updates: int = Field(
-        default=100, ge=1, description="learner updates (optimizer phases) to train for"
-    )
-    learning_rate: float = Field(default=1e-4, gt=0, description="RL optimizer learning rate")
-    epochs: int = Field(default=1, ge=1, description="passes over each update's batch")
-    minibatch_size: int = Field(
-        default=64, ge=1, description="sequences (completions) per optimizer step"
-    )
-    micro_batch_size: int | None = Field(
-        default=None,
-        ge=1,
-        description="sequences per forward/backward pass, at most minibatch_size: gradients "
-        "accumulate into one optimizer step per minibatch, same loss, less activation memory "
-        "(null: the whole minibatch)",
-    )
-    max_policy_lag: int = Field(
-        default=1,
-        ge=0,
-        description="drop groups sampled more than this many versions ago (0: on-policy only)",
-    )
-    sft_steps: int = Field(
-        default=200, ge=0, description="supervised warm-start steps before RL (0: no SFT)"
-    )
-    sft_batch_size: int = Field(default=32, ge=1, description="examples per SFT step")
-    sft_learning_rate: float = Field(default=1e-3, gt=0, description="SFT learning rate")
+    # The learner's `sft:` and `eval:` settings, flattened; eval_count is the job's own, as 0
+    # leaves `eval:` out.
+    sft_steps: int = knob(SFTSettings, "steps")
+    sft_batch_size: int = knob(SFTSettings, "batch_size")
+    sft_learning_rate: float = knob(SFTSettings, "learning_rate")
     eval_count: int = Field(
         default=200,
         ge=0,
         description="held-out prompts of each greedy evaluation (0: no evaluation)",
     )
-    eval_every: int = Field(default=10, ge=1, description="updates between evaluations")
+    eval_every: int = knob(EvalSettings, "every")
     num_samplers: int = Field(
         default=1,
         ge=1,
@@ -284,52 +245,12 @@ class LMJobSettings(StrictModel):
     sampler: dict[str, Any] = Field(
         default_factory=dict, description="extra sampler settings, passed to every sampler"
     )
-    lora: dict[str, Any] | None = Field(
-        default=None,
-        description="LoRA adapters {r, alpha, dropout, target_modules} (null: full fine-tuning)",
-    )
-    checkpoint_every: int = Field(
-        default=10, ge=1, description="updates between learner checkpoints"
-    )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32", description="learner training precision"
-    )
-    zero_stage: int = Field(
-        default=0,
-        ge=0,
-        le=3,
-        description="DeepSpeed ZeRO stage of the learner (0: plain data parallel)",
-    )
-    device: Literal["cpu", "cuda", "auto"] = Field(
-        default="auto", description="learner device (auto: cuda when available)"
-    )
-    seed: int = Field(default=1, ge=0, description="base seed (sampler i's engine gets seed + i)")
     restarts: int = Field(
         default=2, ge=0, description="restarts of each service before the run fails"
     )
 
-    @field_validator("algo")
-    @classmethod
-    def _valid_overrides(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if "preset" not in info.data:  # the preset name failed already
-            return overrides
-        from learner.algos.presets import Preset
-
-        for key in overrides:  # reported at job.algo.<key>'s own line
-            if key not in Preset.model_fields:
-                raise unknown_key(key, list(Preset.model_fields), _ALGO_ALIASES)
-        return check_preset(info.data["preset"], overrides)
-
-    @field_validator("micro_batch_size")
-    @classmethod
-    def _splits_minibatch(cls, size: int | None, info: ValidationInfo) -> int | None:
-        return check_micro_batch_size(size, info.data.get("minibatch_size"))
-
     @model_validator(mode="after")
-    def _check(self) -> LMJobSettings:
-        from learner.lm.settings import LMLearnerSettings
-
-        LMLearnerSettings.model_validate(_learner(self))  # preset and overrides, early
+    def _model_known(self) -> LMJobSettings:
         if not self.model_path.exists() and self.init_model is None:
             raise ValueError(f"model_path {self.model_path} does not exist and init_model is null")
         return self
@@ -351,24 +272,7 @@ def _resolved(s: LMJobSettings) -> Preset:
 
 
 def _learner(s: LMJobSettings) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "model_path": str(s.model_path),
-        "preset": s.preset,
-        "algo": s.algo,
-        "groups_per_update": s.groups_per_update,
-        "epochs": s.epochs,
-        "minibatch_size": s.minibatch_size,
-        "micro_batch_size": s.micro_batch_size,
-        "learning_rate": s.learning_rate,
-        "total_updates": s.total_updates,
-        "max_policy_lag": s.max_policy_lag,
-        "lora": s.lora,
-        "checkpoint_every": s.checkpoint_every,
-        "precision": s.precision,
-        "zero_stage": s.zero_stage,
-        "device": s.device,
-        "seed": s.seed,
-    }
+    data = s.model_dump(include=set(LMTrainingKnobs.model_fields))
     if s.sft_steps:
         data["sft"] = {
             "dataset": s.dataset,

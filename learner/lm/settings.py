@@ -3,7 +3,8 @@
 Pure pydantic (no torch at import): the launcher validates a run with this before anything
 starts. The algorithm is a named preset (``learner.algos.presets``) plus overrides, checked at
 validation against the typed registries (imported then), so a name of the wrong family (``gae``
-as the advantage of a GRPO preset) fails here, naming the field.
+as the advantage of a GRPO preset) fails here, naming the field. The knobs an LM job sets too
+are declared once, in ``LMTrainingKnobs``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from learner.settings import Device, Precision
-from services.config import ServiceRef, StrictModel
+from learner.settings import DeviceKnob, PrecisionKnob, ZeroStageKnob, check_precision
+from services.config import ServiceRef, StrictModel, unknown_key
 
 __all__ = [
+    "ALGO_ALIASES",
     "EvalSettings",
     "LMLearnerSettings",
+    "LMTrainingKnobs",
     "LoraSettings",
     "SFTSettings",
     "check_micro_batch_size",
@@ -70,10 +73,13 @@ def check_preset(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
 class LoraSettings(StrictModel):
     """peft LoRA adapters on the attention and MLP projections."""
 
-    r: int = Field(default=8, ge=1)
-    alpha: float = Field(default=16.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
+    r: int = Field(default=8, ge=1, description="rank of the adapters")
+    alpha: float = Field(
+        default=16.0, gt=0, description="scale: updates are multiplied by alpha / r"
+    )
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: list[str] = Field(
+        description="module names that get adapters",
         default_factory=lambda: [
             "q_proj",
             "k_proj",
@@ -82,7 +88,7 @@ class LoraSettings(StrictModel):
             "gate_proj",
             "up_proj",
             "down_proj",
-        ]
+        ],
     )
 
 
@@ -90,9 +96,11 @@ class SFTSettings(StrictModel):
     """Supervised warm start on the dataset's expert solutions, before the first version."""
 
     dataset: dict[str, Any] = Field(default_factory=lambda: {"generator": "arith"})
-    steps: int = Field(default=200, ge=0)  # optimizer steps; 0 = no SFT
-    batch_size: int = Field(default=32, ge=1)
-    learning_rate: float = Field(default=1e-3, gt=0)
+    steps: int = Field(
+        default=200, ge=0, description="supervised warm-start steps before RL (0: no SFT)"
+    )
+    batch_size: int = Field(default=32, ge=1, description="examples per SFT step")
+    learning_rate: float = Field(default=1e-3, gt=0, description="SFT learning rate")
 
 
 class EvalSettings(StrictModel):
@@ -102,48 +110,81 @@ class EvalSettings(StrictModel):
     dataset: dict[str, Any] = Field(default_factory=lambda: {"generator": "arith"})
     split: str = "eval"
     count: int = Field(default=200, ge=1)
-    every: int = Field(default=10, ge=1)  # updates between evaluations
+    every: int = Field(default=10, ge=1, description="updates between evaluations")
     max_tokens: int = Field(default=16, ge=1)
     reward: str = "accuracy"  # reward function whose mean is the accuracy
     batch_size: int = Field(default=64, ge=1)
 
 
-class LMLearnerSettings(StrictModel):
-    """The language-model learner (GRPO family); see docs/internals.md, "Language-model RL"."""
+# Other tools' names for preset fields, inside `algo: {...}`.
+ALGO_ALIASES = {
+    "beta": "kl_beta",
+    "kl_coef": "kl_beta",
+    "kl_coeff": "kl_beta",
+    "epsilon": "use loss_kwargs: {clip_low: ...} (the ratio clip range)",
+    "epsilon_high": "use loss_kwargs: {clip_high: ...}",
+    "entropy_coeff": "entropy_coef",
+    "dynamic_sample": "dynamic_sampling",
+}
 
-    model_path: Path  # Hugging Face folder (`rlfleet init-model` makes one)
-    preset: str = "grpo"  # PRESETS name: grpo, dapo, dr_grpo, gspo, sapo, cispo, rloo, ...
-    # Preset field overrides, e.g. {kl_beta: 0.0, loss_kwargs: {clip_high: 0.3}}; validated
-    # with the preset (after it: fields validate in order).
-    algo: dict[str, Any] = Field(default_factory=dict, validate_default=True)
-    groups_per_update: int = Field(default=8, ge=1)  # prompts (groups) per update, after filters
-    epochs: int = Field(default=1, ge=1)  # passes over each batch
-    minibatch_size: int = Field(default=64, ge=1)  # sequences per optimizer step
-    # Sequences per forward/backward pass: a minibatch's micro-batches accumulate gradients into
-    # its one optimizer step, with the same loss; peak activation memory follows this. None: the
-    # whole minibatch at once. At most minibatch_size.
-    micro_batch_size: int | None = Field(default=None, ge=1)
-    learning_rate: float = Field(default=1e-4, gt=0)
-    max_grad_norm: float | None = Field(default=1.0, gt=0)
-    total_updates: int = Field(default=100, ge=1)
-    # Groups sampled by a version older than this many versions are dropped. 0 = on-policy only.
-    # How the older ones kept are corrected: the preset's old_logp (algo: {old_logp: ...}).
-    max_policy_lag: int = Field(default=1, ge=0)
-    lora: LoraSettings | None = None
-    sft: SFTSettings | None = None
-    eval: EvalSettings | None = None
-    reward_service: ServiceRef | None = None  # scores evaluations; required with eval
 
-    checkpoint_every: int = Field(default=10, ge=1)
-    keep_checkpoints: int = Field(default=2, ge=1)
-    keep_versions: int = Field(default=4, ge=1)
-    ack_wait_s: float = Field(default=20.0, gt=0)  # as the game learner's; LM updates are slower
-    applied_window: int = Field(default=100_000, ge=1)
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    precision: Precision = "fp32"
-    device: Device = "auto"
-    cache_dir: Path | None = None
-    seed: int = 1
+class LMTrainingKnobs(StrictModel):
+    """The knobs an LM job and the LM learner share, declared here once (type, default, bounds,
+    help, checks): both models inherit them, and the job's expand copies them to the learner by
+    name."""
+
+    preset: str = Field(
+        default="grpo",
+        description="algorithm preset (PRESETS name: grpo, dapo, dr_grpo, gspo, sapo, cispo, "
+        "rloo, ...); a job's kind sets it",
+    )
+    # Validated with the preset (after it: fields validate in order).
+    algo: dict[str, Any] = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="preset field overrides (learner.algos.presets.Preset fields), e.g. "
+        "{kl_beta: 0.04, loss_kwargs: {clip_high: 0.28}}",
+    )
+    model_path: Path = Field(
+        description="Hugging Face model folder the learner trains and samplers serve "
+        "(`rlfleet init-model` makes one)"
+    )
+    groups_per_update: int = Field(
+        default=8,
+        ge=1,
+        description="prompt groups per update (after filters); batch = it x group_size completions",
+    )
+    total_updates: int = Field(
+        default=100, ge=1, description="learner updates (optimizer phases) to train for"
+    )
+    learning_rate: float = Field(default=1e-4, gt=0, description="RL optimizer learning rate")
+    epochs: int = Field(default=1, ge=1, description="passes over each update's batch")
+    minibatch_size: int = Field(
+        default=64, ge=1, description="sequences (completions) per optimizer step"
+    )
+    micro_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="sequences per forward/backward pass, at most minibatch_size: gradients "
+        "accumulate into one optimizer step per minibatch, same loss, less activation memory "
+        "(null: the whole minibatch)",
+    )
+    # How the older groups kept are corrected: the preset's old_logp (algo: {old_logp: ...}).
+    max_policy_lag: int = Field(
+        default=1,
+        ge=0,
+        description="drop groups sampled more than this many versions ago (0: on-policy only)",
+    )
+    lora: LoraSettings | None = Field(
+        default=None, description="LoRA adapters (null: full fine-tuning)"
+    )
+    checkpoint_every: int = Field(
+        default=10, ge=1, description="updates between learner checkpoints"
+    )
+    zero_stage: ZeroStageKnob = 0
+    precision: PrecisionKnob = "fp32"
+    device: DeviceKnob = "auto"
+    seed: int = Field(default=1, ge=0, description="base seed (sampler i's engine gets seed + i)")
 
     @field_validator("preset")
     @classmethod
@@ -155,12 +196,37 @@ class LMLearnerSettings(StrictModel):
     def _valid_overrides(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "preset" not in info.data:  # the preset name failed already
             return overrides
+        from learner.algos.presets import Preset
+
+        for key in overrides:  # reported at algo.<key>'s own line
+            if key not in Preset.model_fields:
+                raise unknown_key(key, list(Preset.model_fields), ALGO_ALIASES)
         return check_preset(info.data["preset"], overrides)
 
     @field_validator("micro_batch_size")
     @classmethod
     def _splits_minibatch(cls, size: int | None, info: ValidationInfo) -> int | None:
         return check_micro_batch_size(size, info.data.get("minibatch_size"))
+
+    @model_validator(mode="after")
+    def _trainable_precision(self) -> LMTrainingKnobs:
+        check_precision(self.precision, self.device)
+        return self
+
+
+class LMLearnerSettings(LMTrainingKnobs):
+    """The language-model learner (GRPO family); see docs/internals.md, "Language-model RL"."""
+
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    sft: SFTSettings | None = None
+    eval: EvalSettings | None = None
+    reward_service: ServiceRef | None = None  # scores evaluations; required with eval
+
+    keep_checkpoints: int = Field(default=2, ge=1)
+    keep_versions: int = Field(default=4, ge=1)
+    ack_wait_s: float = Field(default=20.0, gt=0)  # as the game learner's; LM updates are slower
+    applied_window: int = Field(default=100_000, ge=1)
+    cache_dir: Path | None = None  # see DeepSpeedSettings.cache_dir
 
     @model_validator(mode="after")
     def _consistent(self) -> LMLearnerSettings:
