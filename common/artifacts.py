@@ -20,9 +20,6 @@ else the run's ``config.yaml`` with the spaces of a local ``gymnasium.make``.
 constructor actors and learner use); ``LoadedPolicy.predict(obs)`` (one observation or a batch)
 is the way to use a trained policy from Python. `rlfleet play` (env_server/play.py) runs it in
 local envs. Module import is cheap (stdlib only); torch loads when a policy is saved or loaded.
-
-About 460 lines because the one artifact has several sources (final/, a stopped run's final/,
-a checkpoint tag, a run dir, a run config) that must resolve and fail the same way.
 """
 
 from __future__ import annotations
@@ -281,9 +278,9 @@ class LoadedPolicy:
 
 
 def _action(net: Any, x: Any, deterministic: bool, generator: Any) -> Any:
-    """``ActorCritic.evaluate``'s action without its log-prob, entropy and value (three times
-    faster at batch 1): the actor head read as the same distributions, Categorical logits per
-    action dimension or Normal(mean, exp(log_std))."""
+    """``ActorCritic.evaluate``'s action without its log-prob, entropy and value (work a
+    policy being played does not need): the actor head read as the same distributions,
+    Categorical logits per action dimension or Normal(mean, exp(log_std))."""
     import torch
 
     out = net.actor(net.trunk(x if x.dtype == torch.uint8 else x.float()))

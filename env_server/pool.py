@@ -4,11 +4,8 @@ This is a lean loop rather than `gymnasium.vector.SyncVectorEnv`, with the same 
 for step (seeds seed+i, autoreset modes, the order of reset calls; tests/contract compare the two
 on CartPole), and it gives what the servicer needs and SyncVectorEnv does not: episode return and
 length per env, final observations as one batch, resetting a subset of envs with seed + i, and a
-clean error (not an assert) when a DISABLED-mode env is stepped past its end. With 64 envs it is
-a little faster (a 64-env CartPole-v1 step on the 2-core build machine, 10th percentile of 80
-bursts, actions validated as the server does: 541-592 us against SyncVectorEnv's 578-617 us;
-before observations were stacked with one concatenate and final observations written row by row,
-566-618 us); with one env slower (24 us against 17 us: its bookkeeping is per step, not per env).
+clean error (not an assert) when a DISABLED-mode env is stepped past its end. Its bookkeeping is
+per step, not per env, so it pays off with many envs and costs a little with one.
 
 Not thread-safe: one session drives one pool, one request at a time.
 """
@@ -326,8 +323,8 @@ def _stack(
         return out
     shape = space.shape
     if shape and out.flags.c_contiguous and _shapes(rows) == {shape}:
-        # The rows end to end: np.stack without its per-row expand_dims, which took 3x as long
-        # as the copy itself for 64 CartPole observations (22 us against 7).
+        # The rows end to end: np.stack without its per-row expand_dims, which costs more than
+        # the copy itself for small observations.
         np.concatenate(rows, out=out.reshape(-1, *shape[1:]), casting="unsafe")
         return out
     return np.stack(rows, out=out, casting="unsafe")

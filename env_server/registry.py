@@ -119,7 +119,7 @@ def _spec_of(value: Any, registry: dict[str, Any]) -> Any:
 @functools.cache
 def _unavailable(entry_point: Any) -> str | None:
     """Why a gymnasium entry point cannot be loaded here (a missing extra such as MuJoCo, Box2D
-    or jax), or None. Importing its module is the check; about 30 ms for the whole registry."""
+    or jax), or None. Importing its module is the check (cached, so once per entry point)."""
     if entry_point is None:
         return "no entry point"
     if not isinstance(entry_point, str):

@@ -39,7 +39,7 @@ class EnvServerSettings(StrictModel):
     colocated_max_bytes: int = Field(default=1 << 30, ge=1 << 20)
     # After answering a ring step, poll every ring for the next one until this long
     # (microseconds) passes without one, before sleeping: no wake-up per step, at the cost of a
-    # busy core, and gRPC requests wait up to 10 ms. Where cores are spare; 0 (off) by default.
+    # busy core, and gRPC requests wait while it polls. Where cores are spare; 0 (off) by default.
     colocated_busy_poll_us: int = Field(default=0, ge=0, le=10_000)
     # Env ids created once at start so a typo or a missing package fails the start, not a run.
     # References ("module:Name", "path/to/file.py:Name", relative to the current directory; a

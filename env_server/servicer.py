@@ -11,13 +11,8 @@ Inputs are bounded before any work is done: env indices (at most N, each once, i
 (>= 0), the autoreset and render modes (known values), Struct kwargs/options (finite numbers),
 and render output (frames must fit the server's message limit).
 
-Stepping runs on the event loop thread, not in `asyncio.to_thread`. Measured on the 2-core build
-machine (shared, so noisy), CartPole-v1, one client process per session, 4 s each, two runs:
-- one 64-env session: inline 16.5k-21.1k steps/s, to_thread 13.0k-13.1k;
-- two 64-env sessions at once: inline 20.7k-24.7k steps/s in total, to_thread 17.6k-21.7k;
-- a 1-env session next to a 256-env one: its p50 latency 5.8-7.8 ms inline, 2.4-6.8 ms with
-  to_thread, while the 256-env session lost 7-27% of its throughput.
-CartPole's step is pure Python holding the GIL, so a thread adds a hand-off per message and buys
+Stepping runs on the event loop thread, not in `asyncio.to_thread`: a step such as CartPole's is
+pure Python holding the GIL, so a thread adds a hand-off per message and buys
 no parallelism; other sessions wait at most one message's stepping either way. Creating and
 closing pools, which can take seconds (pygame, sprites), do go to a thread. So do the steps of a
 co-located ring, on the server's ring thread, which sleeps on the rings' doorbells (env_server/

@@ -60,9 +60,8 @@ async def main(ctx: ServiceContext[GatewaySettings]) -> None:
 
 def freeze_heap() -> None:
     """Move what start-up allocated (modules, FastAPI, pydantic, gRPC) out of the collector's
-    reach, as vLLM's engine does: a full collection over that heap stalled every open stream
-    for 80-150 ms (measured in the gateway during bench/gateway.py), one or two per
-    benchmark level; afterwards a full collection scans only what serving allocated."""
+    reach, as vLLM's engine does: a full collection over that heap stalls every open stream;
+    afterwards a full collection scans only what serving allocated."""
     gc.collect()
     gc.freeze()
 

@@ -30,10 +30,6 @@ stop or stall the server that runs it:
 
 Beyond what threads can guard against: a function calling ``os._exit``, crashing the
 interpreter, or holding the GIL in C code for long. Only a separate process would contain those.
-
-About 580 lines: isolation (worker threads, per-function loops, deadlines, stuck-call accounting)
-and the in-band status of every item are one mechanism; splitting it would separate the
-deadline logic from the statuses it must produce.
 """
 
 from __future__ import annotations

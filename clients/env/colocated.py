@@ -46,7 +46,7 @@ SEGMENT_PREFIX = "rlfleet-env-"  # /dev/shm names, so a leak would be easy to sp
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid (Linux struct ucred)
 # Steps answered within their busy-poll or blocking time never let the event loop run: after
 # this long without, a step yields to it once, so other tasks (publishing, heartbeats, timers)
-# wait at most about this long. A yield costs a few microseconds: every few 64-env steps.
+# wait at most about this long. A yield is cheap next to a step, so this costs little.
 _MAX_BLOCKED_S = 0.002
 
 
@@ -187,8 +187,7 @@ class ClientRing:
         """The answer if it comes within the blocking time (b"" once the ring is closed),
         waited for in the kernel rather than in the event loop: a lock-step caller has nothing
         else to do meanwhile, and the event loop's round (epoll, the reader, a future, the
-        task's wake-up) cost 64-env CartPole steps 5-11% of their rate on the 2-core build
-        machine."""
+        task's wake-up) is a cost on every step (docs/colocated.md)."""
         assert self._conn is not None
         try:
             if not self._blocker.poll(self._block_ms):

@@ -14,9 +14,9 @@ bytes) followed by that many bytes of a serialized google.rpc.Status when the st
 
 Busy polling (`busy_poll_us`, off by default): a side that expects the next packet soon polls the
 doorbell with non-blocking reads for up to that long before it goes back to sleeping in the
-event loop. Waking a sleeping process costs each side a scheduler wake-up (on the 2-core build
-machine, a VM, about a tenth of a 64-env CartPole step); a peer that is already running needs
-none. It trades a core's idle time for latency: use it only where cores are spare.
+event loop. Waking a sleeping process costs each side a scheduler wake-up, a sizeable part of a
+cheap step; a peer that is already running needs none. It trades a core's idle time for
+latency: use it only where cores are spare.
 """
 
 from __future__ import annotations

@@ -10,14 +10,13 @@ protos/rlfleet/learner/v1/weights.proto:
 - chunks are at most 2 MiB, never span two tensors, and carry a CRC-32; each tensor's SHA-256 is
   in the manifest; a dropped stream resumes from the first byte not yet verified.
 
-Hot path (bench/weight_sync.py): protobuf costs extra copies per 2 MiB chunk (building a
-message copies ``data``, serializing copies it again, reading ``.data`` once more); building and
-serializing alone took about 3 ms per chunk on the build machine, as long as gRPC took to carry
-it. Chunks therefore travel as hand-encoded wire bytes (``encode_chunk``, byte-identical to
-``SerializeToString``) and are read back as memoryview slices (``parse_chunk``); other clients
-see ordinary FetchWeightsResponse messages. CRC-32 and the copy into place run in one worker
-thread while a second one hashes the same chunk (zlib, numpy and hashlib release the GIL), all
-overlapping the next chunk's arrival.
+Hot path (bench/transport/weight_sync.py): protobuf costs extra copies per chunk (building a
+message copies ``data``, serializing copies it again, reading ``.data`` once more), which cost
+about as much as gRPC's carrying it. Chunks therefore travel as hand-encoded wire bytes
+(``encode_chunk``, byte-identical to ``SerializeToString``) and are read back as memoryview
+slices (``parse_chunk``); other clients see ordinary FetchWeightsResponse messages. CRC-32 and
+the copy into place run in one worker thread while a second one hashes the same chunk (zlib,
+numpy and hashlib release the GIL), all overlapping the next chunk's arrival.
 Buffers come from ``new_buffer``, never bytearray(n), whose zero-fill is a whole extra pass.
 
 torch is imported lazily: common/ is installed on hosts without it (env servers).

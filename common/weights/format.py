@@ -32,7 +32,7 @@ FORMAT = "rlfleet-weights/1"  # first token of the canonical manifest text
 
 # Below this, malloc's free lists usually hold the memory already: no faults to save.
 POPULATE_BYTES = 16 << 20
-# Below this many bytes a thread hand-off (about 50-100 us) costs more than hashing inline.
+# Below this many bytes a thread hand-off costs more than hashing inline.
 INLINE_BYTES = 256 << 10
 
 if sys.byteorder != "little":  # the stream is little-endian and tensors are copied as raw bytes
@@ -78,9 +78,7 @@ def new_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of ``nbytes`` for a version's stream.
 
     Big ones are pre-faulted by one mmap(MAP_POPULATE) call (Linux): faulting a fresh buffer in
-    4 KiB pages while copying into it costs several times the copy itself. For 400 MB on the
-    build machine, allocating and copying took 0.24-0.28 s of CPU this way against 0.28-0.34 s
-    with torch.empty (the copy alone into touched memory: 0.07 s).
+    4 KiB pages while copying into it costs several times the copy itself.
     """
     import torch
 
@@ -171,8 +169,8 @@ def build_manifest(
     while later tensors are still being copied (hashlib and torch's copy both release the GIL).
 
     ``allocate(nbytes)`` supplies the buffer (a CPU uint8 tensor of ``nbytes``), e.g. one an
-    evicted version no longer needs: touching fresh memory costs page faults that measured
-    several times the copy itself (0.4 s versus 0.07 s for 400 MB on the build machine).
+    evicted version no longer needs: touching fresh memory costs page faults, several times
+    the copy itself.
     """
     import torch
 

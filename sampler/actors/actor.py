@@ -268,7 +268,7 @@ class GameActor:
             await self._publishing
         self._publishing = asyncio.create_task(self._send(fragment))
         # Let it start now: steps answered without the event loop (colocated_block_us) would
-        # run it only at their next yield, up to 2 ms later.
+        # run it only at their next yield.
         await asyncio.sleep(0)
 
     async def _send(self, fragment: Any) -> None:

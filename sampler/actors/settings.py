@@ -59,15 +59,14 @@ class GameActorSettings(StrictModel):
     # the same name where cores are spare (docs/colocated.md); 0 (off) by default.
     colocated_busy_poll_us: int = Field(default=0, ge=0, le=10_000)
     # Then wait for it up to this long (microseconds) asleep in the kernel, the event loop
-    # blocked, rather than in the event loop: on the 2-core build machine 5-11% more steps/s
-    # for 64 CartPole envs (docs/colocated.md). Only where it cannot serialize anything: one
+    # blocked, rather than in the event loop, which saves the loop's round per step
+    # (docs/colocated.md). Only where it cannot serialize anything: one
     # env server and double_buffer off (else its sessions' steps are awaited together).
     colocated_block_us: int = Field(default=10_000, ge=0, le=1_000_000)
     # Double-buffered sampling (sampler/actors/sampling.py): two sessions per env server, one
     # half of the envs stepping while the policy infers on the other; needs 2+ envs per server.
-    # Off by default: it pays only where cores are spare or the policy is heavy (on the loaded
-    # 2-core build machine: 0.6-0.86x for CartPole's MLP, 1.16-1.23x co-located for Atari's
-    # CNN at 8-16 envs; bench/actor_throughput.py, docs/internals.md).
+    # Off by default: it pays only where cores are spare or the policy is heavy, as for Atari's
+    # CNN and not CartPole's MLP (bench/results/actor_throughput*.json).
     double_buffer: Annotated[Literal["on", "off"], Switch] = "off"
     weights_timeout_s: float = Field(default=600.0, gt=0)  # wait this long for the first version
 

@@ -8,7 +8,7 @@ stop strings, the request's deadline) with generate's own eos list left empty, s
 and the finish reasons mean exactly what they mean for vLLM. One generation runs at a time, in
 a worker thread (transformers is synchronous). The prompts of one request (with the same token
 limit) are one generate call, left-padded: on a small model generate's per-token overhead, not
-the arithmetic, is the cost, so 16 prompts one after the other cost nearly 16 times one batch;
+the arithmetic, is the cost, so prompts one after the other cost nearly one batch each;
 requests are not batched with each other. `stream`
 sends each completion as one final Delta when its generation ends (correct, not incremental);
 closing the stream early stops the generation at its next token.

@@ -48,7 +48,7 @@ _MIN_BATCHED_TOKENS = 2048
 
 
 async def create(config: EngineConfig) -> VllmEngine:
-    """Start vLLM (15-60 s on CPU). Built in a thread so the event loop keeps answering health
+    """Start vLLM (slow on CPU). Built in a thread so the event loop keeps answering health
     checks and GetInfo meanwhile; the engine's output task starts on the first request."""
     return await asyncio.to_thread(VllmEngine, config)
 
@@ -204,7 +204,7 @@ class VllmEngine:
         if self.tied and _LM_HEAD not in tensors and embed is not None:
             # Exports drop a tied lm_head.weight (it is the embedding), but vLLM's CPU reload
             # then leaves the output layer's repacked copy stale: a new version's logits would
-            # come from the old embedding (measured: greedy tokens differ from transformers).
+            # come from the old embedding (greedy tokens would differ from transformers').
             # Passing the embedding under the head's name reprocesses it.
             tensors[_LM_HEAD] = embed
         items = [_raw(name, t) for name, t in tensors.items()]

@@ -2,11 +2,11 @@
 weight versions when it has a learner.
 
 Start-up order: the gRPC server first (health NOT_SERVING, GetInfo answers, Generate is
-UNAVAILABLE), then the engine (15-60 s for vLLM on CPU), then a warm-up generation on the model
-folder's weights (a fresh engine's first requests take 17-48 s on CPU: vLLM compiles its
-sampling kernels, into a compile cache shared by runs: compile_cache_root; 4 s once cached)
-while the learner's current version is fetched, when following the run; that version is loaded
-last (a reload takes milliseconds and keeps the warm-up's kernels); only then SERVING. Without
+UNAVAILABLE), then the engine (slow to start for vLLM on CPU), then a warm-up generation on the
+model folder's weights (a fresh engine's first requests are slow: vLLM compiles its sampling
+kernels, into a compile cache shared by runs: compile_cache_root) while the learner's current
+version is fetched, when following the run; that version is loaded last (a reload is quick and
+keeps the warm-up's kernels); only then SERVING. Without
 `weights_from` the sampler serves the model folder's weights (serve mode: version 0, named
 `served_model_name`). Later versions are loaded into the running engine as they are announced
 (clients.learner.WeightFollower fetches them in the background), each through the servicer's
@@ -67,8 +67,8 @@ def compile_cache_root(run_dir: Path, settings: SamplerSettings) -> Path:
 
     "shared" (the default) is one folder per vLLM and torch version under the user's rlfleet
     cache (services.cache.user_cache_dir, where the learner's JIT-built ops go too), so every
-    run on the machine reuses what an earlier one compiled (the warm-up: ~27 s cold, ~4-10 s
-    warm on CPU). Sharing is safe: inductor keys its FX-graph and
+    run on the machine reuses what an earlier one compiled (a cold warm-up is the slow part of
+    a start on CPU). Sharing is safe: inductor keys its FX-graph and
     C++ kernel caches by a hash of the graph, its inputs, the config and the torch version, and
     vLLM its torch.compile cache by a hash of the model config, vLLM's code and environment; the
     versions in the folder name only make an outdated cache easy to delete. Concurrent samplers:
@@ -122,8 +122,8 @@ def temp_dir(run_dir: Path, settings: SamplerSettings) -> Path:
     """The sampler's TMPDIR (unless too long for a socket: then the system's): ``tmp`` in the
     user's rlfleet cache, or with ``compile_cache: run`` in the run directory's ``cache/``.
 
-    Inductor keeps its precompiled C++ header (a ~150 MB ``.gch``, about 8 s of g++ on the
-    2-core build machine) under the temp folder whatever TORCHINDUCTOR_CACHE_DIR says. A temp
+    Inductor keeps its precompiled C++ header (a large ``.gch``, slow to build) under the temp
+    folder whatever TORCHINDUCTOR_CACHE_DIR says. A temp
     folder per run rebuilt it at every compiling engine's start and left a copy in every run
     directory; a shared one builds it once.
     """

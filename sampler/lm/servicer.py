@@ -1,6 +1,6 @@
 """`rlfleet.sampler.v1.SamplerService` over a GenerationEngine.
 
-The servicer exists before the engine does (vLLM takes 15-60 s to start): until `attach`
+The servicer exists before the engine does (vLLM is slow to start): until `attach`
 hands it the engine and the first weight version is in, Generate answers UNAVAILABLE and
 GetInfo answers with what the settings already say. Weight versions go through the VersionGate
 (gate.py), which is also where Completion.policy_version comes from.
@@ -78,9 +78,8 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
 
     def set_ready(self) -> None:
         self.ready = True
-        # Freeze the start-up heap (torch, vLLM, transformers: full collections over it took
-        # 50-370 ms in this process, measured during bench/gateway.py, a pause of every open
-        # stream), as vLLM's engine core does for its own process.
+        # Freeze the start-up heap (torch, vLLM, transformers: a full collection over it pauses
+        # every open stream), as vLLM's engine core does for its own process.
         gc.collect()
         gc.freeze()
 
@@ -96,7 +95,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def warm_up(self) -> float:
         """Generate once before reporting SERVING (the first requests of a fresh engine are
-        slow: 17-48 s on CPU): a greedy request and a seeded sampled one with logprobs, run
+        slow while vLLM compiles): a greedy request and a seeded sampled one with logprobs, run
         together so that batched decoding is warmed too. Returns the seconds it took."""
         assert self.engine is not None and self.renderer is not None and self.limits is not None
         started = time.monotonic()

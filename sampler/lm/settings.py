@@ -29,7 +29,7 @@ class SamplerSettings(StrictModel):
     max_queued_requests: int = Field(default=4096, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)  # vLLM: sequences per scheduler step
     kv_cache_gib: int = Field(default=1, ge=1)  # vLLM KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
-    enforce_eager: bool = True  # skip torch.compile (15 s start instead of 40-60 s on CPU)
+    enforce_eager: bool = True  # skip torch.compile (a much faster start on CPU)
     seed: int = Field(default=0, ge=0)  # engine seed; requests without a seed draw from it
     # Follow the run's weight versions (WeightsPublished on the bus, fetched from
     # `weights_from`). None: follow exactly when `weights_from` is set.
@@ -44,7 +44,7 @@ class SamplerSettings(StrictModel):
     # TORCHINDUCTOR_CACHE_DIR; either variable set already wins). "shared": one cache for every
     # run on the machine, <rlfleet cache>/compile/vllm-<v>-torch-<v>/ ($RLFLEET_CACHE_DIR, else
     # $XDG_CACHE_HOME/rlfleet, else ~/.cache/rlfleet), so a new run reuses what an earlier one
-    # compiled (10-25 s less start-up on CPU); "run": <run dir>/cache/, cold for every new run;
+    # compiled (a shorter start-up on CPU); "run": <run dir>/cache/, cold for every new run;
     # any other value: that folder. Sharing is safe: both key their entries by a hash of the
     # code, config and versions (sampler.lm.service.compile_cache_root; docs/platform.md).
     compile_cache: Literal["shared", "run"] | Annotated[str, Field(min_length=1)] = "shared"

@@ -79,3 +79,63 @@ def test_no_file_cites_notes_outside_the_repository() -> None:
         )
     ]
     assert not offenders, f"files citing notes users do not have: {offenders}"
+
+
+# docs/internals.md names settings instead of restating their values; the few values that are a
+# contract stay in it, and these tests keep them equal to the code.
+INTERNALS = ROOT / "docs" / "internals.md"
+
+
+def _internals() -> str:
+    return INTERNALS.read_text()
+
+
+def test_internals_restates_no_default_timeout_or_size() -> None:
+    # `grace_s=10.0`, `max_message_bytes=64 << 20`: a default written out drifts from the code.
+    restated = re.findall(r"\b\w+_(?:s|bytes|attempts)=\d[\w.<> ]*", _internals())
+    assert not restated, f"docs/internals.md restates defaults (write `=...`): {restated}"
+
+
+def test_internals_exit_codes_match_the_code() -> None:
+    from services.errors import EXIT_PERMANENT
+
+    text = _internals()
+    assert f"`EXIT_PERMANENT` ({EXIT_PERMANENT}," in text
+    assert f"{EXIT_PERMANENT} (`serve` only) permanent failure" in text
+
+
+def test_internals_weight_chunk_limit_matches_the_code() -> None:
+    from common.weights.format import MAX_CHUNK_BYTES
+
+    match = re.search(r"`iter_chunk_bytes`: <= (\d+) MiB", _internals())
+    assert match, "docs/internals.md no longer states the chunk limit: drop this test"
+    assert int(match[1]) << 20 == MAX_CHUNK_BYTES
+
+
+def test_internals_run_name_pattern_matches_the_code() -> None:
+    from services.bus import subjects
+
+    patterns = set(re.findall(r"\[a-z0-9\]\[a-z0-9-\]\{\d+,\d+\}", _internals()))
+    assert patterns == {subjects._RUN_RE.pattern}
+
+
+def _doc_default(text: str) -> object:
+    """A settings table's default cell as a value: `auto`, 0 (off), 10000, 1 GiB."""
+    text = text.strip().strip("`")
+    if match := re.fullmatch(r"(\d+) GiB", text):
+        return int(match[1]) << 30
+    if match := re.fullmatch(r"(\d+)( \(off\))?", text):
+        return int(match[1])
+    return text
+
+
+def test_colocated_settings_table_matches_the_settings_models() -> None:
+    from env_server.service import EnvServerSettings
+    from sampler.actors.settings import GameActorSettings
+
+    models = {"env_server": EnvServerSettings, "game_actor": GameActorSettings}
+    text = (ROOT / "docs" / "colocated.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([^|]+) \|", text, flags=re.M)
+    assert len(rows) >= 6, "docs/colocated.md's settings table moved: update this test"
+    for kind, key, default in rows:
+        assert _doc_default(default) == models[kind].model_fields[key].default, (kind, key)

@@ -3,8 +3,7 @@
 // the request pending, and the next Read reports the end of the stream with its status. Then
 // the link reconnects with the same session key and resends what the server had not answered.
 //
-// About 450 lines: one state machine (connect, the in-flight window, answers, reconnect) over
-// the same pending queue, which reads best in one place; messages.cc has the per-tick values.
+// messages.cc has the per-tick values.
 #include "rlfleet/game_link.h"
 
 #include <grpcpp/grpcpp.h>

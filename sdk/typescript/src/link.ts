@@ -8,8 +8,7 @@
 // never arrived cannot be recovered (the resumed Welcome's last_tick says which): those reject
 // with ReplyLostError.
 //
-// About 440 lines: one state machine (connect, the in-flight window, answers, reconnect) over the
-// same queues, which reads best in one place; the plain data types live in types.ts.
+// The plain data types live in types.ts.
 import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 
