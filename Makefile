@@ -86,8 +86,10 @@ protos-check: venv
 buf-lint: venv
 	PYTHON=$(PY) bash scripts/buf_lint.sh
 
+# Env stepping over gRPC and shared memory vs in process (bench/results/env_throughput.json); every
+# benchmark runs as a module from the repository root: bench/README.md.
 bench: venv
-	$(PY) bench/env_throughput.py
+	$(PY) -m bench.transport.env_throughput
 
 # The TypeScript GameLink SDK and its Snake game (sdk/typescript/dist): npm ci when package-lock.json
 # is newer than the installed node_modules, then generate the message types and compile.
@@ -130,7 +132,7 @@ quant-env: venv
 # fp vs w8a8 / w4a16 / w4a16-awq exports: size, greedy agreement, log-prob drift, vLLM tokens/s,
 # accuracy (bench/results/export.json).
 bench-export: venv quant-env
-	$(PY) bench/export.py
+	$(PY) -m bench.serving.export
 
 clean:
 	rm -rf $(VENV) .venv-quant runs .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

@@ -69,13 +69,13 @@ def test_the_learners_own_clipping_gives_deepspeeds_weights_bit_for_bit(algo: st
     import gymnasium as gym
     import torch
 
-    from bench.ppo_update_profile import fragments
+    from bench.game.ppo_update_profile import fragments
     from common.policies import build_policy
+    from learner.consumer import seed_everything
     from learner.engine import build_engine
     from learner.game.settings import LearnerSettings
     from learner.game.update import FragmentBatch, decode_fragment, update
     from learner.game.workload import build_game_engine
-    from learner.loop import seed_everything
     from rlfleet.bus.v1 import trajectory_pb2
 
     s = LearnerSettings(algo=algo, device="cpu", fragments_per_update=2, minibatch_size=64,

@@ -1,4 +1,4 @@
-"""The learner's update is bench/ppo_baseline.py's update: the same batch, the same initial
+"""The learner's update is bench/game/ppo_baseline.py's update: the same batch, the same initial
 weights and the same minibatch order give the same weights after one update, through the
 DeepSpeed engine and the RolloutFragment path, so the system and the baseline are comparable."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.ppo_baseline import Agent, PPOArgs
+from bench.game.ppo_baseline import Agent, PPOArgs
 from common import tensor
 from common.policies import PolicyConfig, build_policy
 from learner.algos import aggregate, entropy_loss, gae, normalize_advantages, ppo_clip, value_loss
@@ -91,7 +91,7 @@ def rollout(
 
 
 def baseline_update(agent: Agent, b: dict[str, torch.Tensor], args: PPOArgs, seed: int) -> None:
-    """bench/ppo_baseline.py's "advantages" and "optimise" sections, verbatim in substance."""
+    """bench/game/ppo_baseline.py's "advantages" and "optimise" sections, verbatim in substance."""
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     advantages, returns = gae(
         b["rewards"],

@@ -1,4 +1,5 @@
-"""bench/ppo_cartpole.py's parsing and target marking (no runs: fakes of the programs' output)."""
+"""bench/game/ppo_cartpole.py's parsing and target marking (no runs: fakes of the programs'
+output)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from bench import ppo_cartpole_report as report
-from bench import ppo_cartpole_runs as runs
+from bench.game import ppo_cartpole_report as report
+from bench.game import ppo_cartpole_runs as runs
 
 ROOT = Path(__file__).resolve().parents[2]
 

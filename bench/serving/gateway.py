@@ -4,7 +4,7 @@ vLLM's own OpenAI server on the same model in the same run, at 1, 8 and 32 concu
 (openai AsyncOpenAI, `--max-tokens` tokens each, ignore_eos so every request makes them all);
 and the gateway over 2 replicas vs 1.
 
-    .venv/bin/python bench/gateway.py [--model-size tiny] [--requests-per-client 4]
+    .venv/bin/python -m bench.serving.gateway [--model-size tiny] [--requests-per-client 4]
 
 Prints a table and writes bench/results/gateway.json: per-level numbers for each side, plus
 `throughput_ratio_min` and `ttft_p50_ratio_max` (the worst level's gateway/vLLM ratios, 1
@@ -27,18 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lm_common import (
-    RESULTS_DIR,
-    ROOT,
-    WORK_DIR,
-    SamplerProcess,
-    machine,
-    model_dir,
-    vllm_environment,
-    write_results,
-)
+from bench._shared.lm import SamplerProcess, model_dir, vllm_environment
+from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR, machine, write_results
 
 RESULTS = RESULTS_DIR / "gateway.json"
 MODEL = "tiny"

@@ -12,8 +12,8 @@ one, else a warm-started one made here with the learner's own pieces (tiny model
 arith solutions, saved as a DeepSpeed checkpoint in runs/bench/export-run, i.e. version 0 of a
 GRPO run). Every model runs in its own vLLM subprocess (learner.export.vllm_probe).
 
-    python bench/export.py                     # ~5-8 min on 2 cores; --schemes w8a8,w4a16
-    python bench/export.py --run runs/grpo-arith
+    python -m bench.serving.export             # every scheme; --schemes w8a8,w4a16
+    python -m bench.serving.export --run runs/grpo-arith
 
 Prints a table and writes bench/results/export.json.
 """
@@ -31,17 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lm_common import (
-    RESULTS_DIR,
-    WORK_DIR,
-    machine,
-    model_dir,
-    vllm_environment,
-    write_results,
-)
+from bench._shared.lm import model_dir, vllm_environment
+from bench._shared.results import RESULTS_DIR, WORK_DIR, machine, write_results
 
 RESULTS = RESULTS_DIR / "export.json"
 DATASET = {"generator": "arith", "digits": 1}

@@ -13,12 +13,12 @@ weights vK (loaded in X ms)", of which vLLM's reload_weights + prefix-cache rese
 weights vK loaded (N tensors) in X ms"), and first sample (served -> first reply with vK).
 
 Floor, measured in the same run from a separate client process (the sampler's position):
-bytes / the bandwidth of bench/weight_sync.py's raw gRPC stream (same chunks, no protobuf, no
-checksums), plus the vLLM reload time. "fetch alone" is common.weights.fetch_weights of the
-same version from that client, with no engine to feed.
+bytes / the bandwidth of bench/transport/weight_sync.py's raw gRPC stream (same chunks, no
+protobuf, no checksums), plus the vLLM reload time. "fetch alone" is
+common.weights.fetch_weights of the same version from that client, with no engine to feed.
 
-    python bench/lm_weight_sync.py                    # tiny and base100m (~100M), 5 versions
-    python bench/lm_weight_sync.py --sizes tiny --repeats 10
+    python -m bench.lm.lm_weight_sync      # tiny and base100m (~100M), 5 versions
+    python -m bench.lm.lm_weight_sync --sizes tiny --repeats 10
 
 Prints a table and writes bench/results/lm_weight_sync.json.
 """
@@ -36,24 +36,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lm_common import (
-    RESULTS_DIR,
-    WORK_DIR,
+from bench._shared.lm import (
     SamplerProcess,
     arith_tasks,
     first_sample_of,
-    machine,
-    median,
     model_dir,
     model_parameters,
     start_weight_server,
     sync_breakdown,
     vllm_environment,
-    write_results,
 )
+from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR, machine, median, write_results
 
 RESULTS = RESULTS_DIR / "lm_weight_sync.json"
 PARTS = ("fetch_s", "gate_wait_s", "load_s", "vllm_reload_s", "first_sample_s", "total_s")
@@ -64,7 +57,7 @@ PARTS = ("fetch_s", "gate_wait_s", "load_s", "vllm_reload_s", "first_sample_s", 
 
 async def floor_client(address: str, version: int, repeats: int) -> dict[str, Any]:
     """Runs in a child process (the sampler's position): raw stream and fetch_weights times."""
-    from bench.weight_sync import raw_stream
+    from bench.transport.weight_sync import raw_stream
     from clients.learner import fetch_weights
     from services.server import channel
 
@@ -82,10 +75,15 @@ async def floor_client(address: str, version: int, repeats: int) -> dict[str, An
 
 
 def measure_floor(address: str, version: int, repeats: int) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--floor-client", address]
+    cmd = [sys.executable, "-m", __spec__.name, "--floor-client", address]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [*cmd, str(version), str(repeats)], env=env, capture_output=True, text=True, check=False
+        [*cmd, str(version), str(repeats)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode:
         raise RuntimeError(f"floor client failed: {done.stderr[-2000:]}")

@@ -1,15 +1,15 @@
 """CleanRL's ``ppo.py`` with EnvPool's C++ CartPole in place of gym's ``SyncVectorEnv``.
 
-Runs in the comparison environment (``bench/requirements-compare.txt``), not the project's: it
+Runs in the comparison environment (``bench/game/requirements-compare.txt``), not the project's: it
 imports only torch, numpy and envpool. The loop is CleanRL 1.2.0's ``ppo.py`` line for line (same
 network, storage, GAE, done handling: a truncation ends the episode with no bootstrap, as there),
 with the env calls changed the way CleanRL's own ``ppo_atari_envpool.py`` changes them: one
 ``envpool.make(..., env_type="gymnasium")`` pool (done = terminated or truncated), episode returns
 summed by hand. It prints CleanRL's lines (``global_step=..., episodic_return=...`` for every
-finished episode, ``SPS: N`` per update) so ``bench/ppo_cartpole.py`` reads both the same way.
+finished episode, ``SPS: N`` per update) so ``bench/game/ppo_cartpole.py`` reads both the same way.
 The flags are ppo.py's.
 
-    bench/.venv-compare/bin/python bench/ppo_envpool.py --seed 1 --total-timesteps 50000
+    bench/.venv-compare/bin/python bench/game/ppo_envpool.py --seed 1 --total-timesteps 50000
 """
 
 from __future__ import annotations

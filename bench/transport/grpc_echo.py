@@ -3,11 +3,11 @@
 A `grpc.aio` server in its own process answers each request on one stream with a reply of the
 size the request asks for (its first 8 bytes, little-endian), through identity serializers: no
 protobuf, no interceptors, no work. `round_trip_us` is what one request/reply costs then, which
-is what no EnvService step over gRPC can undercut (bench/env_throughput.py reports the ceiling it
-puts on the remote/local ratio).
+is what no EnvService step over gRPC can undercut (bench/transport/env_throughput.py reports the
+ceiling it puts on the remote/local ratio).
 
-    python bench/grpc_echo.py serve --port P      # what env_throughput.py starts
-    python bench/grpc_echo.py shapes              # every API shape: is any one faster?
+    python -m bench.transport.grpc_echo serve --port P   # what env_throughput starts
+    python -m bench.transport.grpc_echo shapes           # every API shape: is any one faster?
 
 `shapes` asks whether another way of using Python gRPC would lift that floor: a `grpc.aio` and
 a synchronous (thread pool) server, each called with a bidi stream and with unary calls from
@@ -36,13 +36,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._shared.results import RESULTS_DIR, ROOT
 
 _METHOD = "/rlfleet.bench.Echo/Stream"
 _UNARY = "/rlfleet.bench.Echo/Call"
 _SIZE = struct.Struct("<Q")
-SHAPES_RESULT = Path(__file__).resolve().parent / "results" / "grpc_echo_shapes.json"
+SHAPES_RESULT = RESULTS_DIR / "grpc_echo_shapes.json"
 
 
 def _identity(data: bytes) -> bytes:
@@ -217,9 +216,10 @@ def shapes(request_bytes: int, reply_bytes: int, rounds: int, count: int) -> dic
     from services.ports import free_ports
 
     ports = free_ports(2)
+    self_cmd = [sys.executable, "-m", __spec__.name]
     servers = {
-        "aio": subprocess.Popen([sys.executable, __file__, "serve", "--port", str(ports[0])]),
-        "sync": subprocess.Popen([sys.executable, __file__, "serve-sync", "--port", str(ports[1])]),
+        "aio": subprocess.Popen([*self_cmd, "serve", "--port", str(ports[0])], cwd=ROOT),
+        "sync": subprocess.Popen([*self_cmd, "serve-sync", "--port", str(ports[1])], cwd=ROOT),
     }
     request = _SIZE.pack(reply_bytes) + bytes(max(request_bytes - _SIZE.size, 0))
     samples: dict[str, list[float]] = {}

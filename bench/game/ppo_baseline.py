@@ -9,8 +9,8 @@ aggregation) comes from ``learner.algos``, so the baseline and the system share 
 Unlike CleanRL it bootstraps time-limit truncations from the value of the final observation
 (gymnasium ``AutoresetMode.SAME_STEP`` puts it in ``info["final_obs"]``).
 
-    python bench/ppo_baseline.py --seed 1
-    python bench/ppo_baseline.py --seeds 1 2 3 --out bench/results/ppo_baseline.json
+    python -m bench.game.ppo_baseline --seed 1
+    python -m bench.game.ppo_baseline --seeds 1 2 3 --out bench/results/ppo_baseline.json
 
 From Python: ``run_baseline(PPOArgs(seed=1)) -> dict(steps, wall_s, sps, reached_target_at_step,
 final_mean_return, ...)``.
@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import random
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,9 +34,6 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from learner.algos import (
     aggregate,
     entropy_loss,
@@ -48,8 +44,8 @@ from learner.algos import (
     value_loss,
 )
 
-# CleanRL ppo.py's CartPole defaults, for reference (`--preset cleanrl`). They reach a mean return
-# of 475 too, in about 6x more env steps than the defaults of PPOArgs below.
+# CleanRL ppo.py's CartPole defaults, for reference (`--preset cleanrl`): they reach a mean return
+# of 475 too, in more env steps than the defaults of PPOArgs below (bench/README.md).
 CLEANRL_DEFAULTS: dict[str, Any] = {
     "num_envs": 4,
     "rollout_length": 128,
@@ -68,12 +64,8 @@ class PPOArgs:
     """Hyperparameters. The defaults keep CleanRL's network, Adam (eps 1e-5), policy clip 0.2,
     grad-norm 0.5 and linear lr annealing, and take rl-baselines3-zoo's CartPole rollout settings
     (8 envs x 32 steps, one 256-sample minibatch, 20 epochs, gamma 0.98, lambda 0.8, no entropy
-    bonus) with lr 2e-3 and no value clipping: the fastest in env steps of the settings tried.
-
-    Env steps to a mean return of 475 over the last 20 episodes (seeds 1, 2, 3):
-    CleanRL defaults 205k / 164k / 128k; same with 8 envs 360k / 287k / 381k; with lr 1e-3
-    66k / 59k / 73k; zoo settings at lr 1e-3 37k / 43k / 50k, at 2e-3 31k / 32k / 26k, at 3e-3
-    22k / 26k / 29k; these defaults (2e-3, no value clip) 18k / 22k / 23k (seeds 4-8: 22k-52k).
+    bonus) with lr 2e-3 and no value clipping: the fastest in env steps to a mean return of 475
+    of the settings tried (bench/README.md has the tuning record).
     """
 
     env_id: str = "CartPole-v1"

@@ -3,14 +3,14 @@
 Sections (``--only`` picks some; the others are kept from the JSON already at ``--out``):
 
 - ``seeds``: per seed, in alternation (so background load hits every side alike), the baseline
-  (``bench/ppo_baseline.py``: one process, one ``SyncVectorEnv``) and the system (``rlfleet up``
-  on ``examples/cartpole_ppo.yaml``: embedded NATS, an env server, an actor and the DeepSpeed
-  learner as processes) at the same hyperparameters; with ``--appo`` also the fleet on
+  (``bench/game/ppo_baseline.py``: one process, one ``SyncVectorEnv``) and the system
+  (``rlfleet up`` on ``examples/cartpole_ppo.yaml``: embedded NATS, an env server, an actor and
+  the DeepSpeed learner as processes) at the same hyperparameters; with ``--appo`` also the fleet on
   ``examples/cartpole_appo.yaml``. Targets, each in every seed: system SPS >= 1.0x the
   baseline's, time to a mean return of 475 <= the baseline's.
 - ``compare``: CleanRL 1.2.0's own ``ppo.py`` and the same loop over EnvPool's CartPole
-  (``bench/ppo_envpool.py``) at the same hyperparameters, budget and seeds, in their own venv
-  (``bench/.venv-compare`` from ``bench/requirements-compare.txt``, made on first use); run in
+  (``bench/game/ppo_envpool.py``) at the same hyperparameters, budget and seeds, in their own venv
+  (``bench/.venv-compare`` from ``bench/game/requirements-compare.txt``, made on first use); run in
   the same per-seed alternation as ``seeds``.
 - ``scaling``: the system with 1, 2, 4 actors and 8, 64, 256 envs in all (``Plan.grid``: actors
   at 64 envs, envs at 2 actors; one fragment per actor per update, so the batch is 32 x envs, as
@@ -21,9 +21,9 @@ Every run stops at a mean return of 475 over the last 20 episodes, its step budg
 timeout. Times run from the first env step (the baseline's clock; the system's start-up, launch
 to the first env step, is reported beside it); SPS is env steps over that time.
 
-    python bench/ppo_cartpole.py                        # everything, ~13 min on 2 cores
-    python bench/ppo_cartpole.py --quick                # smoke check: tiny budgets, ~2 min
-    python bench/ppo_cartpole.py --only seeds --seeds 1 2 3 [--appo] [--profile-updates 40]
+    python -m bench.game.ppo_cartpole             # every section
+    python -m bench.game.ppo_cartpole --quick     # smoke check: tiny budgets, one seed
+    python -m bench.game.ppo_cartpole --only seeds --seeds 1 2 3 [--appo] [--profile-updates 40]
 """
 
 from __future__ import annotations
@@ -43,13 +43,10 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-if not __package__:
-    sys.path.insert(0, str(ROOT))
-
-from bench import ppo_cartpole_runs as runs  # noqa: E402
-from bench.job_overrides import apply_overrides, parse_overrides  # noqa: E402
-from bench.ppo_cartpole_report import print_report, summarize  # noqa: E402
+from bench._shared.job_overrides import apply_overrides, parse_overrides
+from bench._shared.results import RESULTS_DIR, ROOT
+from bench.game import ppo_cartpole_runs as runs
+from bench.game.ppo_cartpole_report import print_report, summarize
 
 EXAMPLE = ROOT / "examples" / "cartpole_ppo.yaml"
 APPO_EXAMPLE = ROOT / "examples" / "cartpole_appo.yaml"
@@ -167,7 +164,7 @@ def _compare_section(b: Bench, config: dict[str, Any], venv: Path) -> Path | Non
         "total_timesteps": config["job"]["total_timesteps"],
         "commands": {
             "cleanrl": f"python -m cleanrl.ppo {flags} --cuda False",
-            "envpool": f"python bench/ppo_envpool.py {flags}",
+            "envpool": f"python bench/game/ppo_envpool.py {flags}",
         },
         "rows": [],
     }
@@ -241,7 +238,7 @@ def main() -> int:
     out = args.out or (
         Path(tempfile.gettempdir()) / "ppo_cartpole_quick.json"
         if args.quick
-        else ROOT / "bench/results/ppo_cartpole.json"
+        else RESULTS_DIR / "ppo_cartpole.json"
     )
     overrides = parse_overrides(args.set)
     config = yaml.safe_load(args.config.read_text())
@@ -272,7 +269,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
         b = Bench(Path(tmp), result, out)
         if args.profile_updates:
-            from bench.ppo_update_profile import print_profile, profile
+            from bench.game.ppo_update_profile import print_profile, profile
 
             result["update_profile"] = {}
             for kind, path in (("ppo", args.config), ("appo", args.appo_config)):

@@ -15,8 +15,8 @@ process, as it does in a run; this process is the sampler. For each tensor set:
 Tensor sets: the CartPole actor-critic (two 4-64-64 tanh MLPs, common/policies.py defaults)
 and about 100M fp32 parameters (24 Linear(2048, 2048) layers, 403 MB).
 
-    python bench/weight_sync.py              # both sets, 3 repeats
-    python bench/weight_sync.py --sets tiny --repeats 5
+    python -m bench.transport.weight_sync      # both sets, 3 repeats
+    python -m bench.transport.weight_sync --sets tiny --repeats 5
 
 Prints a table and writes bench/results/weight_sync.json.
 """
@@ -40,16 +40,13 @@ import grpc
 import numpy as np
 import torch
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench._shared.results import RESULTS_DIR, ROOT
 from clients.learner import fetch_weights
 from common.weights import chunk_spans
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
 from services.server import GrpcServer, channel
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "weight_sync.json"
+RESULTS = RESULTS_DIR / "weight_sync.json"
 RAW_SERVICE = "rlfleet.bench.v1.RawStream"
 RAW_METHOD = f"/{RAW_SERVICE}/Fetch"
 
@@ -249,9 +246,9 @@ def machine() -> dict[str, Any]:
 def run_set(name: str, repeats: int) -> dict[str, Any]:
     """Start a learner process for one set, measure from here, stop it."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--repeats", str(repeats)]
+    cmd = [sys.executable, "-m", __spec__.name, "--serve", "--repeats", str(repeats)]
     server = subprocess.Popen(
-        [*cmd, "--sets", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        [*cmd, "--sets", name], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )
     try:
         assert server.stdout is not None

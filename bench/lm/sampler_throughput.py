@@ -18,8 +18,8 @@ The three alternate (service, raw, transformers, service, ...) after one warm-up
 the table shows medians over ``--repeats`` rounds. Engine start-up is reported separately, and so
 is the first (warm-up) call: vLLM's first batch after start takes far longer than later ones.
 
-    python bench/sampler_throughput.py                     # tiny model, 5 rounds
-    python bench/sampler_throughput.py --model-size small --repeats 3
+    python -m bench.lm.sampler_throughput      # tiny model, 5 rounds
+    python -m bench.lm.sampler_throughput --model-size small --repeats 3
 
 Target: service >= 0.9x raw vLLM. Prints a table and writes bench/results/sampler_throughput.json.
 """
@@ -29,27 +29,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lm_common import (
-    RESULTS_DIR,
-    WORK_DIR,
+from bench._shared.lm import (
     SamplerProcess,
     arith_tasks,
-    machine,
-    median,
     model_dir,
     model_parameters,
     vllm_environment,
-    write_results,
 )
+from bench._shared.results import RESULTS_DIR, WORK_DIR, machine, median, write_results
 
 RESULTS = RESULTS_DIR / "sampler_throughput.json"
 TARGET = 0.9

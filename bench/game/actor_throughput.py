@@ -7,8 +7,8 @@ published. The env server is its own process (`python -m services.cli serve env_
 double buffering can overlap its stepping with the policy's forward. A third column is the
 single-process loop the fleet competes with: in-process SyncVectorEnv plus the same policy.
 
-    python bench/actor_throughput.py                 # CartPole-v1 at 16, 64, 256 envs
-    python bench/actor_throughput.py --envs 64 --seconds 8 --hidden 256 256
+    python -m bench.game.actor_throughput      # CartPole-v1 at 16, 64, 256 envs
+    python -m bench.game.actor_throughput --envs 64 --seconds 8 --hidden 256 256
 
 Sides alternate in short rounds (the machine is shared and noisy); the table shows medians.
 Prints a table and writes bench/results/actor_throughput.json; `double_buffer_ratio_at_64` is
@@ -30,11 +30,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import env_server.envs  # noqa: F401  (registers Snake-v0 and the Atari ids for the local side)
-from bench.env_throughput import run_facts, start_server, write_result
+from bench._shared.results import RESULTS_DIR
+from bench.transport.env_throughput import run_facts, start_server, write_result
 from common.behaviour import TorchBehaviour
 from common.policy_config import PolicyConfig
 from sampler.actors.envs import EnvGroup, TickEvents
@@ -42,8 +40,7 @@ from sampler.actors.rollout import FragmentMeta, Rollout
 from sampler.actors.sampling import DoubleBuffer, fill_lock_step
 from services.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "actor_throughput.json"
+RESULTS = RESULTS_DIR / "actor_throughput.json"
 SIDES = ("grpc/lock", "grpc/double", "shm/lock", "shm/double")
 
 

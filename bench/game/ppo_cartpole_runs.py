@@ -1,9 +1,9 @@
-"""The runs of ``bench/ppo_cartpole.py``: each returns one dict with the same core keys.
+"""The runs of ``bench/game/ppo_cartpole.py``: each returns one dict with the same core keys.
 
-- ``baseline``: ``bench/ppo_baseline.py`` in this process (one ``SyncVectorEnv`` of all envs);
+- ``baseline``: ``bench/game/ppo_baseline.py`` in this process (one ``SyncVectorEnv`` of all envs);
 - ``system``: ``rlfleet up`` on a variant of the example run file (actors, envs, env path);
 - ``cleanrl`` / ``envpool``: CleanRL 1.2.0's own ``ppo.py`` (``python -m cleanrl.ppo``) and
-  ``bench/ppo_envpool.py`` (the same loop over EnvPool's CartPole), in the comparison venv.
+  ``bench/game/ppo_envpool.py`` (the same loop over EnvPool's CartPole), in the comparison venv.
 
 Core keys: ``steps`` (env steps taken), ``sps`` (steps / seconds from the first env step, the
 baseline's clock), ``reached_target_at_step``, ``time_to_target_s`` (seconds from the first env
@@ -29,14 +29,16 @@ from typing import Any
 
 import yaml
 
-from bench.ppo_baseline import PPOArgs, run_baseline
-from bench.venvs import ensure_venv
+from bench._shared.results import ROOT
+from bench._shared.venvs import ensure_venv
+from bench.game.ppo_baseline import PPOArgs, run_baseline
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET = 475.0
 WINDOW = 20  # episodes in the mean return, as the learner and the baseline count it
-COMPARE_REQUIREMENTS = ROOT / "bench" / "requirements-compare.txt"
-ENVPOOL_SCRIPT = ROOT / "bench" / "ppo_envpool.py"
+COMPARE_REQUIREMENTS = Path(__file__).with_name("requirements-compare.txt")
+# Run by path in the comparison venv, without the repository on its path (it imports only
+# torch, numpy and envpool), unlike every other bench module.
+ENVPOOL_SCRIPT = Path(__file__).with_name("ppo_envpool.py")
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # every side: one torch thread
 
 
@@ -193,7 +195,7 @@ def system(
 
 
 def ensure_compare_venv(venv: Path) -> Path:
-    """The comparison venv's python (``bench.venvs.ensure_venv`` from the pinned lock, which
+    """The comparison venv's python (``bench._shared.venvs.ensure_venv`` from the pinned lock, which
     lists every package, hence ``--no-deps``)."""
     return ensure_venv(
         venv, COMPARE_REQUIREMENTS, pip_flags=("--no-deps", "--ignore-requires-python")
@@ -234,7 +236,7 @@ _SPS = re.compile(r"^SPS: (\d+)")
 def compare_run(
     impl: str, python: Path, job: dict[str, Any], seed: int, work: Path, timeout_s: float
 ) -> dict[str, Any]:
-    """Run CleanRL's ppo.py (``impl="cleanrl"``) or bench/ppo_envpool.py (``"envpool"``) as a
+    """Run CleanRL's ppo.py (``impl="cleanrl"``) or bench/game/ppo_envpool.py (``"envpool"``) as a
     program, reading its printed lines as they come; stopped once the mean of its last 20
     printed episodic returns reaches 475 (neither stops by itself) or after ``timeout_s``.
     Its clock starts where its own SPS counts from (after env and network set-up), estimated

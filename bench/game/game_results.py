@@ -1,7 +1,7 @@
 """A finished game run's learning curve and evaluation, as the seed's results record them.
 
-    .venv/bin/python bench/game_results.py runs/flappybird-ppo --name flappybird
-    .venv/bin/python bench/game_results.py runs/breakout-ppo --name breakout --episodes 10
+    .venv/bin/python -m bench.game.game_results runs/flappybird-ppo --name flappybird
+    .venv/bin/python -m bench.game.game_results runs/breakout-ppo --name breakout --episodes 10
 
 Reads the run dir the launcher wrote (`rlfleet up`): the learner's `metrics.jsonl` gives the
 curve, return (mean of the last training episodes the learner saw, `charts/episodic_return`)
@@ -18,19 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lm_common import machine, write_results  # noqa: E402
-
-from env_server.play import play  # noqa: E402
+from bench._shared.results import RESULTS_DIR, machine, write_results
+from env_server.play import play
 
 
 def learning_curve(run_dir: Path) -> list[dict[str, float]]:
@@ -112,7 +106,7 @@ def main() -> None:
             f"eval ({args.episodes} episodes, {mode}): return "
             f"{summary['mean_return']:.2f} ± {summary['std_return']:.2f} {shown}"
         )
-    write_results(ROOT / "bench" / "results" / f"{args.name}.json", result)
+    write_results(RESULTS_DIR / f"{args.name}.json", result)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Per update it times what the learner loop does (learner.loop, learner.game):
 
 The ack of the checkpointed messages is one NATS call per checkpoint and is not timed here.
 
-    python bench/ppo_update_profile.py [--config examples/cartpole_ppo.yaml] [--updates 40]
+    python -m bench.game.ppo_update_profile [--config examples/cartpole_ppo.yaml] [--updates 40]
 
 Writes ``bench/results/ppo_update_profile.json``.
 """
@@ -40,22 +40,19 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-if not __package__:
-    sys.path.insert(0, str(ROOT))
-
-from common import tensor  # noqa: E402
-from common.policies import build_policy  # noqa: E402
-from learner.consumer import Ledger  # noqa: E402
-from learner.engine import build_engine  # noqa: E402
-from learner.game import update as game  # noqa: E402
-from learner.game.settings import LearnerSettings  # noqa: E402
-from learner.game.workload import build_game_engine  # noqa: E402
-from learner.loop import seed_everything  # noqa: E402
-from learner.weights import WeightStore  # noqa: E402
-from rlfleet.bus.v1 import trajectory_pb2  # noqa: E402
-from rlfleet.common.v1 import tensor_pb2  # noqa: E402
-from services.config import load_run_config  # noqa: E402
+from bench._shared.results import RESULTS_DIR, ROOT
+from common import tensor
+from common.policies import build_policy
+from learner.consumer import Ledger
+from learner.engine import build_engine
+from learner.game import update as game
+from learner.game.settings import LearnerSettings
+from learner.game.workload import build_game_engine
+from learner.loop import seed_everything
+from learner.weights import WeightStore
+from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.common.v1 import tensor_pb2
+from services.config import load_run_config
 
 EXAMPLE = ROOT / "examples" / "cartpole_ppo.yaml"
 PHASES = ("decode", "prepare", "forward", "backward", "step", "losses", "publish", "ledger",
@@ -297,7 +294,7 @@ def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="rlfleet-profile-") as tmp:
         result = profile(args.config, args.updates, Path(tmp))
-    out = ROOT / "bench" / "results" / "ppo_update_profile.json"
+    out = RESULTS_DIR / "ppo_update_profile.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_profile(result)
     print(f"wrote {out.relative_to(ROOT)}")

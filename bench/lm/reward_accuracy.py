@@ -1,7 +1,7 @@
 """What the `accuracy` reward costs per rollout call: the built-in against the plain math-verify
 loop it replaced (parse both sides, verify, for every completion), in the same run.
 
-    .venv/bin/python bench/reward_accuracy.py [--groups 8 --group-size 16 --rounds 20]
+    .venv/bin/python -m bench.lm.reward_accuracy [--groups 8 --group-size 16 --rounds 20]
 
 The completions are GRPO-shaped: `--groups` arith prompts (the generator the GRPO example trains
 on), `--group-size` completions each, half of them right, the rest off by a little, some in
@@ -16,18 +16,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lm_common import arith_tasks, machine, write_results  # noqa: E402
-
-from reward_service.rewards.accuracy import accuracy, extract_answer  # noqa: E402
+from bench._shared.lm import arith_tasks
+from bench._shared.results import RESULTS_DIR, machine, write_results
+from reward_service.rewards.accuracy import accuracy, extract_answer
 
 
 def completions(groups: int, group_size: int, seed: int) -> tuple[list[str], list[Any]]:
@@ -99,7 +93,7 @@ def main() -> None:
     print(f"{'math-verify on every item (before)':<40} {result['ms_per_call_before']:>12.1f}")
     print(f"{'plain numbers exact, parses cached':<40} {result['ms_per_call_after']:>12.1f}")
     print(f"speedup {result['speedup']:.0f}x; same scores: {same}")
-    write_results(ROOT / "bench" / "results" / "reward_accuracy.json", result)
+    write_results(RESULTS_DIR / "reward_accuracy.json", result)
 
 
 if __name__ == "__main__":

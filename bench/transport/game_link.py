@@ -14,8 +14,8 @@ In the same run, EnvService: one Session of N envs of `TickEnv` (below: the same
 same zero cost, preloaded by reference on the same server) stepped in lock step with
 pre-generated actions, and CartPole-v1 at 64 envs for scale.
 
-    python bench/game_link.py            # the full grid, ~4-5 min on the 2-core build machine
-    python bench/game_link.py --quick    # 8/64 agents, 1/4 links, fewer ticks (~1 min; own file)
+    python -m bench.transport.game_link           # the full grid
+    python -m bench.transport.game_link --quick   # 8/64 agents, 1/4 links, fewer ticks (own file)
 
 Writes bench/results/game_link.json with the full table and the two targets, measured again
 after the grid in `--rounds` alternating rounds (the shared machine's load swings) as medians:
@@ -48,16 +48,13 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench._shared.results import RESULTS_DIR, ROOT
 from services.bus.nats_server import parent_death_signal
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "game_link.json"
+RESULTS = RESULTS_DIR / "game_link.json"
 TS_CLIENT = ROOT / "sdk" / "typescript" / "dist" / "bench" / "link_bench.js"
 CPP_CLIENT = ROOT / "sdk" / "cpp" / "build" / "link_bench"
-TICK_ENV = "bench/game_link.py:TickEnv"  # a reference the env server preloads
+TICK_ENV = "bench/transport/game_link.py:TickEnv"  # a reference the env server preloads
 ENV_ID = "BenchTick-v0"  # what the bench games declare in Hello
 TARGET_P50_MS = 2.0
 TARGET_RATIO = 0.8
@@ -197,7 +194,7 @@ def client_command(
 ) -> list[str]:
     args = [address, str(agents), str(links), str(ticks), str(warmup), str(k)]
     if kind == "python":
-        return [sys.executable, str(Path(__file__).resolve()), "client", *args]
+        return [sys.executable, "-m", __spec__.name, "client", *args]  # run with cwd=ROOT
     if kind == "ts":
         return ["node", str(TS_CLIENT), *args]
     return [str(CPP_CLIENT), *args]
@@ -456,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         },
         "versions": _versions(),
-        "command": " ".join(["python", "bench/game_link.py", *argv]),
+        "command": " ".join(["python", "-m", "bench.transport.game_link", *argv]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

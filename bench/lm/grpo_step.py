@@ -34,17 +34,16 @@ reported. ``launch_to_first_update_s``: this process's start to the end of its f
 (services started here, no SFT: `rlfleet up` adds model creation and the warm start).
 
 The trajectories do not travel over JetStream here (the learner's consumer is not in the
-step); bench/env_throughput and the bus notes in docs/platform.md cover that hop.
+step); bench/transport/env_throughput and the bus notes in docs/platform.md cover that hop.
 
-    python bench/grpo_step.py                          # tiny model, 1 warm-up + 5 steps
-    python bench/grpo_step.py --model-size small --steps 10 --max-tokens 64
+    python -m bench.lm.grpo_step                   # tiny model, 1 warm-up + 5 steps
+    python -m bench.lm.grpo_step --model-size small --steps 10 --max-tokens 64
     # the GRPO example's shape: transformers sampler, 256 completions of <= 12 tokens, 2 threads
-    OMP_NUM_THREADS=2 python bench/grpo_step.py --engine hf --prompts 32 --max-tokens 12 \
+    OMP_NUM_THREADS=2 python -m bench.lm.grpo_step --engine hf --prompts 32 --max-tokens 12 \
         --minibatch-size 256 --updates 12
 
-The engine matters on this scale: with vLLM's CPU engine (default shape) the running system
-asked more CPU-seconds per update than 2 cores give (``core_bound_ratio`` 1.50, overlap_ratio
-1.45 on 2026-12-02); with transformers' generate on the example's shape it does not.
+The engine matters at this scale (``core_bound_ratio`` above 1 means the cores, not the
+overlap, set the pace; bench/README.md has the runs).
 
 Prints seconds and CPU-seconds per phase alone and running (medians) and writes
 bench/results/grpo_step.json.
@@ -55,7 +54,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -63,17 +61,10 @@ from typing import Any
 
 import psutil
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lm_common import (
-    RESULTS_DIR,
-    WORK_DIR,
+from bench._shared.lm import (
     SamplerProcess,
     arith_tasks,
     first_sample_of,
-    machine,
-    median,
     model_dir,
     model_parameters,
     reward_service_process,
@@ -81,8 +72,8 @@ from bench.lm_common import (
     stop_process,
     sync_breakdown,
     vllm_environment,
-    write_results,
 )
+from bench._shared.results import RESULTS_DIR, WORK_DIR, machine, median, write_results
 
 RESULTS = RESULTS_DIR / "grpo_step.json"
 PHASES = ("generate", "reward", "train", "sync")

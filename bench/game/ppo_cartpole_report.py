@@ -1,4 +1,4 @@
-"""Ratios, targets and printed tables of ``bench/ppo_cartpole.py``'s results.
+"""Ratios, targets and printed tables of ``bench/game/ppo_cartpole.py``'s results.
 
 Ratios are always ``x / baseline`` (or ``system / x``): SPS ratios > 1 and time ratios < 1 are
 the system (or x) ahead. A time ratio is None unless both sides reached 475.

@@ -12,8 +12,8 @@ each for ``--minutes`` of wall time from its process start:
   service, the rollout driver and the DeepSpeed learner as separate processes; stopped with
   SIGINT at the budget. Accuracy: the learner's ``eval/accuracy`` records in the run's
   metrics.jsonl.
-- TRL: bench/grpo_trl_reference.py in ``bench/.venv-trl`` (TRL 1.16, from
-  bench/requirements-trl.txt, layered over the project's venv: the same torch and
+- TRL: bench/lm/grpo_trl_reference.py in ``bench/.venv-trl`` (TRL 1.16, from
+  bench/lm/requirements-trl.txt, layered over the project's venv: the same torch and
   transformers), TRL's own generation (transformers ``generate``, no vLLM), the same prompts,
   reward functions and weights, group size, completions per update (one optimizer step each),
   learning rate, clip, KL, advantage normalisation and loss aggregation (the ``grpo`` preset).
@@ -24,9 +24,9 @@ at a checkpoint is that of the last evaluation finished by then. ``accuracy_rati
 is rlfleet / TRL at a third, two thirds and all of the budget (5, 10 and 15 minutes by default);
 the issue's target is >= 1.0 at each.
 
-    python bench/grpo_vs_trl.py                 # 2 x 15 minutes, plus the SFT model once
-    python bench/grpo_vs_trl.py --minutes 2     # smoke check (ratios at 40/80/120 s)
-    python bench/grpo_vs_trl.py --only rlfleet --set algo.old_logp=recompute --out X.json
+    python -m bench.lm.grpo_vs_trl                # 2 x 15 minutes, plus the SFT model once
+    python -m bench.lm.grpo_vs_trl --minutes 2    # smoke check (ratios at 40/80/120 s)
+    python -m bench.lm.grpo_vs_trl --only rlfleet --set algo.old_logp=recompute --out X.json
 
 Prints the accuracy table and writes bench/results/grpo_vs_trl.json (curves of both sides:
 accuracy vs wall time and vs update, updates done, launch to first update).
@@ -47,15 +47,13 @@ from typing import Any
 
 import yaml
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.job_overrides import apply_overrides, parse_overrides
-from bench.lm_common import RESULTS_DIR, ROOT, WORK_DIR, machine, stop_process, write_results
-from bench.venvs import ensure_venv
+from bench._shared.job_overrides import apply_overrides, parse_overrides
+from bench._shared.lm import stop_process
+from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR, machine, write_results
+from bench._shared.venvs import ensure_venv
 
 RESULTS = RESULTS_DIR / "grpo_vs_trl.json"
-TRL_REQUIREMENTS = ROOT / "bench" / "requirements-trl.txt"
+TRL_REQUIREMENTS = Path(__file__).with_name("requirements-trl.txt")
 TRL_VENV = ROOT / "bench" / ".venv-trl"
 BENCH_DIR = WORK_DIR / "grpo_vs_trl"
 SIDES = ("rlfleet", "trl")
@@ -158,7 +156,7 @@ def run_rlfleet(job: dict[str, Any], model: Path, budget_s: float, eval_every: i
 
 def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float,
             eval_every: int) -> dict:  # fmt: skip
-    """bench/grpo_trl_reference.py in the TRL venv for ``budget_s`` from its start."""
+    """bench/lm/grpo_trl_reference.py in the TRL venv for ``budget_s`` from its start."""
     python = ensure_venv(TRL_VENV, TRL_REQUIREMENTS, layered_over=ROOT / ".venv")
     out = BENCH_DIR / "trl"
     shutil.rmtree(out, ignore_errors=True)
@@ -169,14 +167,13 @@ def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float
         "groups_per_update": s.groups_per_update, "max_tokens": s.max_tokens,
         "temperature": s.temperature, "learning_rate": s.learning_rate, "epochs": s.epochs,
         "seed": s.seed, "eval_count": s.eval_count,
-        "max_updates": int(budget_s / 0.2) + 10,  # more than it can do: 0.5-1.5 s each here
+        "max_updates": int(budget_s / 0.2) + 10,  # a bound: the budget stops it first
     }  # fmt: skip
     (out / "job.json").write_text(json.dumps(reference_job, indent=2))
     env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # fmt: skip
     started = time.time()
-    script = ROOT / "bench" / "grpo_trl_reference.py"
-    cmd = [str(python), str(script), "--job", str(out / "job.json"),
+    cmd = [str(python), "-m", "bench.lm.grpo_trl_reference", "--job", str(out / "job.json"),
            "--model", str(model), "--out", str(out), "--budget-s", str(budget_s),
            "--started", str(started), "--eval-every", str(eval_every)]  # fmt: skip
     with (out / "console.log").open("w") as console:

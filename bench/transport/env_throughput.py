@@ -6,9 +6,9 @@ actions, so policy cost is excluded. Two remote columns: gRPC (StepRequest messa
 co-located (the same server, steps through a shared-memory ring: docs/colocated.md; the client
 waits for each answer as a game actor does, asleep in the kernel in lock step). Also
 measures the round-trip latency of one single-env step on each, and the floor of the gRPC
-column: a bare Python gRPC echo of the same message sizes (bench/grpc_echo.py) in the same run,
-which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`). A third remote
-column steps the co-located ring with busy polling on both ends (`colocated_busy_poll_us`, a
+column: a bare Python gRPC echo of the same message sizes (bench/transport/grpc_echo.py) in the
+same run, which caps what lock-step stepping over gRPC can reach (`grpc_ceiling_ratio`). A third
+remote column steps the co-located ring with busy polling on both ends (`colocated_busy_poll_us`, a
 second server started with it): no scheduler wake-up per step, at the cost of busy cores.
 A fourth steps the co-located ring with this process's stepping thread and a third server
 pinned to one CPU (`RLFLEET_CPUS`), as `cpu_placement: auto` places an actor and its env
@@ -18,8 +18,8 @@ Two double-buffered columns (gRPC and co-located, `x2`) step two streams of half
 from two concurrent loops, as an actor with `double_buffer: on` does: the server steps one half
 while this process handles the other half's answer.
 
-    python bench/env_throughput.py                     # CartPole-v1 at 1, 16, 64, 256 envs
-    python bench/env_throughput.py --envs 64 --seconds 5 --busy-poll-us 1000
+    python -m bench.transport.env_throughput      # CartPole-v1 at 1, 16, 64, 256 envs
+    python -m bench.transport.env_throughput --envs 64 --seconds 5 --busy-poll-us 1000
 
 Prints a table and writes bench/results/env_throughput.json (machine, versions, ratios).
 Targets at 64 envs on the 2-core build machine: gRPC >= 0.8x in-process steps/s
@@ -47,17 +47,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.grpc_echo import round_trip_us
+from bench._shared.results import RESULTS_DIR, ROOT
+from bench.transport.grpc_echo import round_trip_us
 from clients.env import EnvSession
 from sampler.actors.settings import GameActorSettings
 from services.ports import free_port
 from services.server import wait_for_health
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "env_throughput.json"
+RESULTS = RESULTS_DIR / "env_throughput.json"
 TARGET_AT_64 = 0.8
 COLOCATED_TARGET_AT_64 = 0.9
 # How long a lock-step game actor with one env server waits for a co-located answer asleep in
@@ -318,14 +315,15 @@ def start_server(
 
 
 def start_echo(port: int) -> subprocess.Popen[bytes]:
-    """bench/grpc_echo.py's server (ready once a channel to it is: round_trip_us waits)."""
+    """bench/transport/grpc_echo.py's server (ready once a channel to it is: round_trip_us
+    waits)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "bench" / "grpc_echo.py"), "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "bench.transport.grpc_echo", "serve", "--port", str(port)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
 
 def run_facts(load_before: tuple[float, ...], packages: tuple[str, ...]) -> dict[str, Any]:
-    """Where and when the numbers were taken (also bench/actor_throughput.py's)."""
+    """Where and when the numbers were taken (also bench/game/actor_throughput.py's)."""
     versions = {n: metadata.version(n) for n in packages}
     return {
         "machine": {
@@ -449,7 +447,7 @@ def print_table(
         )
     print(
         "ceiling: in-process step time / (that + a bare gRPC echo of the step's message sizes, "
-        f"bench/grpc_echo.py), the best a lock-step gRPC stream could do here; one core: "
+        f"bench/transport/grpc_echo.py), the best a lock-step gRPC stream could do here; one core: "
         "co-located, the server and this process's stepping thread on one CPU; busy-poll: "
         f"co-located with colocated_busy_poll_us={poll_us} on both ends; x2: double-buffered, "
         "two streams of half the envs each, one stepping while the other's answer is handled"

@@ -15,8 +15,8 @@ processes (OMP_NUM_THREADS=1 each) start concurrently; "1 replica" uses the firs
 both. After a warm-up call on each sampler and a warm-up round of each side, the sides alternate
 (the lead rotates) for ``--repeats`` rounds at each ``--concurrency``; the table shows medians.
 
-    .venv/bin/python bench/sampler_replicas.py                  # ~4-6 min on 2 cores
-    .venv/bin/python bench/sampler_replicas.py --concurrency 4 --repeats 3
+    .venv/bin/python -m bench.lm.sampler_replicas
+    .venv/bin/python -m bench.lm.sampler_replicas --concurrency 4 --repeats 3
 
 Writes bench/results/sampler_replicas.json; ``two_vs_one_throughput`` is 2 replicas / 1 replica
 tokens/s at the highest concurrency (``by_concurrency`` has each level), ``calls_per_sampler``
@@ -33,33 +33,20 @@ import collections
 import contextlib
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lm_common import (
-    RESULTS_DIR,
-    WORK_DIR,
-    SamplerProcess,
-    arith_tasks,
-    machine,
-    median,
-    model_dir,
-    model_parameters,
-    write_results,
-)
+from bench._shared.lm import SamplerProcess, arith_tasks, model_dir, model_parameters
+from bench._shared.results import RESULTS_DIR, WORK_DIR, machine, median, write_results
 
 RESULTS = RESULTS_DIR / "sampler_replicas.json"
 KV_CACHE_GIB = 1
 MAX_NUM_SEQS = 256
 # An engine busy with a batch keeps about one core for its worker and one for its front end
-# (sampler process + engine core), as bench/gateway.py: below this many cores per replica, 2
-# replicas share the cores 1 replica already used.
+# (sampler process + engine core), as in bench/serving/gateway.py: below this many cores per
+# replica, 2 replicas share the cores 1 replica already used.
 CORES_PER_REPLICA = 2
 SIDES = {"1 replica": 1, "2 replicas": 2}
 

@@ -1,13 +1,13 @@
-"""The reference side of bench/grpo_vs_trl.py: TRL's GRPOTrainer on the example's GRPO job.
+"""The reference side of bench/lm/grpo_vs_trl.py: TRL's GRPOTrainer on the example's GRPO job.
 
-Run by grpo_vs_trl.py in ``bench/.venv-trl`` (TRL is never a project dependency), with the
-repository root on PYTHONPATH, so it reads the same prompts (``common.datasets``), scores with
-the same reward functions (the reward service's ``accuracy`` and ``format``, called in
-process) and evaluates with the learner's own ``learner.lm.evaluate.generate_greedy`` on the
-same held-out prompts, at update 0 and every ``--eval-every`` updates; the evaluation's time
-counts, as it does in rlfleet's learner. Training stops at the first update that ends past
-``--budget-s`` seconds after ``--started`` (the time.time() at which grpo_vs_trl.py started
-this process).
+Run by grpo_vs_trl.py as ``python -m bench.lm.grpo_trl_reference`` in ``bench/.venv-trl`` (TRL
+is never a project dependency), with the repository root on PYTHONPATH, so it reads the same
+prompts (``common.datasets``), scores with the same reward functions (the reward service's
+``accuracy`` and ``format``, called in process) and evaluates with the learner's own
+``learner.lm.evaluate.generate_greedy`` on the same held-out prompts, at update 0 and every
+``--eval-every`` updates; the evaluation's time counts, as it does in rlfleet's learner.
+Training stops at the first update that ends past ``--budget-s`` seconds after ``--started``
+(the time.time() at which grpo_vs_trl.py started this process).
 
 Writes ``<out>/eval.jsonl`` (``time_s`` since the start, ``update``, ``accuracy``, ``eval_s``)
 and ``<out>/log.jsonl`` (the trainer's per-update logs with ``time_s``).

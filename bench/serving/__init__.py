@@ -1,0 +1,1 @@
+"""Serving: the OpenAI gateway against vLLM's own server, exported and quantized models."""

@@ -1,0 +1,1 @@
+"""Transport: env stepping over gRPC and shared memory, bare gRPC echo, weight sync, GameLink."""
