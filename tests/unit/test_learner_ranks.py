@@ -125,6 +125,10 @@ def _stall(out: Path) -> None:
         ranks.receive()
     except RuntimeError as exc:
         (out / "gave-up").write_text(f"{time.monotonic() - started:.2f}\n{exc}")
+    # As the learner's Engine.close does: a group left for interpreter exit to tear down after a
+    # timed-out collective aborts the process now and then ("terminate called without an
+    # active exception").
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
