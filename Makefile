@@ -65,7 +65,7 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-# mypy with the [tool.mypy] settings in pyproject.toml (what to check, strict for services/).
+# mypy with the [tool.mypy] settings in pyproject.toml (what to check, strict for services/ and launch/).
 typecheck: venv
 	$(VENV)/bin/mypy
 

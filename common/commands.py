@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli import Command
+from services.commands import Command
 from services.errors import ConfigError
 
 

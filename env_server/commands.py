@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.cli import Command, print_table
+from services.commands import Command, print_table
 
 
 def _envs_args(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""rlfleet shared runtime: server bootstrap, config, bus, codec, telemetry, launcher, CLI."""
+"""rlfleet's shared runtime: server bootstrap, running a service, config, bus, telemetry."""
 
 import os
 
@@ -6,8 +6,8 @@ import os
 # poller thread in every child that `subprocess` forks, and a child forked to run a
 # `preexec_fn` (the parent-death signal every rlfleet child gets) then closes that poller's
 # epoll descriptor with `close_fds` before its exec: grpcio >= 1.80 aborts the child there
-# while the parent has RPCs in flight (grpc/grpc#43055: of 300 children spawned while health
-# checks were in flight, 31 were lost, none with this off; tests/integration/test_grpc_fork.py).
+# while the parent has RPCs in flight, and the child is lost (grpc/grpc#43055;
+# tests/integration/test_grpc_fork.py).
 # rlfleet never forks without exec, the one case fork support is for. gRPC reads it when it is
 # first imported, so it is set here, before any module of the runtime imports grpc.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

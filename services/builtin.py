@@ -17,8 +17,10 @@ import time
 from google.protobuf import struct_pb2
 from pydantic import Field
 
+from services.bus import Bus, events_subject
 from services.config import ServiceRef, StrictModel
 from services.registry import ServiceContext, ServiceSpec
+from services.server import GrpcServer
 
 __all__ = ["SPEC", "HeartbeatSettings"]
 
@@ -45,8 +47,6 @@ async def _publish_loop(
     ctx: ServiceContext[HeartbeatSettings], nats_url: str, started: float
 ) -> None:
     """Publish one Struct heartbeat per interval until cancelled."""
-    from services.bus import Bus, events_subject
-
     settings = ctx.settings
     subject = events_subject(ctx.run_name, "metrics")
     peers = ",".join(f"{p}@{ctx.resolve(p)}" for p in settings.peers)
@@ -68,8 +68,6 @@ async def _publish_loop(
 
 async def main(ctx: ServiceContext[HeartbeatSettings]) -> None:
     """Serve health, beat until stopped; crash or finish on schedule when asked to."""
-    from services.server import GrpcServer
-
     settings = ctx.settings
     started = time.monotonic()
     server = GrpcServer(ctx.name, host=ctx.host, port=ctx.port)

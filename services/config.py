@@ -7,9 +7,10 @@ every key path to its line), the run structure is validated by pydantic, and eve
 ``settings`` are validated against the settings model its kind registers, with environment
 overrides applied, all at load time.
 
-One file (about 650 lines) on purpose: line tracking, error rendering, env overrides and job
-expansion all serve the one promise above (a bad key reported with its file line), and splitting
-them would scatter the ``YamlSource``/``_Issue`` plumbing they share across modules.
+Line tracking, error rendering, env overrides and job expansion stay together: they all serve
+the one promise above and share the ``YamlSource``/``_Issue`` plumbing. The base model and the
+service-reference field type are in services/settings.py, what each service needs before it
+starts in services/start_order.py.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import difflib
 import os
 import types
 import typing
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -36,6 +36,8 @@ from pydantic import (
 
 from services.errors import ConfigError
 from services.registry import JOBS_GROUP, entry_point_registry, get_job, get_service
+from services.settings import Loc, ServiceRef, StrictModel, address_refs, service_refs
+from services.start_order import start_problems
 
 __all__ = [
     "ENV_PREFIX",
@@ -60,7 +62,6 @@ __all__ = [
 
 ENV_PREFIX = "RLFLEET_"
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
-Loc = tuple[str | int, ...]
 EnvPath = tuple[str, ...]  # a key path named by an environment variable (no list indices)
 M = TypeVar("M", bound=BaseModel)
 
@@ -75,33 +76,6 @@ def _switch_word(value: Any) -> Any:
 # A knob spelled with words such as "on"/"off"/"auto": Annotated[Literal[...], Switch], so that
 # `double_buffer: off` means "off" and not False.
 Switch = BeforeValidator(_switch_word)
-
-
-class StrictModel(BaseModel):
-    """Base of every config model: unknown keys are errors (typos must not be ignored) and
-    values are immutable once validated (a running service cannot drift from its config)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # Names users bring from other tools (TRL's ``beta``, SB3's ``n_envs``) -> either the knob
-    # this model calls it (``"num_envs"``) or a one-line explanation; an unknown-key error for
-    # this model shows it instead of a spelling suggestion.
-    aliases: ClassVar[Mapping[str, str]] = {}
-
-
-class _ServiceRefMarker:
-    """Metadata marking a settings field as a reference to another service instance."""
-
-    def __repr__(self) -> str:
-        return "ServiceRef"
-
-
-_SERVICE_REF = _ServiceRefMarker()
-ServiceRef = Annotated[str, _SERVICE_REF]
-"""A settings field holding a service instance name (``env-a``) or a ``host:port``.
-
-Names are checked against the run's services at load time; the service turns them into
-addresses at runtime with ``ServiceContext.resolve``."""
 
 
 class RunSection(StrictModel):
@@ -484,35 +458,6 @@ def settings_from_env(
         raise _render(exc.issues, None) from None
 
 
-def service_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
-    """Every ServiceRef value inside a validated settings model, with its location."""
-    if not isinstance(value, BaseModel):
-        return
-    for name, info in type(value).model_fields.items():
-        item = getattr(value, name)
-        # The marker of `ServiceRef` is the field's own, that of `list[ServiceRef]` or of
-        # `ServiceRef | None` one of the annotation's arguments'.
-        inner = any(
-            _SERVICE_REF in getattr(arg, "__metadata__", ())
-            for arg in typing.get_args(info.annotation)
-        )
-        if (_SERVICE_REF in info.metadata or inner) and isinstance(item, str):
-            yield (*loc, name), item
-        elif isinstance(item, list | tuple) and inner:
-            yield from (((*loc, name, i), v) for i, v in enumerate(item) if isinstance(v, str))
-        elif isinstance(item, BaseModel):
-            yield from service_refs(item, (*loc, name))
-
-
-def address_refs(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
-    """Service names a settings model uses inside strings (``{address:env-0}`` placeholders of
-    the ``process`` kind), from its optional ``address_refs()``: each must be a service of the
-    run that serves gRPC (has an address)."""
-    refs = getattr(value, "address_refs", None)
-    if callable(refs):
-        yield from (((*loc, *sub), name) for sub, name in refs())
-
-
 # --- the run config ----------------------------------------------------------------------------
 
 
@@ -572,8 +517,6 @@ def validate_run_config(
         raise _render(issues, source)
     validated = config.model_copy(update={"services": entries})
     if only is None:  # every service's settings are models now: what each needs is known
-        from services.start_order import start_problems  # it imports this module
-
         issues = [_Issue(loc, msg) for loc, msg in start_problems(validated)]
         if issues:
             raise _render(issues, source)

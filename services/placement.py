@@ -2,11 +2,11 @@
 and the service pins itself once it has started up (`pin_to_assigned_cpus`), not at exec.
 
 Pinning at exec confined every service's start-up (imports of torch and gRPC, building env pools,
-the first weights) to its share of the cores while the other cores idled: the CartPole example
-took 11.7-12.0 s from launch to its first env step pinned from the start, 8.3-8.7 s unpinned.
-So a service pins itself at the point it is ready for its steady work: a gRPC service when it
-reports SERVING (services.server.GrpcServer.set_serving), a game actor once it holds its first
-weights, a `process` service before it starts its command (which inherits the CPUs).
+the first weights) to its share of the cores while the other cores idled, which delayed the
+run's first steps. So a service pins itself at the point it is ready for its steady work: a gRPC
+service when it reports SERVING (services.server.GrpcServer.set_serving), a game actor once it
+holds its first weights, a `process` service before it starts its command (which inherits the
+CPUs).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from services.config import StrictModel
 from services.errors import ConfigError
 from services.placement import pin_to_assigned_cpus
 from services.registry import ServiceContext, ServiceSpec
+from services.server import wait_for_health
 
 __all__ = [
     "PLACEHOLDERS",
@@ -165,8 +166,6 @@ def check_command(settings: ProcessSettings, config_dir: Path) -> list[tuple[Loc
 async def _wait_for_peers(ctx: ServiceContext[ProcessSettings]) -> bool:
     """Wait until every service named by ``{address:...}`` answers SERVING; False if stopped.
     The launcher starts those first anyway; this also holds outside it (containers)."""
-    from services.server import wait_for_health
-
     deadline = time.monotonic() + ctx.settings.ready_timeout_s
     for _, name in ctx.settings.address_refs():
         address = ctx.resolve(name)

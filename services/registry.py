@@ -16,12 +16,10 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from services.errors import ConfigError
-
-if TYPE_CHECKING:
-    from services.config import StrictModel
+from services.settings import StrictModel
 
 __all__ = [
     "ENV_CONFIG_DIR",
@@ -59,7 +57,7 @@ ENV_CONFIG_DIR = "RLFLEET_CONFIG_DIR"  # the run file's folder (relative paths i
 # The settings model of one service (or job) kind. Specs and contexts are generic over it, so a
 # service entry written ``async def main(ctx: ServiceContext[MySettings])`` gets a typed
 # ``ctx.settings`` and ``ServiceSpec(settings=MySettings, main=main)`` checks that the two match.
-SettingsT = TypeVar("SettingsT", bound="StrictModel")
+SettingsT = TypeVar("SettingsT", bound=StrictModel)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ service process:
 
 With TLS on, a gRPC server requires a client certificate signed by the CA (mutual TLS) and a
 client checks the server's certificate against the CA and the address it dials (the
-certificate's subject alternative names: see services/certs.py). The same files secure the
+certificate's subject alternative names: see launch/certs.py). The same files secure the
 NATS connection. Naming only some of the three TLS files is an error, never a silent
 downgrade to plaintext.
 """

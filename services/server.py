@@ -17,8 +17,8 @@ raised message limits on both ends, graceful stop, and three always-on intercept
 ``channel()`` builds the matching client side: same limits, keepalive, retries of UNAVAILABLE,
 and interceptors that forward the request id and the trace context.
 
-About 570 lines because server and channel are two halves of one contract (limits, retries,
-request ids, error mapping) that must change together.
+Server and channel share this module because they are two halves of one contract (limits,
+retries, request ids, error mapping) that must change together.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Warm starts: `rlfleet up` starts a service's process at once and lets it begin once what it
 needs is up.
 
-Most of a Python service's start-up is imports (torch about 1.5 s here, DeepSpeed and
-torch._dynamo 3.5 s more), and none of them depends on another service. So the launcher spawns
+Most of a Python service's start-up is imports (torch, DeepSpeed, torch._dynamo), and none of
+them depends on another service. So the launcher spawns
 every service at the start of the run with the read end of a pipe, the gate; `serve` loads the
 service, runs its spec's `preload` (the imports its start makes), then blocks on the gate. The
 launcher writes one byte once the service's needs are up (services/start_order.py), and the

@@ -16,19 +16,23 @@ the first of these that applies:
 A cycle is a config error. Stopping goes the other way, in waves: a service is stopped once every
 service that needs it or names it in its settings (talks to it) has stopped, and the services of
 one wave stop together. With nothing declared, both orders are the config order and its reverse.
+
+The functions take any run config with service entries (`RunLike`, `EntryLike`): the config
+loader validates a run with `start_problems`, so this module does not import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from services.config import RunConfig, ServiceEntry, address_refs, service_refs
 from services.registry import get_service
+from services.settings import Loc, address_refs, service_refs
 
 __all__ = [
-    "describe_start",
-    "direct_needs",
+    "EntryLike",
+    "Needs",
+    "RunLike",
     "in_config_order",
     "named_services",
     "needs_nothing",
@@ -37,8 +41,27 @@ __all__ = [
     "stop_waves",
 ]
 
-Loc = tuple[str | int, ...]
 Needs = Mapping[str, tuple[str, ...]]
+
+
+class EntryLike(Protocol):
+    """What the order reads of a service entry (services.config.ServiceEntry)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def service(self) -> str: ...
+    @property
+    def after(self) -> list[str] | None: ...
+    @property
+    def settings(self) -> Any: ...
+
+
+class RunLike(Protocol):
+    """What the order reads of a run config (services.config.RunConfig): its entries in order."""
+
+    @property
+    def services(self) -> Sequence[EntryLike]: ...
 
 
 def named_services(settings: Any) -> list[str]:
@@ -53,19 +76,19 @@ def needs_nothing(settings: Any) -> tuple[str, ...]:
     return ()
 
 
-def _declared(entry: ServiceEntry) -> tuple[str, ...] | None:
+def _declared(entry: EntryLike) -> tuple[str, ...] | None:
     if entry.after is not None:
         return tuple(entry.after)
     needs = get_service(entry.service).needs
     return None if needs is None else tuple(dict.fromkeys(needs(entry.settings)))
 
 
-def in_config_order(config: RunConfig) -> bool:
+def in_config_order(config: RunLike) -> bool:
     """True when no service declares what it needs: each waits for all before it, as always."""
     return all(_declared(entry) is None for entry in config.services)
 
 
-def start_needs(config: RunConfig) -> dict[str, tuple[str, ...]]:
+def start_needs(config: RunLike) -> dict[str, tuple[str, ...]]:
     """Each instance's needs, in config order (settings validated, kinds known)."""
     result: dict[str, tuple[str, ...]] = {}
     earlier: list[str] = []
@@ -76,7 +99,7 @@ def start_needs(config: RunConfig) -> dict[str, tuple[str, ...]]:
     return result
 
 
-def start_problems(config: RunConfig) -> list[tuple[Loc, str]]:
+def start_problems(config: RunLike) -> list[tuple[Loc, str]]:
     """(location, message) of every ``after`` naming no service (or itself) and of a cycle in
     what services need; [] when every service can start."""
     names = {entry.name for entry in config.services}
@@ -128,7 +151,7 @@ def _cycle(needs: Needs) -> list[str]:
     return []
 
 
-def stop_waves(config: RunConfig, needs: Needs) -> list[list[str]]:
+def stop_waves(config: RunLike, needs: Needs) -> list[list[str]]:
     """The services in stop order, grouped in waves that may stop together: a service stops
     after every service that needs it or names it. Names that refer to each other (two
     heartbeats listing each other as peers) fall back to reverse config order."""
@@ -147,32 +170,3 @@ def stop_waves(config: RunConfig, needs: Needs) -> list[list[str]]:
         waves.append(wave)
         left = [name for name in left if name not in wave]
     return waves
-
-
-def direct_needs(needs: Needs, name: str) -> list[str]:
-    """The needs of ``name`` not already implied by another of its needs (the console shows
-    ``c after b``, not ``c after a, b`` when b itself waits for a)."""
-    own = needs.get(name, ())
-
-    def reaches(start: str, goal: str) -> bool:
-        seen, todo = set(), [start]
-        while todo:
-            current = todo.pop()
-            if current == goal:
-                return True
-            if current not in seen:
-                seen.add(current)
-                todo.extend(needs.get(current, ()))
-        return False
-
-    return [n for n in own if not any(m != n and reaches(m, n) for m in own)]
-
-
-def describe_start(order: Sequence[str], needs: Needs) -> str:
-    """One console line of the start order: ``reward, sampler-0 at once; learner after reward``."""
-    now = [name for name in order if not needs.get(name)]
-    later = [
-        f"{name} after {', '.join(direct_needs(needs, name))}" for name in order if needs.get(name)
-    ]
-    first = ", ".join(now) + (" at once" if len(now) > 1 else "")
-    return "; ".join(part for part in (first, *later) if part)

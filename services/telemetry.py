@@ -13,8 +13,8 @@ Metrics are Prometheus (``start_metrics_server`` serves ``/metrics``); ``metrics
 collectors idempotently under the ``rlfleet_`` prefix so modules can declare them at import time
 and tests can import modules twice.
 
-Just over 400 lines: the gRPC client and server hooks are here with the tracer they use, so the
-whole tracing path (setup, propagation, spans on both ends) reads in one file.
+The gRPC client and server hooks are here with the tracer they use, so the whole tracing path
+(setup, propagation, spans on both ends) reads in one file.
 """
 
 from __future__ import annotations

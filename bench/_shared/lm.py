@@ -1,5 +1,5 @@
 """Shared pieces of the language-model benchmarks (bench/lm/, bench/serving/): local models,
-arith prompts, a sampler process started as deployed (``python -m services.cli serve
+arith prompts, a sampler process started as deployed (``python -m launch.cli serve
 sampler``), its log parsed for timings, the learner's weight server.
 """
 
@@ -71,7 +71,7 @@ class LogLine:
 
 
 def read_log(path: Path) -> list[LogLine]:
-    """The lines of a service log written with services.cli's format."""
+    """The lines of a service log written with services.serve's format."""
     out = []
     for line in path.read_text(errors="replace").splitlines():
         m = _LINE.match(line)
@@ -95,7 +95,7 @@ def find_log(lines: list[LogLine], pattern: str) -> tuple[LogLine, re.Match[str]
 
 
 class SamplerProcess:
-    """``python -m services.cli serve sampler`` on a free loopback port, settings by
+    """``python -m launch.cli serve sampler`` on a free loopback port, settings by
     RLFLEET_SAMPLER__* variables, log to ``<run_dir>/<name>.log``."""
 
     def __init__(
@@ -133,7 +133,7 @@ class SamplerProcess:
             env["RLFLEET_SAMPLER__WEIGHTS_FROM"] = weights_from
         for key, value in (settings or {}).items():
             env[f"RLFLEET_SAMPLER__{key.upper()}"] = json.dumps(value)
-        cmd = [sys.executable, "-m", "services.cli", "serve", "sampler", "--name", name]
+        cmd = [sys.executable, "-m", "launch.cli", "serve", "sampler", "--name", name]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.time()
         self.proc = subprocess.Popen(
@@ -179,7 +179,7 @@ class SamplerProcess:
 
 
 def reward_service_process(run_dir: Path, name: str = "reward") -> tuple[subprocess.Popen, str]:
-    """``python -m services.cli serve reward_service`` on a free port, ready; (process, address)."""
+    """``python -m launch.cli serve reward_service`` on a free port, ready; (process, address)."""
     from services.ports import free_port
     from services.server import wait_for_health
 
@@ -188,7 +188,7 @@ def reward_service_process(run_dir: Path, name: str = "reward") -> tuple[subproc
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
     env.update(OMP_NUM_THREADS="1", RLFLEET_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
     log = open(run_dir / f"{name}.log", "w")  # noqa: SIM115 - inherited by the child
-    cmd = [sys.executable, "-m", "services.cli", "serve", "reward_service", "--name", name]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "reward_service", "--name", name]
     proc = subprocess.Popen(
         [*cmd, "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
     )

@@ -3,7 +3,7 @@
 What the actor's hot loop does, policy included: a TorchBehaviour (the shared actor-critic,
 random weights, one torch thread as under the launcher) acts on the observations, the Rollout
 records every step and each full fragment is built (bootstrap values, message encoding) but not
-published. The env server is its own process (`python -m services.cli serve env_server`), so
+published. The env server is its own process (`python -m launch.cli serve env_server`), so
 double buffering can overlap its stepping with the policy's forward. A third column is the
 single-process loop the fleet competes with: in-process SyncVectorEnv plus the same policy.
 

@@ -146,7 +146,7 @@ def system(
     started = time.time()
     with open(work / f"{name}.out", "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", str(path)],
+            [sys.executable, "-m", "launch.cli", "up", str(path)],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 """One GRPO step, phase by phase (generate, reward, train, sync), and the same services running
 together in steady state.
 
-Processes as deployed: NATS (services.bus.EmbeddedNats), the sampler (``python -m services.cli
+Processes as deployed: NATS (services.bus.EmbeddedNats), the sampler (``python -m launch.cli
 serve sampler``, vLLM, following the run's weights), the reward service (``serve
 reward_service``); the learner runs in this process (DeepSpeed engine, WeightStore +
 WeightService on a GrpcServer, announcements on the bus). One step, with the rollout driver's

@@ -2,10 +2,12 @@
 
 Run by grpo_vs_trl.py as ``python -m bench.lm.grpo_trl_reference`` in ``bench/.venv-trl`` (TRL
 is never a project dependency), with the repository root on PYTHONPATH, so it reads the same
-prompts (``common.datasets``), scores with the same reward functions (the reward service's
-``accuracy`` and ``format``, called in process) and evaluates with the learner's own
-``learner.lm.evaluate.generate_greedy`` on the same held-out prompts, at update 0 and every
-``--eval-every`` updates; the evaluation's time counts, as it does in rlfleet's learner.
+prompts (``common.datasets``), scores with the job's reward functions (resolved by name as the
+reward service does: built-ins, installed plugins, references; called in process with every
+dataset column, as TRL passes them) and evaluates with the learner's own
+``learner.lm.evaluate.generate_greedy`` on the learner's held-out prompts, scored by the
+learner's evaluation reward, at update 0 and every ``--eval-every`` updates; the evaluation's
+time counts, as it does in rlfleet's learner.
 Training stops at the first update that ends past ``--budget-s`` seconds after ``--started``
 (the time.time() at which grpo_vs_trl.py started this process).
 
@@ -18,6 +20,8 @@ Not run by hand; see grpo_vs_trl.py.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import inspect
 import json
 import time
 import warnings
@@ -48,19 +52,22 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
 
     from common.datasets import iter_tasks, take
     from learner.lm.evaluate import generate_greedy
-    from reward_service.rewards import accuracy, format_reward
+    from reward_service.rewards.registry import is_reference, load_registry
 
     group, prompts_per_update = job["group_size"], job["groups_per_update"]
     updates = job["max_updates"]
     tasks = take(iter_tasks(job["dataset"], split="train"), updates * prompts_per_update)
-    train_set = Dataset.from_list(
-        [{"prompt": t.prompt, "answer": t.extra["answer"]} for t in tasks]
-    )
-    eval_tasks = take(iter_tasks(job["dataset"], split="eval"), job["eval_count"])
-    weights, rewards = [], []
-    for spec in job["rewards"]:
-        rewards.append(_reward(accuracy if spec["name"] == "accuracy" else format_reward, spec))
-        weights.append(spec["weight"])
+    train_set = Dataset.from_list([{"prompt": t.prompt, **t.columns()} for t in tasks])
+    eval_tasks = take(iter_tasks(job["eval_dataset"], split=job["eval_split"]), job["eval_count"])
+    names = [*(spec["name"] for spec in job["rewards"]), job["eval_reward"]]
+    registry = load_registry(references=[n for n in dict.fromkeys(names) if is_reference(n)])
+    rewards = [_reward(registry[spec["name"]], spec.get("kwargs") or {}) for spec in job["rewards"]]
+    weights = [spec["weight"] for spec in job["rewards"]]
+    eval_reward = _reward(registry[job["eval_reward"]], {})
+    eval_columns = {
+        "prompts": [t.prompt for t in eval_tasks],
+        **{k: [t.columns().get(k) for t in eval_tasks] for k in _keys(eval_tasks)},
+    }
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
@@ -115,7 +122,7 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
             texts = generate_greedy(
                 model, tokenizer, eval_tasks, max_tokens=job["max_tokens"], batch_size=64
             )
-            scores = accuracy(texts, answer=[t.extra["answer"] for t in eval_tasks])
+            scores = eval_reward(texts, **eval_columns)
             record = {
                 "time_s": time.time() - args.started,
                 "update": update,
@@ -151,16 +158,25 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
     trainer.train()
 
 
-def _reward(fn: Any, spec: dict[str, Any]) -> Any:
-    """A TRL reward function (completions plus the dataset's columns as keywords) around one of
-    the reward service's functions, with the job's kwargs."""
-    kwargs = spec.get("kwargs") or {}
+# Keywords TRL passes that rlfleet's reward service does not.
+TRL_ONLY = frozenset({"trainer_state", "log_extra", "log_metric"})
 
-    def reward(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
-        return fn(completions, answer=answer, **kwargs)
 
-    reward.__name__ = spec["name"]
+def _reward(record: Any, kwargs: dict[str, Any]) -> Any:
+    """A TRL reward function (completions plus the dataset's columns as keywords) around a
+    reward service record, called as the service calls it, with the job's kwargs."""
+
+    def reward(completions: list[str], **columns: Any) -> list[float | None]:
+        passed = {k: v for k, v in columns.items() if k not in TRL_ONLY}
+        out = record.fn(completions, **record.call_kwargs({**passed, **kwargs}))
+        return asyncio.run(out) if inspect.isawaitable(out) else out
+
+    reward.__name__ = record.name
     return reward
+
+
+def _keys(tasks: list[Any]) -> list[str]:
+    return sorted({key for task in tasks for key in task.columns()})
 
 
 if __name__ == "__main__":

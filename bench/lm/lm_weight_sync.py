@@ -2,7 +2,7 @@
 
 The learner side runs in this process: a real WeightStore and WeightService on a GrpcServer,
 announcements (learner.weights.announce) on a real NATS (services.bus.EmbeddedNats). The sampler
-is ``python -m services.cli serve sampler`` in its own process, following the run
+is ``python -m launch.cli serve sampler`` in its own process, following the run
 (weights_from = this learner). For each version: perturb the weights, ``store.publish`` (not
 in the latency: the learner publishes before it announces), announce, then call Generate
 (1 prompt, 1 token) back to back until a completion carries policy_version k.

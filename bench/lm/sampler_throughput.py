@@ -4,7 +4,7 @@ through the raw vLLM engine in this process, and through transformers ``generate
 Workload (default): 32 arith prompts x n=8 x 32 tokens, temperature 1, ignore_eos (every
 completion has exactly 32 tokens), per-token logprobs on (what RL asks for), tiny model.
 
-- service: ``python -m services.cli serve sampler`` in its own process (as deployed), called
+- service: ``python -m launch.cli serve sampler`` in its own process (as deployed), called
   with sampler/client.SamplerClient on loopback; token-id prompts, one Generate call.
 - raw vLLM: a ``vllm.v1`` AsyncLLM in this process, built with the arguments
   sampler/engines/vllm_engine.py uses (same KV cache, max_num_seqs, logprobs mode), one request

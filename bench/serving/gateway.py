@@ -102,7 +102,7 @@ def gateway_process(name: str, samplers: list[str], run_dir: Path) -> HttpProces
         RLFLEET_GATEWAY__HTTP_PORT=str(port),
         RLFLEET_GATEWAY__SERVED_MODEL_NAME=MODEL,
     )
-    cmd = [sys.executable, "-m", "services.cli", "serve", "gateway", "--name", name]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "gateway", "--name", name]
     proc = HttpProcess(name, cmd, env, run_dir)
     proc.port, proc.url = port, f"http://127.0.0.1:{port}"
     return proc

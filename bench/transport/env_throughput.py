@@ -1,6 +1,6 @@
 """Env stepping through a real env_server versus in-process `gymnasium.vector.SyncVectorEnv`.
 
-The server runs as its own process (`python -m services.cli serve env_server --port P`), the
+The server runs as its own process (`python -m launch.cli serve env_server --port P`), the
 client steps Session streams in lock step, and every side uses the same pre-generated random
 actions, so policy cost is excluded. Two remote columns: gRPC (StepRequest messages) and
 co-located (the same server, steps through a shared-memory ring: docs/colocated.md; the client
@@ -304,7 +304,7 @@ def start_server(
     env["RLFLEET_ENV_SERVER__COLOCATED_BUSY_POLL_US"] = str(busy_poll_us)
     if cpu is not None:
         env["RLFLEET_CPUS"] = str(cpu)
-    cmd = [sys.executable, "-m", "services.cli", "serve", "env_server", "--port", str(port)]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--port", str(port)]
     server = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
         wait_for_health(f"127.0.0.1:{port}", timeout_s=30)

@@ -1,6 +1,6 @@
 """GameLink ticks/s and reply latency for the Python, TypeScript and C++ clients, beside EnvService.
 
-One env server runs as its own process (`python -m services.cli serve env_server`) with
+One env server runs as its own process (`python -m launch.cli serve env_server`) with
 `game_link: {enabled: true, policy: random}` (the policy pass, uniform sampling, is part of
 every reply; no fragments are published, so no NATS). Each client kind runs as a subprocess:
 the Python SDK (this file, `client` mode), `sdk/typescript/dist/bench/link_bench.js` and
@@ -173,7 +173,7 @@ def start_server(tmp: Path, port: int) -> subprocess.Popen[bytes]:
         "RLFLEET_RUN_DIR": f"{tmp}/run",
     }
     env.pop("RLFLEET_NATS_URL", None)  # random policy, no fragments: no bus
-    cmd = [sys.executable, "-m", "services.cli", "serve", "env_server", "--config", str(config)]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--config", str(config)]
     cmd += ["--name", "env-bench", "--port", str(port)]
     server = subprocess.Popen(
         cmd, cwd=ROOT, env=env, start_new_session=True, preexec_fn=parent_death_signal(SIGTERM)

@@ -138,7 +138,7 @@ rm -rf "$out/project"
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
 tar -C "$REPO" --exclude=__pycache__ -c pyproject.toml README.md \
-    services common clients env_server sampler learner reward_service gateway rlfleet | tar -C "$src" -x
+    services launch common clients env_server sampler learner reward_service gateway rlfleet | tar -C "$src" -x
 # A fixed timestamp makes the wheel's bytes depend on the code only: unchanged code, cached layer.
 SOURCE_DATE_EPOCH=315532800 pip wheel -q --no-deps --no-build-isolation -w "$out/project" "$src" >/dev/null
 say "$(du -sh "$out" | cut -f1) in $out"

@@ -10,9 +10,9 @@ Why a wrapper around nats-py rather than nats-py directly:
   timeouts, with explicit, confirmed acks (at-least-once; consumers must be idempotent);
 - nats-py and JetStream errors become the project's error classes (services/errors.py).
 
-Longer than most modules (about 600 lines) because ``Bus`` is the one object every service holds:
-connect, streams, publish, pull consumers, subscriptions and KV share its connection state and
-error mapping; the message types, subjects and the server process live beside it.
+``Bus`` is one class because it is the one object every service holds: connect, streams,
+publish, pull consumers, subscriptions and KV share its connection state and error mapping; the
+message types, subjects and the server process live beside it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Whoever ends a run (the learner, at its last update) publishes ``bus.v1.RunStatu
 
 A service's start-up phases (loading a model, SFT, an engine starting) and a resume go out the
 same way, as a RunStatus with a message (``announce``), which `rlfleet up`'s console prints as
-``<source>: <message>`` (services/console.py): services never print to the console themselves.
+``<source>: <message>`` (launch/console.py): services never print to the console themselves.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest_asyncio
 from google.rpc import error_details_pb2
 from prometheus_client import REGISTRY
 
-from clients.env import EnvSession, RemoteVectorEnv, list_envs
+from clients.env import EnvSession, RemoteVectorEnv, env_spaces, list_envs
 from common import tensor
 from env_server.service import SERVICE_NAME, EnvServerSettings, main
 from env_server.servicer import EnvService
@@ -283,6 +283,23 @@ async def test_unknown_env_id_is_not_found(address: str) -> None:
         await s.create("CartPole-v1", 4)  # the same stream creates fine afterwards
         await s.reset()
         await assert_still_serving(s)
+
+
+async def test_env_spaces_reads_one_env_and_frees_its_session(address: str) -> None:
+    await wait_active(0)
+    observation, action = await env_spaces(address, "CartPole-v1")
+    local = gym.make("CartPole-v1")
+    assert (observation, action) == (local.observation_space, local.action_space)
+    await wait_active(0)  # closed at once: no slot left taken
+    kwargs = {"use_lidar": False}
+    flappy = await env_spaces(address, "FlappyBird-v0", kwargs)
+    assert flappy[0] == gym.make("FlappyBird-v0", **kwargs).observation_space
+    with pytest.raises(NotFound, match="did you mean CartPole-v1"):
+        await env_spaces(address, "CartPole-v9")
+    # What a learner waiting for its env servers retries on: a server that is not up yet.
+    with pytest.raises(Unavailable):
+        await env_spaces(f"127.0.0.1:{free_port()}", "CartPole-v1", timeout_s=10)
+    await wait_active(0)
 
 
 async def test_num_envs_over_the_limit(address: str) -> None:

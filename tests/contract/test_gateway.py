@@ -57,7 +57,7 @@ def samplers(
         cmd = [
             sys.executable,
             "-m",
-            "services.cli",
+            "launch.cli",
             "serve",
             "sampler",
             "--name",

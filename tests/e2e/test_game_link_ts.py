@@ -98,7 +98,7 @@ def test_typescript_snake_trains_through_game_link(tmp_path: Path) -> None:
     summary = tmp_path / "play.json"
     play = ["play", str(run_dir), "--env", "Snake-v0", "--episodes", "20", "--json", str(summary)]
     played = subprocess.run(
-        [sys.executable, "-m", "services.cli", *play],
+        [sys.executable, "-m", "launch.cli", *play],
         capture_output=True,
         text=True,
         timeout=300,

@@ -29,7 +29,7 @@ KEY = "sk-e2e"
 def _cli(*args: str, cwd: Path, **kwargs) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "launch.cli", *args],
         cwd=cwd, env=env, text=True, start_new_session=True, **kwargs,
     )  # fmt: skip
 

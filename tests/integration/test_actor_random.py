@@ -233,7 +233,7 @@ class KillableServer:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "services.cli", "serve", "env_server", "--name", "env-k"]
+        argv = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--name", "env-k"]
         argv += ["--port", self.address.rsplit(":", 1)[1]]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))

@@ -273,7 +273,7 @@ async def test_a_client_killed_mid_step_leaves_the_server_serving(
 def _server_process(name: str, **settings: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """An env server in its own process (`settings`: RLFLEET_ENV_SERVER__* values)."""
     port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "serve", "env_server", "--name", name]
+    argv = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--name", name]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env |= {f"RLFLEET_ENV_SERVER__{key.upper()}": value for key, value in settings.items()}
     server = subprocess.Popen([*argv, "--port", str(port)], env=env, stdout=subprocess.DEVNULL)

@@ -139,7 +139,7 @@ def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     service = {"name": "env-slow", "service": "env_server", "settings": {"preload": [SLOW_ID]}}
     config.write_text(yaml.safe_dump({"run": {"name": "slow"}, "services": [service]}))
     port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "serve", "env_server", "--name", "env-slow"]
+    argv = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--name", "env-slow"]
     argv += ["--port", str(port), "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, cwd=REPO)

@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 
 from common.datasets import DatasetSpecError
+from launch.cli import main as cli_main
 from learner.lm.dpo import DPOSettings, DPOTrainer, Reporter
 from learner.lm.dpo_data import PreferencePair, arith_pairs, encode_pair, load_pairs, write_pairs
 from learner.lm.model import LoraSettings, hf_weights, load_tokenizer
-from services.cli import main as cli_main
 from services.config import load_run_config
 from tests.fixtures.launch import Up, assert_nothing_left
 

@@ -9,7 +9,7 @@ run where they are meant to.
   ZeRO 3 and with LoRA (ZeRO 2 and 3) export to the engine's own merged weights; exported
   folders load with transformers and give the source's logits and greedy output;
 - quantization (slow): w4a16 and w8a8 exports (llmcompressor in .venv-quant, created once per
-  machine on first use) load in vLLM (a subprocess) and answer;
+  checkout on first use) load in vLLM (a subprocess) and answer;
 - bad inputs are ConfigErrors naming what was wrong (exit 2 from the CLI).
 """
 
@@ -159,7 +159,7 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, monkeypatch) -> None:
     # The command: exit 2, one line naming the problem, no traceback.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "export", "no-such-run", str(tmp_path / "o7")],
+        [sys.executable, "-m", "launch.cli", "export", "no-such-run", str(tmp_path / "o7")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

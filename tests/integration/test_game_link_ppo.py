@@ -95,7 +95,7 @@ async def _serve(kind: str, config: Path, run: str, run_dir: Path, nats: str, po
     }
     name = "env-0" if kind == "env_server" else "learner"
     return await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "services.cli", "serve", kind, "--config", str(config)),
+        *(sys.executable, "-m", "launch.cli", "serve", kind, "--config", str(config)),
         *("--name", name, "--port", str(port)),
         cwd=REPO,
         env=env,

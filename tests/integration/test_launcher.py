@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.launcher import Launcher
 from services.config import load_run_config
-from services.launcher import Launcher
 from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning, write_config
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="scans /proc")
@@ -122,7 +122,7 @@ def test_malformed_config_exits_2_before_starting_anything(tmp_path: Path) -> No
         """,
     )
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", str(config)],
+        [sys.executable, "-m", "launch.cli", "up", str(config)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -183,8 +183,8 @@ def test_services_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
 def test_event_lines_per_message_type() -> None:
     from google.protobuf import struct_pb2
 
+    from launch.console import format_event
     from rlfleet.bus.v1 import events_pb2
-    from services.launcher import format_event
 
     beat = struct_pb2.Struct()
     beat.update({"uptime_s": 1.23456, "service": "hb", "seq": 3})
@@ -228,7 +228,7 @@ def publish_like_a_learner(url: str, run: str, seconds: float, stop: threading.E
     verbose mode) and a progress record; once, the resume notice."""
     from rlfleet.bus.v1 import events_pb2
     from services.bus import Bus, events_subject
-    from services.console import PROGRESS_EVENTS, progress_record
+    from services.progress import PROGRESS_EVENTS, progress_record
 
     async def main() -> None:
         bus = await Bus.connect(url, name="fake-learner")
@@ -339,7 +339,7 @@ def test_verbose_prints_every_metrics_event(tmp_path: Path, nats_url: str) -> No
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_PROGRESS_INTERVAL_S": "1"}
     with fake_learner(nats_url, "itest", 9):
         result = subprocess.run(
-            [sys.executable, "-m", "services.cli", "up", "--verbose", str(config)],
+            [sys.executable, "-m", "launch.cli", "up", "--verbose", str(config)],
             capture_output=True,
             text=True,
             timeout=60,

@@ -113,7 +113,7 @@ async def start_learner(config: Path, run: str, run_dir: Path, nats_url: str, po
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "launch.cli",
         "serve",
         "learner",
         "--config",

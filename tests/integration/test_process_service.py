@@ -3,7 +3,7 @@ names is healthy, given that service's real address, restarted after a crash, an
 launcher is SIGKILLed; and the PPO job's `game:` block, whose game processes train the learner
 through GameLink.
 
-Real processes throughout: `python -m services.cli up` in a subprocess, the real nats-server, a
+Real processes throughout: `python -m launch.cli up` in a subprocess, the real nats-server, a
 real `heartbeat` service, a small Python "game" that checks the heartbeat's gRPC health, and for
 the job a Python game of Snake-v0 boards on the Python GameLink SDK with the real learner.
 """

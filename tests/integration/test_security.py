@@ -1,7 +1,7 @@
 """Authentication and encryption (issue 13): mutual TLS on gRPC, credentials, TLS and subject
 permissions on NATS, and a whole PPO run with both on.
 
-Real parts throughout: certificates from `rlfleet certs` (services/certs.py, the cryptography
+Real parts throughout: certificates from `rlfleet certs` (launch/certs.py, the cryptography
 library), grpc.aio servers on loopback ports, the real nats-server with the configuration the
 launcher writes, and `rlfleet up` in a subprocess for the run.
 """
@@ -22,8 +22,8 @@ import yaml
 from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launch.certs import ensure_certs
 from services.bus import Bus, EmbeddedNats, NatsUser, service_permissions, stream_name
-from services.certs import ensure_certs
 from services.errors import ConfigError, Unavailable
 from services.security import TlsFiles, tls_files
 from services.server import GrpcServer, channel
@@ -131,7 +131,7 @@ async def test_nats_credentials_tls_and_subject_permissions(
 
 def test_rlfleet_certs_command(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "certs", str(tmp_path / "c"), "--name", "env-0",
+        [sys.executable, "-m", "launch.cli", "certs", str(tmp_path / "c"), "--name", "env-0",
          "--name", "learner", "--host", "env-0.rlfleet.svc"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

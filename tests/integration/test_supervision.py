@@ -2,7 +2,7 @@
 a service, no child outlives a SIGKILLed launcher, and a service that fails for a reason a
 restart cannot heal exits EXIT_PERMANENT and fails the run at once, with its one-line reason.
 
-Real processes throughout: `python -m services.cli up` in a subprocess (tests/fixtures/launch.py),
+Real processes throughout: `python -m launch.cli up` in a subprocess (tests/fixtures/launch.py),
 the real nats-server, real `heartbeat` services, and for the NATS-kill case a short CartPole PPO
 run (examples/cartpole_ppo.yaml shrunk) through the whole fleet.
 """
@@ -95,7 +95,7 @@ def test_permanent_failure_is_not_restarted_and_fails_with_its_reason(tmp_path: 
         f"""
         import sys
         from services.config import load_run_config
-        from services.launcher import Launcher
+        from launch.launcher import Launcher
         sys.exit(Launcher(load_run_config({str(good)!r}), {str(bad)!r}).run())
         """
     )
@@ -129,10 +129,11 @@ def test_serve_exits_permanent_with_one_line_on_invalid_argument(
     """An InvalidArgument out of a service's main (a payload that can never fit the bus), even
     inside an exception group, is permanent; any other exception stays a restartable exit 1."""
     import services.registry
+    from launch.cli import main
     from services.builtin import HeartbeatSettings
-    from services.cli import ENV_EXIT_REASON, main
     from services.errors import InvalidArgument
     from services.registry import ServiceSpec
+    from services.serve import ENV_EXIT_REASON
 
     failure: list[BaseException] = []
 

@@ -234,7 +234,7 @@ def test_validating_a_run_with_builtin_presets_does_not_import_torch():
     # and the launcher's whole validation took 3.7 s with it against 1 s without) stays out.
     _python(
         "import sys\n"
-        "from services.cli import main\n"
+        "from launch.cli import main\n"
         "from learner.game.settings import check_game_algo\n"
         "assert main(['validate', 'examples/cartpole_ppo.yaml']) == 0\n"
         "assert main(['validate', 'examples/cartpole_appo.yaml']) == 0\n"

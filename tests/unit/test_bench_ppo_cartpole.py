@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_actor_start_lines_give_first_step_and_transport(tmp_path: Path) -> None:
     (tmp_path / "actor-0.log").write_text(
-        "=== 2026-12-01 17:16:31 start 1 pid 1: python -m services.cli serve game_actor\n"
+        "=== 2026-12-01 17:16:31 start 1 pid 1: python -m launch.cli serve game_actor\n"
         "2026-12-01 17:16:38,177 INFO actor-0 sampler.actors.actor: loaded weights v0\n"
         "2026-12-01 17:16:38,178 INFO actor-0 sampler.actors.actor: actor actor-0: 4 x "
         "CartPole-v1 over 127.0.0.1:45665 (steps via shm), policy learner, T=32, fragments on\n"

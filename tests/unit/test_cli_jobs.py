@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import main
+from launch.cli import main
 from services.registry import JOBS_GROUP, entry_point_registry, get_job
 
 

@@ -236,7 +236,7 @@ def test_service_references_checked_at_load(tmp_path: Path) -> None:
 
 
 def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+    from launch.cli import main
 
     assert main(["validate", str(write(tmp_path, GOOD))]) == 0
     assert "OK" in capsys.readouterr().out
@@ -259,7 +259,7 @@ def test_non_utf8_file_is_a_config_error_naming_file_line_and_offset(tmp_path: P
 def test_validate_command_reports_non_utf8_without_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.cli import main
+    from launch.cli import main
 
     path = tmp_path / "run.yaml"
     path.write_bytes(b"run:\n  name: demo\n\xff\xfe\n")

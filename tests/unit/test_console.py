@@ -1,4 +1,4 @@
-"""services.console: the progress line's numbers, the interval logic, metrics.jsonl."""
+"""launch.console: the progress line's numbers, the interval logic, metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format, struct_pb2
 
+from launch.console import Console, compact, duration, format_progress, metric_value
 from rlfleet.bus.v1 import events_pb2
-from services.console import (
-    Console,
-    Progress,
-    compact,
-    duration,
-    format_progress,
-    metric_value,
-    progress_record,
-)
+from services.progress import Progress, progress_record
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The dashboard's JSON endpoints over real metrics.jsonl files (services.dashboard), its server
+"""The dashboard's JSON endpoints over real metrics.jsonl files (launch.dashboard), its server
 on a real socket, and the settings that turn it on and off. The page in a browser, on a real
 run, is tests/e2e/test_dashboard.py."""
 
@@ -14,10 +14,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from services.dashboard.app import create_app
-from services.dashboard.live import LiveView, dashboard_port_from_env, tensorboard_from_env
-from services.dashboard.metrics import Runs
-from services.dashboard.server import DashboardServer
+from launch.dashboard.app import create_app
+from launch.dashboard.live import LiveView, dashboard_port_from_env, tensorboard_from_env
+from launch.dashboard.metrics import Runs
+from launch.dashboard.server import DashboardServer
 from services.errors import ConfigError
 
 

@@ -293,7 +293,7 @@ CORRIDOR = "examples/custom_env.py:Corridor"
 def test_the_custom_reward_and_env_examples_validate(
     example: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.cli import main
+    from launch.cli import main
 
     monkeypatch.chdir(ROOT)  # the examples' file references are relative to the current directory
     assert main(["validate", f"examples/{example}"]) == 0
@@ -335,8 +335,9 @@ def test_an_env_reference_is_preloaded_by_the_env_servers(monkeypatch: pytest.Mo
         ),
         (
             "{name: 'tests.plugins.reference_rewards:needs_level'}",
-            "run.yaml:7: job.rewards[1].kwargs: 'tests.plugins.reference_rewards:needs_level' — "
-            "parameter 'level' has no default and nothing passes it",
+            "run.yaml:5: job.rewards: rewards[1]: 'tests.plugins.reference_rewards:needs_level' "
+            "— parameter 'level' has no default and nothing passes it: set it in kwargs, or give "
+            "the dataset a 'level' column (its columns: answer, solution)",
         ),
         (
             "{name: 'no/such/file.py:f'}",
@@ -477,3 +478,24 @@ def test_job_knob_at_the_top_level_points_under_job(tmp_path: Path) -> None:
     assert "run.yaml:3: lr: unknown key 'lr': job knobs go under `job:`, and rlfleet calls it " \
         "job.learning_rate" in message  # fmt: skip
     assert "services" not in message
+
+
+def test_a_trl_style_reward_gets_every_dataset_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TRL passes every dataset column as a keyword: a required parameter named after a column
+    # (arith's solution, answer) needs no extra_keys, nor one named after a JSONL file's column.
+    monkeypatch.chdir(ROOT)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Q: 1+1=?", "answer": "2", "level": 3}\n')
+    refs = "tests.plugins.reference_rewards"
+    for dataset, ref in [
+        ("{generator: arith}", "trl_accuracy"),
+        (f"{{jsonl: {rows}}}", "needs_level"),
+    ]:
+        body = (
+            f"run: {{name: r}}\njob:\n  kind: grpo\n  model_path: m\n  dataset: {dataset}\n"
+            f"  eval_count: 0\n  rewards:\n  - {{name: '{refs}:{ref}'}}\n"
+        )
+        config = load_run_config(_write(tmp_path, body), environ={})
+        assert config.service("reward").settings.plugins == [f"{refs}:{ref}"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from env_server.game_link.settings import GameLinkSettings
-from services.cli import main as rlfleet
+from launch.cli import main as rlfleet
 from services.config import load_run_config
 from services.errors import ConfigError
 from services.process import ProcessSettings

@@ -26,7 +26,7 @@ from common.artifacts import (
 from common.policies import build_policy
 from common.policy_config import PolicyConfig
 from env_server.play import _FrameDir, play
-from services import cli
+from launch import cli
 from services.errors import ConfigError, InvalidArgument
 
 CARTPOLE_OBS = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)

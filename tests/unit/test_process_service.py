@@ -103,7 +103,7 @@ def test_a_service_without_an_address_cannot_be_referenced(tmp_path: Path) -> No
 def test_a_missing_program_fails_rlfleet_validate_and_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.cli import main as rlfleet
+    from launch.cli import main as rlfleet
 
     path = tmp_path / "run.yaml"
     path.write_text(

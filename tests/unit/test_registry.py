@@ -114,7 +114,7 @@ def test_context_defaults_and_bad_environment() -> None:
 def test_a_command_plugin_that_fails_to_import_breaks_only_itself(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services import cli
+    from launch import cli
 
     real = registry._entry_points
 

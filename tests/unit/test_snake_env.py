@@ -12,7 +12,7 @@ from gymnasium.utils.env_checker import check_env
 
 from env_server.envs.snake import SnakeEnv
 from env_server.registry import list_local_envs, make_env
-from services.cli import main as rlfleet
+from launch.cli import main as rlfleet
 from services.config import load_run_config
 
 STRAIGHT, RIGHT, LEFT = 0, 1, 2

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from launch.console import describe_start
 from services.config import RunConfig, load_run_config
 from services.errors import ConfigError
-from services.start_order import describe_start, named_services, start_needs, stop_waves
+from services.start_order import named_services, start_needs, stop_waves
 
 REPO = Path(__file__).resolve().parents[2]
 

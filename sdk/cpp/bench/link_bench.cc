@@ -1,8 +1,9 @@
-// GameLink bench client (bench/game_link.py starts it): L links of N agents, each a GameLink on
-// its own thread (a GameLink belongs to one thread, as in a game loop), each running W warm-up
-// ticks and then T measured ticks with up to K observations in flight (1: lock step). Prints one
-// JSON line: the measured seconds (all links, from the moment every link is warmed up), the
-// ticks, the granted in-flight window and every tick's submit -> reply latency in microseconds.
+// GameLink bench client (bench/transport/game_link.py starts it): L links of N agents, each a
+// GameLink on its own thread (a GameLink belongs to one thread, as in a game loop), each running
+// W warm-up ticks and then T measured ticks with up to K observations in flight (1: lock step).
+// Prints one JSON line: the measured seconds (all links, from the moment every link is warmed
+// up), the ticks, the granted in-flight window and every tick's submit -> reply latency in
+// microseconds.
 //
 //   link_bench ADDRESS AGENTS LINKS TICKS WARMUP IN_FLIGHT
 #include <algorithm>

@@ -1,8 +1,8 @@
-// GameLink bench client (bench/game_link.py starts it): L links of N agents, opened at once as
-// promises on one event loop, each running W warm-up ticks and then T measured ticks with up to
-// K observations in flight (1: lock step). Prints one JSON line: the measured seconds (all links,
-// from the moment every link is warmed up), the ticks, the granted in-flight window and every
-// tick's submit -> reply latency in microseconds.
+// GameLink bench client (bench/transport/game_link.py starts it): L links of N agents, opened
+// at once as promises on one event loop, each running W warm-up ticks and then T measured ticks
+// with up to K observations in flight (1: lock step). Prints one JSON line: the measured seconds
+// (all links, from the moment every link is warmed up), the ticks, the granted in-flight window
+// and every tick's submit -> reply latency in microseconds.
 //
 //   node dist/bench/link_bench.js ADDRESS AGENTS LINKS TICKS WARMUP IN_FLIGHT
 import { GameLink, spaces } from "../src/index.js";

@@ -50,7 +50,7 @@ export async function startEnvServer(
     env[`RLFLEET_ENV_SERVER__GAME_LINK__${key.toUpperCase()}`] = String(value);
   const child: ChildProcess = spawn(
     python(),
-    ["-m", "services.cli", "serve", "env_server", "--host", "127.0.0.1", "--port", String(port)],
+    ["-m", "launch.cli", "serve", "env_server", "--host", "127.0.0.1", "--port", String(port)],
     { cwd: REPO, env, detached: true, stdio: ["ignore", "pipe", "pipe"] },
   );
   let output = "";

@@ -1,0 +1,210 @@
+"""The dashboard's data: every run directory's ``metrics.jsonl``, read incrementally.
+
+``rlfleet up`` appends one JSON object a line to ``<run dir>/metrics.jsonl`` for every metrics
+event of every service (launch.console): ``time`` (Unix seconds), ``service``, ``kind``,
+``step``, ``version`` and ``values`` (name -> number; CleanRL-style names such as
+``charts/episodic_return`` or ``losses/entropy``). A `MetricsFile` remembers how far it has
+read, so each poll of the page parses only the lines appended since the last one; a line still
+being written (no newline yet) waits for the next poll. A file that shrank or was replaced is read
+again from the start under a new ``generation``, so a client holding a cursor of the old file
+starts over instead of mixing two files. Lines that are not such records are skipped and counted,
+with the first few reasons kept for the page to show.
+
+Earlier runs are the sibling directories of the current run (``runs/*``) that hold a
+``metrics.jsonl``; a run is named by its directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METRICS_FILE", "MetricsFile", "Record", "RunInfo", "Runs", "UnknownRun"]
+
+METRICS_FILE = "metrics.jsonl"
+MAX_PROBLEMS = 5  # reasons kept for skipped lines; the count goes on
+
+
+class UnknownRun(LookupError):
+    """No run of that name in the runs directory."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One metrics event: when, who sent it, at which step, and its numeric values."""
+
+    time: float
+    service: str
+    step: int | None
+    values: dict[str, float]
+
+
+def parse_record(line: str) -> Record:
+    """A ``metrics.jsonl`` line as a Record; ValueError saying what is wrong with it."""
+    try:
+        raw = json.loads(line)
+    except ValueError:
+        raise ValueError("not JSON") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+    t = raw.get("time")
+    if not isinstance(t, int | float) or isinstance(t, bool):
+        raise ValueError("no numeric 'time'")
+    values = raw.get("values")
+    if not isinstance(values, dict):
+        raise ValueError("no 'values' object")
+    step = raw.get("step")
+    return Record(
+        time=float(t),
+        service=str(raw.get("service") or ""),
+        step=int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None,
+        # Only finite numbers make points: a string, a bool or a NaN has no place on a curve.
+        values={str(k): float(v) for k, v in values.items() if _number(v) and math.isfinite(v)},
+    )
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+@dataclass
+class MetricsFile:
+    """One run's ``metrics.jsonl``: the records read so far, and where reading goes on."""
+
+    path: Path
+    records: list[Record] = field(default_factory=list)
+    generation: int = 0  # a new one whenever the file is read again from the start
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+    _offset: int = 0
+    _partial: bytes = b""
+    _lines: int = 0
+    _identity: tuple[int, int] | None = None
+
+    def refresh(self) -> int:
+        """Read what was appended since the last call; the number of new records."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return 0  # not written yet (a run before its first metrics): nothing new
+        identity = (stat.st_dev, stat.st_ino)
+        if self._identity is not None and (
+            identity != self._identity or stat.st_size < self._offset
+        ):
+            self._start_over()
+        self._identity = identity
+        if stat.st_size == self._offset:
+            return 0
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        before = len(self.records)
+        for line in lines:
+            self._lines += 1
+            self._add(line)
+        return len(self.records) - before
+
+    def _add(self, line: bytes) -> None:
+        text = line.decode("utf-8", errors="replace").strip()
+        if not text:
+            return
+        try:
+            self.records.append(parse_record(text))
+        except ValueError as exc:
+            self.skipped += 1
+            if len(self.problems) < MAX_PROBLEMS:
+                self.problems.append(f"{self.path.name} line {self._lines}: {exc}")
+
+    def _start_over(self) -> None:
+        self.records.clear()
+        self.problems.clear()
+        self.skipped = self._offset = self._lines = 0
+        self._partial = b""
+        self.generation += 1
+
+    def since(self, cursor: int, generation: int | None) -> dict[str, Any]:
+        """The series of the records from ``cursor`` on (all of them when ``generation`` is not
+        this file's), with the cursor to send next time."""
+        reset = generation != self.generation or cursor > len(self.records)
+        start = 0 if reset else cursor
+        return {
+            "generation": self.generation,
+            "cursor": len(self.records),
+            "reset": reset,
+            "skipped": self.skipped,
+            "problems": list(self.problems),
+            "series": series(self.records[start:]),
+        }
+
+
+def series(records: list[Record]) -> list[dict[str, Any]]:
+    """One series per (metric name, service): ``points`` are ``[time, value]`` pairs."""
+    out: dict[tuple[str, str], list[list[float]]] = {}
+    for r in records:
+        for key, value in r.values.items():
+            out.setdefault((key, r.service), []).append([r.time, value])
+    return [
+        {"key": key, "service": service, "points": points}
+        for (key, service), points in sorted(out.items())
+    ]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: str
+    current: bool
+    modified: float | None  # the metrics file's mtime (None before its first line)
+    size: int
+
+
+class Runs:
+    """The runs under ``root`` (``runs/``): the current one and every earlier one with a
+    ``metrics.jsonl``; each run's file is read incrementally and kept between requests."""
+
+    def __init__(self, root: Path, current: Path | None = None) -> None:
+        self.root = root
+        self.current = current
+        self._files: dict[str, MetricsFile] = {}
+
+    def _dirs(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except OSError:  # no runs/ yet
+            entries = []
+        for entry in entries:
+            if entry.is_dir() and (Path(entry.path) / METRICS_FILE).is_file():
+                found[entry.name] = Path(entry.path)
+        if self.current is not None:
+            found.setdefault(self.current.name, self.current)
+        return found
+
+    def list(self) -> list[RunInfo]:
+        """The current run first, then the others, most recently written first."""
+        runs = []
+        for name, path in self._dirs().items():
+            try:
+                stat = (path / METRICS_FILE).stat()
+                modified, size = stat.st_mtime, stat.st_size
+            except OSError:
+                modified, size = None, 0
+            runs.append(RunInfo(name, path == self.current, modified, size))
+        return sorted(runs, key=lambda r: (not r.current, -(r.modified or 0.0), r.id))
+
+    def metrics(self, run_id: str) -> MetricsFile:
+        """The run's metrics file, brought up to date; UnknownRun for a name not listed (so a
+        request can never name a path outside ``root``)."""
+        file = self._files.get(run_id)
+        if file is None:
+            path = self._dirs().get(run_id)
+            if path is None:
+                raise UnknownRun(f"no run '{run_id}' in {self.root}")
+            file = self._files[run_id] = MetricsFile(path / METRICS_FILE)
+        file.refresh()
+        return file
