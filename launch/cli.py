@@ -30,7 +30,7 @@ from services.commands import COMMANDS_GROUP, Command, Handler, print_table
 from services.config import load_run_config
 from services.errors import ConfigError, RlfleetError
 from services.registry import JOBS_GROUP, entry_point_registry, get_job
-from services.serve import serve
+from services.serve import add_serve_arguments, serve
 from services.server import wait_for_health
 
 __all__ = [
@@ -239,15 +239,7 @@ def _health(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kind", help="service kind (an `rlfleet.services` entry point)")
-    parser.add_argument("--config", help="run config to take settings from ($RLFLEET_RUN_CONFIG)")
-    parser.add_argument("--name", help="instance name (default: the kind)")
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind host")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free)")
-
-
-@command("serve", "run one service (what the launcher and containers run)", _serve_args)
+@command("serve", "run one service (what containers run)", add_serve_arguments)
 def _serve(args: argparse.Namespace) -> int:
     return serve(args.kind, config=args.config, name=args.name, host=args.host, port=args.port)
 

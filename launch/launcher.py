@@ -1,7 +1,7 @@
 """``rlfleet up``: run a whole config on one machine, no Docker needed.
 
 The launcher starts an embedded nats-server (unless the config names one), then every service
-as ``python -m launch.cli serve KIND`` (services/serve.py) in its own process group on a free
+as ``python -m services.serve KIND`` in its own process group on a free
 loopback port, each process at once (its imports meanwhile) and each service's start, at its
 start gate (services/start_gate.py), as soon as the services it needs are up (healthy, for a
 gRPC service): independent services start together, and with nothing declared the start is in
@@ -554,7 +554,7 @@ class Launcher:
     async def _spawn(
         self, svc: _Service, env: dict[str, str], config_copy: Path
     ) -> asyncio.subprocess.Process:
-        argv = [sys.executable, "-m", "launch.cli", "serve", svc.entry.service]
+        argv = [sys.executable, "-m", "services.serve", svc.entry.service]
         argv += ["--name", svc.name, "--port", str(svc.port), "--config", str(config_copy)]
         child_env = {
             **env,

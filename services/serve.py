@@ -16,6 +16,7 @@ gracefully, then exits at once `ORPHAN_GRACE_S` later.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import faulthandler
@@ -32,7 +33,14 @@ from services.server import install_signal_handlers
 from services.start_gate import wait_at_gate
 from services.telemetry import setup_tracing, start_metrics_server
 
-__all__ = ["ENV_EXIT_REASON", "EXIT_GRACE_S", "ORPHAN_GRACE_S", "serve"]
+__all__ = [
+    "ENV_EXIT_REASON",
+    "EXIT_GRACE_S",
+    "ORPHAN_GRACE_S",
+    "add_serve_arguments",
+    "main",
+    "serve",
+]
 
 # Where `serve` writes the one-line reason of a permanent failure (set by the launcher, which
 # quotes it); the same line always goes to stderr too.
@@ -41,6 +49,24 @@ ORPHAN_GRACE_S = 15.0  # an orphaned service that has not stopped by then exits 
 EXIT_GRACE_S = 30.0  # a service whose main returned but whose process has not ended by then
 
 log = logging.getLogger("rlfleet")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``rlfleet serve`` and ``python -m services.serve``."""
+    parser.add_argument("kind", help="service kind (an `rlfleet.services` entry point)")
+    parser.add_argument("--config", help="run config to take settings from ($RLFLEET_RUN_CONFIG)")
+    parser.add_argument("--name", help="instance name (default: the kind)")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind host")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.serve KIND ...``: what the launcher spawns, so that a service's
+    process never imports the tooling."""
+    parser = argparse.ArgumentParser(prog="python -m services.serve", description=main.__doc__)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    return serve(args.kind, config=args.config, name=args.name, host=args.host, port=args.port)
 
 
 def serve(
@@ -176,3 +202,7 @@ async def _stop_when_orphaned(stop_event: asyncio.Event, environ: Mapping[str, s
     log.warning("still running %gs after the launcher died: exiting", ORPHAN_GRACE_S)
     logging.shutdown()
     os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
