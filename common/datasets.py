@@ -7,7 +7,9 @@ evaluation all read the same records, so they live here (shared pure code, no I/
 
 Generators are registered by name (``GENERATORS``); a dataset spec is either ``{"jsonl": PATH}`` or
 ``{"generator": NAME, "seed": S, ...kwargs}``. Held-out evaluation uses the same generator with a
-different ``split``: the split is folded into the seed, so train and eval prompts differ.
+different ``split``: a generator keeps a fixed part of its prompt space out of ``train`` and draws
+every other split from it, so eval prompts are never training prompts (the split is also folded
+into the seed). A JSONL file has no splits: held-out rows go in a file of their own.
 """
 
 from __future__ import annotations
@@ -15,12 +17,24 @@ from __future__ import annotations
 import json
 import random
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GENERATORS", "DatasetSpecError", "Task", "iter_tasks", "load_jsonl", "take"]
+__all__ = [
+    "GENERATORS",
+    "SOLUTION_COLUMN",
+    "DatasetSpecError",
+    "Task",
+    "dataset_columns",
+    "iter_tasks",
+    "load_jsonl",
+    "shared_prompts",
+    "take",
+]
+
+SOLUTION_COLUMN = "solution"  # Task.solution's column for reward functions (TRL's name)
 
 
 class DatasetSpecError(ValueError):
@@ -36,6 +50,13 @@ class Task:
     messages: tuple[dict[str, str], ...] = ()  # chat messages, rendered with the chat template
     extra: dict[str, Any] = field(default_factory=dict)  # reward kwargs, e.g. {"answer": "42"}
     solution: str | None = None  # an expert completion, when the dataset has one
+
+    def columns(self) -> dict[str, Any]:
+        """The columns reward functions get as keywords: ``extra`` and ``solution`` (when set),
+        every column but the prompt, as TRL passes a dataset's columns."""
+        if self.solution is None:
+            return dict(self.extra)
+        return {SOLUTION_COLUMN: self.solution, **self.extra}
 
 
 Generator = Callable[..., Iterator[Task]]
@@ -53,6 +74,14 @@ def register(name: str) -> Callable[[Generator], Generator]:
 
 
 ARITH_OPS = ("+", "-")
+# One prompt in HOLD_OUT_EVERY (by a hash of its text, whatever the seed) belongs to the held-out
+# splits and never to train: the 1-digit space has only 200 prompts, so seeds alone overlap.
+HOLD_OUT_EVERY = 5
+
+
+def held_out(prompt: str) -> bool:
+    """Whether a generated prompt belongs to the held-out splits (not ``train``)."""
+    return zlib.crc32(prompt.encode()) % HOLD_OUT_EVERY == 0
 
 
 def arith_prompt(a: int, b: int, op: str) -> str:
@@ -72,6 +101,7 @@ def arith(
 
     Completions are expected as ``<answer>N</answer>``; ``solution`` is exactly that, so the SFT
     phase teaches the format and the RL phase the arithmetic. Infinite unless ``count`` is set.
+    ``train`` never draws a ``held_out`` prompt and every other split draws only those.
     """
     for op in ops:
         if op not in ("+", "-", "*"):
@@ -80,13 +110,17 @@ def arith(
         raise DatasetSpecError(f"arith: digits must be in [1, 6], got {digits}")
     rng = random.Random(seed * 1_000_003 + zlib.crc32(split.encode()))
     high = 10**digits - 1
+    keep_held_out = split != "train"
     index = 0
     while count is None or index < count:
         a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(list(ops))
+        prompt = arith_prompt(a, b, op)
+        if held_out(prompt) != keep_held_out:
+            continue
         value = a + b if op == "+" else a - b if op == "-" else a * b
         yield Task(
             prompt_id=f"arith-{split}-{seed}-{index}",
-            prompt=arith_prompt(a, b, op),
+            prompt=prompt,
             extra={"answer": str(value)},
             solution=f" <answer>{value}</answer>",
         )
@@ -163,3 +197,26 @@ def iter_tasks(spec: dict[str, Any], *, split: str | None = None) -> Iterator[Ta
 
 def take(tasks: Iterator[Task], count: int) -> list[Task]:
     return [task for _, task in zip(range(count), tasks, strict=False)]
+
+
+def dataset_columns(spec: dict[str, Any], *, rows: int = 100) -> frozenset[str] | None:
+    """The columns (``Task.columns``) of a dataset's first ``rows`` tasks, or None when the spec
+    or file cannot be read (its own check reports that)."""
+    try:
+        return frozenset(key for task in take(iter_tasks(spec), rows) for key in task.columns())
+    except (DatasetSpecError, OSError):
+        return None
+
+
+def shared_prompts(
+    train: Iterable[Task], held_out: Iterable[Task], *, limit: int
+) -> tuple[int, int]:
+    """``(shared, distinct)``: how many of the ``distinct`` prompts of ``held_out`` are among the
+    first ``limit`` prompts of ``train`` (a prompt: its text, or its chat messages)."""
+    wanted = {_prompt_of(task) for task in held_out}
+    seen = {_prompt_of(task) for _, task in zip(range(limit), train, strict=False)}
+    return len(wanted & seen), len(wanted)
+
+
+def _prompt_of(task: Task) -> str:
+    return task.prompt or json.dumps(task.messages, sort_keys=True)

@@ -7,8 +7,8 @@
 # written, also the metric's: reward/examples/custom_reward.py:brevity) beside its built-ins.
 # Nothing needs installing. The signature is TRL's, so the same functions work in TRL as is:
 # f(completions, **kwargs) -> list[float | None] (None abstains); keywords a function names
-# receive the batch columns (prompts, prompt_ids, completion_ids), the items' extra keys it
-# lists in `extra_keys`, and the run's kwargs for it.
+# receive the batch columns (prompts, prompt_ids, completion_ids), every dataset column (as in
+# TRL: arith's answer and solution, a JSONL file's keys) and the run's kwargs for it.
 """Example reward functions in TRL's signature."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from reward_service.rewards.registry import (
     REFERENCE_FORMS,
@@ -91,11 +91,16 @@ class RewardSettings(StrictModel):
 
     @field_validator("reward_kwargs")
     @classmethod
-    def _referenced_with_kwargs(cls, kwargs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        # A reference's keyword arguments are known here: check them against its signature.
+    def _referenced_with_kwargs(
+        cls, kwargs: dict[str, dict[str, Any]], info: ValidationInfo
+    ) -> dict[str, Any]:
+        # A reference's keyword arguments are known here: check them against its signature,
+        # and its other required parameters against the dataset's columns where a job gives them
+        # (context "dataset_columns").
+        columns = (info.context or {}).get("dataset_columns")
         for name, given in kwargs.items():
             if is_reference(name):
-                check_reference(name, given)
+                check_reference(name, given, columns)
         return kwargs
 
     @property

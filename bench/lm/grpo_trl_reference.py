@@ -169,7 +169,7 @@ def _reward(record: Any, kwargs: dict[str, Any]) -> Any:
     def reward(completions: list[str], **columns: Any) -> list[float | None]:
         passed = {k: v for k, v in columns.items() if k not in TRL_ONLY}
         out = record.fn(completions, **record.call_kwargs({**passed, **kwargs}))
-        return asyncio.run(out) if inspect.isawaitable(out) else out
+        return asyncio.run(out) if inspect.iscoroutine(out) else out
 
     reward.__name__ = record.name
     return reward

@@ -132,7 +132,7 @@ def run_rlfleet(job: dict[str, Any], model: Path, budget_s: float, eval_every: i
     (run_dir / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     # As a user's shell: the launcher gives each service its threads.
     env = {k: v for k, v in CHILD_ENV.items() if k != "OMP_NUM_THREADS"}
-    cmd = [sys.executable, "-m", "services.cli", "up", str(run_dir / "run.yaml"), "--no-dashboard"]
+    cmd = [sys.executable, "-m", "launch.cli", "up", str(run_dir / "run.yaml"), "--no-dashboard"]
     started = time.time()
     with (run_dir / "console.log").open("w") as console:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT,
@@ -162,8 +162,16 @@ def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     s = job_settings
+    # The learner's own evaluation (prompts, split, reward), as the job expands it.
+    from learner.lm.settings import EvalSettings
+    from services.registry import get_job
+
+    learner = next(e for e in get_job(job["kind"]).expand(s, "bench") if e["name"] == "learner")
+    evaluation = EvalSettings.model_validate(learner["settings"]["eval"])
     reference_job = {
-        "dataset": s.dataset, "rewards": job["rewards"], "group_size": s.group_size,
+        "dataset": s.dataset, "rewards": [r.model_dump() for r in s.rewards],
+        "eval_dataset": evaluation.dataset, "eval_split": evaluation.split,
+        "eval_reward": evaluation.reward, "group_size": s.group_size,
         "groups_per_update": s.groups_per_update, "max_tokens": s.max_tokens,
         "temperature": s.temperature, "learning_rate": s.learning_rate, "epochs": s.epochs,
         "seed": s.seed, "eval_count": s.eval_count,

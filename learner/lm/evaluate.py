@@ -5,14 +5,40 @@ transformers (tests/integration/test_sampler_weights.py), so this measures what 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.datasets import Task
+from common.datasets import Task, iter_tasks, shared_prompts, take
 
-__all__ = ["generate_greedy", "score_accuracy"]
+if TYPE_CHECKING:
+    from learner.lm.settings import EvalSettings
+
+__all__ = ["generate_greedy", "held_out_tasks", "score_accuracy"]
+
+log = logging.getLogger(__name__)
+
+# Most training prompts compared with the eval prompts at start-up (a generator never ends).
+MAX_TRAIN_PROMPTS_CHECKED = 100_000
+
+
+def held_out_tasks(cfg: EvalSettings, train_prompts: int) -> list[Task]:
+    """The evaluation's tasks, after one warning when some of them are among the first
+    ``train_prompts`` prompts of ``cfg.train_dataset`` (read as the rollout drivers read it)."""
+    tasks = take(iter_tasks(cfg.dataset, split=cfg.split), cfg.count)
+    if cfg.train_dataset is None:
+        return tasks
+    limit = min(train_prompts, MAX_TRAIN_PROMPTS_CHECKED)
+    shared, distinct = shared_prompts(iter_tasks(cfg.train_dataset), tasks, limit=limit)
+    if shared:
+        log.warning(
+            "eval is not held out: %d of its %d distinct prompts (%s) are among the first %d "
+            "training prompts (%s); set eval_dataset to prompts not trained on",
+            shared, distinct, cfg.dataset, limit, cfg.train_dataset,
+        )  # fmt: skip
+    return tasks
 
 
 @torch.no_grad()
@@ -52,7 +78,7 @@ async def score_accuracy(
 ) -> float:
     """Mean score (abstentions count as wrong) of ``completions`` under the scorer."""
     items = [
-        {"prompt": t.prompt, "completion": c, "extra": t.extra}
+        {"prompt": t.prompt, "completion": c, "extra": t.columns()}  # as the rollout's
         for t, c in zip(tasks, completions, strict=True)
     ]
     scores = await score(items)

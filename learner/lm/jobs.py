@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from common.datasets import dataset_columns, iter_tasks
 from learner.lm.settings import EvalSettings, LMTrainingKnobs, SFTSettings
 from learner.settings import knob
 from services.config import StrictModel, Switch
@@ -85,12 +86,14 @@ class RewardKnob(StrictModel):
         return kwargs
 
 
-def _check_reward(settings: dict[str, Any]) -> None:
+def _check_reward(settings: dict[str, Any], columns: frozenset[str] | None = None) -> None:
     """Check a reward reference with the reward service's own settings model, found by kind
     through the rlfleet.services entry points (the learner does not import the reward service);
-    ValueError with the service's one-line reason."""
+    ValueError with the service's one-line reason. ``columns``: the dataset's, which required
+    parameters that are not hyperparameters must name."""
+    context = None if columns is None else {"dataset_columns": sorted(columns)}
     try:
-        get_service("reward_service").settings.model_validate(settings)
+        get_service("reward_service").settings.model_validate(settings, context=context)
     except ValidationError as exc:
         raise ValueError(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
 
@@ -149,6 +152,7 @@ class LMJobSettings(LMTrainingKnobs):
         "total_timesteps": "total_updates",
         "save_steps": "checkpoint_every (in updates)",
         "eval_steps": "eval_every (in updates)",
+        "eval_data": "eval_dataset",
         "model": "model_path",
         "model_name": "model_path",
         "model_name_or_path": "model_path",
@@ -220,6 +224,13 @@ class LMJobSettings(LMTrainingKnobs):
         description="held-out prompts of each greedy evaluation (0: no evaluation)",
     )
     eval_every: int = knob(EvalSettings, "every")
+    eval_dataset: dict[str, Any] | None = Field(
+        default=None,
+        description="dataset spec of the held-out prompts, e.g. {jsonl: PATH} of rows not in "
+        "dataset (null: dataset's eval_split; a JSONL dataset has none and is then evaluated on "
+        "its own first rows, with a warning)",
+    )
+    eval_split: str = knob(EvalSettings, "split")
     num_samplers: int = Field(
         default=1,
         ge=1,
@@ -248,6 +259,29 @@ class LMJobSettings(LMTrainingKnobs):
     restarts: int = Field(
         default=2, ge=0, description="restarts of each service before the run fails"
     )
+
+    @field_validator("eval_dataset")
+    @classmethod
+    def _eval_spec(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        if spec is not None:
+            iter_tasks(spec)  # a malformed spec (DatasetSpecError, a ValueError) fails here
+        return spec
+
+    @field_validator("rewards")
+    @classmethod
+    def _columns_passed(cls, rewards: list[RewardKnob], info: ValidationInfo) -> list[RewardKnob]:
+        # Every dataset column reaches a reward as a keyword (as in TRL): a reference's required
+        # parameters must be columns of this dataset, or hyperparameters set in its kwargs.
+        columns = dataset_columns(info.data["dataset"]) if "dataset" in info.data else None
+        if columns is None:
+            return rewards
+        for i, reward in enumerate(rewards):
+            if is_reference(reward.name):
+                try:
+                    _check_reward({"reward_kwargs": {reward.name: reward.kwargs}}, columns)
+                except ValueError as exc:
+                    raise ValueError(f"rewards[{i}]: {exc}") from None
+        return rewards
 
     @model_validator(mode="after")
     def _model_known(self) -> LMJobSettings:
@@ -282,7 +316,9 @@ def _learner(s: LMJobSettings) -> dict[str, Any]:
         }
     if s.eval_count:
         data["eval"] = {
-            "dataset": s.dataset,
+            "dataset": s.dataset if s.eval_dataset is None else s.eval_dataset,
+            "split": s.eval_split,
+            "train_dataset": s.dataset,
             "count": s.eval_count,
             "every": s.eval_every,
             "max_tokens": s.max_tokens,

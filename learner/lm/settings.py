@@ -104,11 +104,25 @@ class SFTSettings(StrictModel):
 
 
 class EvalSettings(StrictModel):
-    """Greedy accuracy on held-out prompts (the dataset's "eval" split), scored by the reward
-    service, at the warm-started version and every ``every`` updates."""
+    """Greedy accuracy on held-out prompts (a generator's "eval" split, or a file of their own),
+    scored by the reward service, at the warm-started version and every ``every`` updates."""
 
-    dataset: dict[str, Any] = Field(default_factory=lambda: {"generator": "arith"})
-    split: str = "eval"
+    dataset: dict[str, Any] = Field(
+        default_factory=lambda: {"generator": "arith"},
+        description="dataset spec of the held-out prompts: a generator (its `split`) or a JSONL "
+        "file of rows not trained on",
+    )
+    split: str = Field(
+        default="eval",
+        description="split of a generator to evaluate on (any but train: prompts a generator "
+        "never trains on); a JSONL file has none",
+    )
+    # Checked once, at the first evaluation: a warning counts the eval prompts it also holds.
+    train_dataset: dict[str, Any] | None = Field(
+        default=None,
+        description="the rollout drivers' dataset, to warn when eval prompts are among its "
+        "prompts (null: not checked)",
+    )
     count: int = Field(default=200, ge=1)
     every: int = Field(default=10, ge=1, description="updates between evaluations")
     max_tokens: int = Field(default=16, ge=1)

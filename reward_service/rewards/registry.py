@@ -6,8 +6,9 @@ by a `RewardFunction` record: what ListRewards reports and what the servicer nee
 (which hyperparameter keywords it takes, its default time budget).
 
 Plugins come from the ``rlfleet.rewards`` entry-point group. An entry point's value is either a
-plain callable (its description is its docstring; the keywords it takes come from its signature;
-the optional attributes ``extra_keys`` and ``default_timeout_s`` say the rest) or a ready
+plain callable (its description is its docstring; the keywords it takes come from its signature,
+and every item's extra key, a dataset column, reaches a parameter of its name, as TRL passes
+columns; the optional attributes ``extra_keys`` and ``default_timeout_s`` say the rest) or a ready
 `RewardFunction`. A name registered twice, by anyone, is an error naming both sources: picking
 one silently would depend on install order.
 
@@ -232,10 +233,15 @@ def _resolve(ref: str) -> tuple[Any, str]:
     return getattr(module, attr), origin
 
 
-def _check_signature(fn: Callable[..., Any], kwargs: Iterable[str] | None) -> None:
+def _check_signature(
+    fn: Callable[..., Any], kwargs: Iterable[str] | None, columns: Iterable[str] | None = None
+) -> None:
     """ValueError unless the service can call ``fn(completions, **passed)``: a first positional
     parameter ``completions`` and, when ``kwargs`` (the hyperparameters a run sets) is known,
-    no other required parameter it cannot fill."""
+    no other required parameter it cannot fill. Every column of the items (``ScoreItem.extra``:
+    the dataset's columns, as TRL passes them) is passed to a parameter of its name, so with
+    ``columns`` unknown (None) any other required parameter may be one; with them known it must
+    be one of them."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -251,16 +257,17 @@ def _check_signature(fn: Callable[..., Any], kwargs: Iterable[str] | None) -> No
         raise ValueError(f"first parameter is '{first.name}', not 'completions'; {call}")
     if kwargs is None:
         return
-    fillable = _PASSED | set(getattr(fn, "extra_keys", ())) | set(kwargs)
+    fillable = _PASSED | set(getattr(fn, "extra_keys", ())) | set(kwargs) | set(columns or ())
+    listed = ", ".join(sorted(columns or ())) or "none"
     for p in params[1:]:
         required = p.default is inspect.Parameter.empty
         if p.kind is inspect.Parameter.POSITIONAL_ONLY and required:
             raise ValueError(f"parameter '{p.name}' is positional-only with no default; {call}")
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        if p.kind in named and required and p.name not in fillable:
+        if p.kind in named and required and columns is not None and p.name not in fillable:
             raise ValueError(
                 f"parameter '{p.name}' has no default and nothing passes it: set it in kwargs, "
-                "or list it in the function's extra_keys if the items carry it"
+                f"or give the dataset a '{p.name}' column (its columns: {listed})"
             )
 
 
@@ -273,14 +280,17 @@ def _reference_record(ref: str, obj: Any, origin: str) -> RewardFunction:
     return from_callable(ref, obj, kind=Kind.PLUGIN, source=source)
 
 
-def check_reference(ref: str, kwargs: Mapping[str, Any] | None = None) -> RewardFunction:
+def check_reference(
+    ref: str, kwargs: Mapping[str, Any] | None = None, columns: Iterable[str] | None = None
+) -> RewardFunction:
     """Import and check a reference at config-load time; ValueError ``'<ref>' — <reason>``.
 
     ``kwargs``: the hyperparameters the run passes it (checked against its signature), or None
-    where they are not known yet (they come with each request)."""
+    where they are not known yet (they come with each request). ``columns``: the dataset's
+    columns, where known (a job's), which its other required parameters must be."""
     try:
         record = _reference_record(ref, *_resolve(ref))
-        _check_signature(record.fn, None if kwargs is None else list(kwargs))
+        _check_signature(record.fn, None if kwargs is None else list(kwargs), columns)
         for key in kwargs or ():
             if key in BATCH_KEYS or (record.kwargs is not None and key not in record.kwargs):
                 takes = ", ".join(sorted(record.kwargs or ())) or "none"

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from common.datasets import DatasetSpecError, Task, iter_tasks
+from common.datasets import SOLUTION_COLUMN, DatasetSpecError, Task, iter_tasks
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.bus import Bus, Delivery, work_queue_stream, work_queue_subject
@@ -47,7 +47,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DURABLE = "rollout"  # the one consumer every driver of a run shares
-SOLUTION_KEY = "solution"  # Task.solution travels in PromptTask.extra under this key (TRL's name)
+SOLUTION_KEY = SOLUTION_COLUMN  # Task.solution travels in PromptTask.extra under this key
 CURSOR_KEY = "cursor"
 
 
@@ -70,9 +70,7 @@ def prompt_task(run: str, dataset: str, epoch: int, task: Task) -> trajectory_pb
         )
     else:
         message.text = task.prompt
-    extra = dict(task.extra)
-    if task.solution is not None:
-        extra.setdefault(SOLUTION_KEY, task.solution)
+    extra = task.columns()  # every column reaches the reward functions, as in TRL
     if extra:
         message.extra.update(extra)
     return message

@@ -24,6 +24,11 @@ def needs_prompts_and_target(completions: list[str], prompts: list[str], target:
 needs_prompts_and_target.extra_keys = ("target",)  # type: ignore[attr-defined]
 
 
+def trl_accuracy(completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
+    """Written for TRL: a required dataset column (``solution``), listed nowhere."""
+    return [float(c.strip() == s.strip()) for c, s in zip(completions, solution, strict=True)]
+
+
 def keyword_only(*, completions: list[str]) -> list[float]:
     """Completions by keyword only: the service passes them positionally."""
     return [0.0] * len(completions)

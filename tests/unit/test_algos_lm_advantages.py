@@ -14,6 +14,7 @@ from learner.algos import (
     rloo,
     token_returns,
 )
+from learner.algos.advantages.groups import group_stats
 
 
 def close(actual, expected, atol=1e-6):
@@ -120,3 +121,55 @@ def test_shape_errors_name_the_argument(fn):
         fn(REWARDS, GROUPS[:3], MASK)
     with pytest.raises(ValueError, match="mask"):
         fn(REWARDS, GROUPS, MASK[:2])
+
+
+# Eight completions of one prompt that all score 0.1 (not exactly representable): summing them
+# rounds, so a mean taken from the sum sits an ulp from 0.1 and leaves rounding noise that the
+# division by a std of the same size blows up. Equal rewards must give exactly 0.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1 / 3])
+@pytest.mark.parametrize("k", [7, 8, 16])
+def test_equal_rewards_give_exactly_zero_advantage(dtype, value, k):
+    rewards = torch.full((k,), value, dtype=dtype)
+    groups = torch.zeros(k, dtype=torch.int64)
+    mask = torch.ones(k, 3, dtype=torch.bool)
+    zeros = torch.zeros(k, 3, dtype=dtype)
+    for fn, kwargs in [
+        (grpo, {}),
+        (grpo, {"norm_std": False}),  # Dr. GRPO
+        (rloo, {}),
+        (reinforce_pp, {}),
+        (reinforce_pp_baseline, {}),
+    ]:
+        adv, metrics = fn(rewards, groups, mask, **kwargs)
+        assert torch.equal(adv, zeros), (fn.__name__, kwargs, adv[:, 0])
+        assert metrics["reward_std"].item() == 0.0
+        assert metrics["reward_mean"].item() == rewards[0].item()
+        if fn is grpo:
+            assert metrics["zero_std_frac"].item() == 1.0
+
+
+def test_group_stats_of_equal_float32_rewards_are_exact():
+    rewards = torch.tensor([0.1] * 8 + [0.1, 0.1, 0.1, 0.6], dtype=torch.float32)
+    groups = torch.tensor([4] * 8 + [2] * 4)
+    size, mean, std = group_stats(rewards, groups)
+    assert size.tolist() == [8.0] * 8 + [4.0] * 4
+    tenth = torch.tensor(0.1, dtype=torch.float32)
+    assert torch.equal(mean[:8], tenth.expand(8)) and torch.equal(std[:8], torch.zeros(8))
+    # group 2: mean (0.3 + 0.6) / 4 = 0.225; unbiased var (3 * 0.125^2 + 0.375^2) / 3 = 0.0625
+    close(mean[8:], [0.225] * 4)
+    close(std[8:], [0.25] * 4)
+
+
+def test_grpo_counts_float32_equal_groups_as_zero_std():
+    # group 0: eight times 0.1 -> all 0; group 1: [0.1, 0.1, 0.1, 0.6] -> mean 0.225, std 0.25
+    rewards = torch.tensor([0.1] * 8 + [0.1, 0.1, 0.1, 0.6], dtype=torch.float32)
+    groups = torch.tensor([0] * 8 + [1] * 4)
+    adv, metrics = grpo(rewards, groups, torch.ones(12, 1, dtype=torch.bool))
+    assert torch.equal(adv[:8], torch.zeros(8, 1))
+    close(adv[8:, 0], [-0.125 / (0.25 + 1e-6)] * 3 + [0.375 / (0.25 + 1e-6)])
+    assert metrics["zero_std_frac"].item() == 0.5
+    adv, _ = rloo(rewards, groups, torch.ones(12, 1, dtype=torch.bool))
+    # group 1: 0.1 - (0.1 + 0.1 + 0.6) / 3 = -1/6; 0.6 - 0.1 = 0.5
+    assert torch.equal(adv[:8], torch.zeros(8, 1))
+    close(adv[8:, 0], [-1 / 6] * 3 + [0.5])

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from common.datasets import DatasetSpecError, iter_tasks, take
+from common.datasets import (
+    DatasetSpecError,
+    Task,
+    dataset_columns,
+    iter_tasks,
+    shared_prompts,
+    take,
+)
 from common.models import MODEL_SIZES, ModelSize, init_model
 
 
@@ -23,6 +30,38 @@ def test_arith_is_seeded_and_splits_differ() -> None:
         value = int(a) + int(b) if op == "+" else int(a) - int(b)
         assert task.extra == {"answer": str(value)}
         assert task.solution == f" <answer>{value}</answer>"
+
+
+def test_arith_holds_its_eval_prompts_out_of_train_by_construction() -> None:
+    # 1 digit, + and -: 200 prompts in all, so seeds alone cannot keep eval out of train.
+    spec = {"generator": "arith", "digits": 1, "seed": 0}
+    train = {t.prompt for t in take(iter_tasks(spec), 5000)}
+    for seed in (0, 1, 7):
+        spec = {"generator": "arith", "digits": 1, "seed": seed}
+        held_out = {t.prompt for t in take(iter_tasks(spec, split="eval"), 2000)}
+        assert not train & held_out
+        assert len(train | held_out) == 200  # together they are the whole space
+    assert 20 <= len(held_out) <= 60  # about a fifth
+
+
+def test_shared_prompts_counts_distinct_eval_prompts_seen_in_training() -> None:
+    def tasks(*prompts: str) -> list[Task]:
+        return [Task(prompt_id=str(i), prompt=p) for i, p in enumerate(prompts)]
+
+    train = tasks("a", "b", "c", "d")
+    assert shared_prompts(iter(train), tasks("b", "b", "d", "x"), limit=10) == (2, 3)
+    assert shared_prompts(iter(train), tasks("b", "b", "d", "x"), limit=2) == (1, 3)  # a, b
+
+
+def test_columns_are_extra_and_solution_as_reward_keywords(tmp_path: Path) -> None:
+    task = Task(prompt_id="p", prompt="Q", extra={"answer": "4"}, solution=" <answer>4</answer>")
+    assert task.columns() == {"answer": "4", "solution": " <answer>4</answer>"}
+    assert Task(prompt_id="p", extra={"answer": "4"}).columns() == {"answer": "4"}
+    assert dataset_columns({"generator": "arith"}) == {"answer", "solution"}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "level": 1}\n{"prompt": "b", "topic": "x"}\n')
+    assert dataset_columns({"jsonl": str(rows)}) == {"level", "topic"}
+    assert dataset_columns({"jsonl": str(tmp_path / "missing.jsonl")}) is None
 
 
 def test_dataset_spec_errors_name_the_problem(tmp_path: Path) -> None:

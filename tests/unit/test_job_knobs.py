@@ -121,6 +121,7 @@ def test_a_job_with_no_overrides_keeps_its_defaults_and_a_hand_written_learner_i
         ("sft_batch_size", "SFTSettings", "batch_size"),
         ("sft_learning_rate", "SFTSettings", "learning_rate"),
         ("eval_every", "EvalSettings", "every"),
+        ("eval_split", "EvalSettings", "split"),
     ],
 )
 def test_lm_jobs_flat_sft_and_eval_knobs_are_the_learners(

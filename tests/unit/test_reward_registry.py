@@ -195,7 +195,6 @@ def test_module_references_and_references_named_only_in_the_default_set() -> Non
         (f"{REFS}:misnamed", None, "first parameter is 'texts', not 'completions'"),
         (f"{REFS}:scaled", {"scael": 2}, "takes no keyword 'scael' (takes: scale)"),
         (f"{REFS}:scaled", {"prompts": 2}, "takes no keyword 'prompts'"),
-        (f"{REFS}:needs_level", {}, "parameter 'level' has no default and nothing passes it"),
         (f"{REFS}:keyword_only", None, "has no positional first parameter"),
     ],
 )
@@ -211,6 +210,21 @@ def test_required_parameters_may_be_batch_keys_extras_or_given_kwargs() -> None:
     check = reward_registry.check_reference
     assert check(f"{REFS}:needs_level", {"level": 1}).kwargs == {"level"}
     check(f"{REFS}:needs_prompts_and_target", {})  # a batch key and a listed extra key
+
+
+def test_required_parameters_may_be_dataset_columns_as_in_trl() -> None:
+    # The items carry every dataset column and the service passes each to a parameter of its
+    # name: unknown columns (None) accept any name, known ones only theirs.
+    check = reward_registry.check_reference
+    check(f"{REFS}:trl_accuracy", {})
+    check(f"{REFS}:trl_accuracy", {}, columns=["answer", "solution"])
+    check(f"{REFS}:needs_level", {}, columns=["level"])
+    message = (
+        "parameter 'level' has no default and nothing passes it: set it in kwargs, or give the "
+        "dataset a 'level' column (its columns: answer, solution)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check(f"{REFS}:needs_level", {}, columns=["answer", "solution"])
 
 
 def test_reference_settings_fail_validation_and_a_clash_fails_the_start(

@@ -31,7 +31,9 @@ def group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
     """``(size, mean, std)`` of each completion's group, each ``[B]``.
 
     ``std`` is the unbiased sample std (Bessel's correction, n - 1), as ``torch.std`` and verl's
-    GRPO; it is 0 for groups of one.
+    GRPO; it is 0 for groups of one. A group whose rewards are all equal gets exactly its reward as
+    ``mean`` and exactly 0 as ``std``, so ``r - mean`` is exactly 0 there (also for rewards such
+    as 0.1 that floats cannot hold: a plain sum would round the mean an ulp away).
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)  # [B] group index 0..G-1
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
@@ -39,11 +41,26 @@ def group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
     count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(
         0, inverse, torch.ones_like(r)
     )  # [G]
-    total = torch.zeros_like(count).index_add_(0, inverse, r)  # [G]
-    mean = total / count  # [G] (every group has >= 1 member)
-    sq_dev = torch.zeros_like(count).index_add_(0, inverse, (r - mean[inverse]) ** 2)  # [G]
+    # Shifted data: average the offsets from the group's minimum, which are exactly 0 in a
+    # group of equal rewards, then add the minimum back.
+    low = torch.full_like(count, torch.inf).scatter_reduce_(0, inverse, r, "amin")  # [G]
+    offset = r - low[inverse]  # [B] >= 0
+    offset_mean = torch.zeros_like(count).index_add_(0, inverse, offset) / count  # [G]
+    dev = offset - offset_mean[inverse]  # [B] r - mean
+    sq_dev = torch.zeros_like(count).index_add_(0, inverse, dev**2)  # [G]
     std = (sq_dev / (count - 1).clamp(min=1)).sqrt()  # [G]
+    mean = low + offset_mean  # [G]
     return count[inverse], mean[inverse], std[inverse]  # each [B]
+
+
+def centred(r: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mean [], r - mean [B])`` of ``r`` ``[B]``, from the offsets to the minimum as in
+    ``group_stats``: when every entry is equal the mean is exactly that value and ``r - mean``
+    exactly 0."""
+    low = r.min() if r.numel() else r.new_zeros(())
+    offset = r - low  # [B]
+    offset_mean = offset.mean() if r.numel() else r.new_zeros(())
+    return low + offset_mean, offset - offset_mean
 
 
 def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:
@@ -53,5 +70,8 @@ def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def reward_metrics(r: Tensor) -> dict[str, Tensor]:
-    """``reward_mean`` and ``reward_std`` (unbiased; 0 for one completion) of ``r`` ``[B]``."""
-    return {"reward_mean": r.mean(), "reward_std": r.std() if r.numel() > 1 else r.new_zeros(())}
+    """``reward_mean`` and ``reward_std`` (unbiased; 0 for one completion, exactly 0 when every
+    reward is equal) of ``r`` ``[B]``."""
+    mean, dev = centred(r)  # [], [B]
+    std = (dev**2).sum() / max(r.numel() - 1, 1)
+    return {"reward_mean": mean, "reward_std": std.sqrt()}

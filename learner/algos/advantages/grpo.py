@@ -40,8 +40,8 @@ def grpo(
 
     Returns ``(advantages [B, T] zero where mask is false, metrics)`` with detached metrics
     ``reward_mean``, ``reward_std`` (over the batch) and ``zero_std_frac`` (fraction of groups whose
-    rewards are all equal, so every member's advantage is 0: the groups DAPO's dynamic sampling
-    drops).
+    rewards are all equal, so every member's advantage is exactly 0: the groups DAPO's dynamic
+    sampling drops, TRL's ``frac_reward_zero_std``).
     """
     check_inputs(rewards, group_ids, mask)
     size, mean, std = group_stats(rewards, group_ids)  # [B] each
@@ -51,9 +51,10 @@ def grpo(
         adv = adv / (std + eps)  # [B]
     adv = torch.where(size > 1, adv, torch.zeros_like(adv))  # [B]
     n_groups = torch.unique(group_ids).numel()
+    # counted by id, not as a sum of 1/size per member, which rounds (7 * 1/7 != 1)
+    n_zero_std = torch.unique(group_ids[std == 0]).numel()
     metrics = {
         **reward_metrics(r),
-        # each group contributes 1/size per member, so the sum counts groups
-        "zero_std_frac": ((std == 0).to(r.dtype) / size).sum() / max(n_groups, 1),
+        "zero_std_frac": r.new_tensor(n_zero_std / max(n_groups, 1)),
     }
     return broadcast_to_tokens(adv, mask), metrics

@@ -36,6 +36,8 @@ def rloo(
     check_inputs(rewards, group_ids, mask)
     size, mean, _ = group_stats(rewards, group_ids)  # [B] each
     r = rewards.to(float_dtype(rewards))  # [B]
-    others_mean = (size * mean - r) / (size - 1).clamp(min=1)  # [B] mean of the other members
-    adv = torch.where(size > 1, r - others_mean, torch.zeros_like(r))  # [B]
+    # k / (k - 1) * (r_i - mean) rather than r_i minus the others' mean rebuilt from the sum:
+    # that one rounds, and a group of equal rewards must get exactly 0.
+    adv = size / (size - 1).clamp(min=1) * (r - mean)  # [B]
+    adv = torch.where(size > 1, adv, torch.zeros_like(r))  # [B]
     return broadcast_to_tokens(adv, mask), reward_metrics(r)
