@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from importlib import metadata
 
 from reward_service.models import ModelReward, model_reward_function
-from reward_service.rewards.registry import RewardFunction, RewardRegistry, load_registry
+from reward_service.rewards.catalog import load_registry
+from reward_service.rewards.registry import RewardFunction, RewardRegistry
 from reward_service.servicer import RewardService
 from reward_service.settings import RewardModelSettings, RewardSettings
 from reward_service.validation import check_kwargs

@@ -9,12 +9,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from reward_service.rewards.registry import (
-    REFERENCE_FORMS,
-    check_reference,
-    is_reference,
-    registered_names,
-)
+from reward_service.rewards.catalog import registered_names
+from reward_service.rewards.registry import REFERENCE_FORMS, check_reference, is_reference
 from services.config import StrictModel
 from services.server import DEFAULT_MAX_MESSAGE_BYTES
 

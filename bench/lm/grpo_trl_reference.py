@@ -52,7 +52,8 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
 
     from common.datasets import iter_tasks, take
     from learner.lm.evaluate import generate_greedy
-    from reward_service.rewards.registry import is_reference, load_registry
+    from reward_service.rewards.catalog import load_registry
+    from reward_service.rewards.registry import is_reference
 
     group, prompts_per_update = job["group_size"], job["groups_per_update"]
     updates = job["max_updates"]

@@ -42,9 +42,9 @@ __all__ = [
     "check_reference",
     "from_callable",
     "is_reference",
+    "load_plugin",
     "load_reference",
-    "load_registry",
-    "registered_names",
+    "plugin_entry_points",
 ]
 
 REWARDS_GROUP = "rlfleet.rewards"
@@ -306,39 +306,3 @@ def load_reference(ref: str) -> RewardFunction:
         return check_reference(ref)
     except ValueError as exc:
         raise ConfigError(f"reward {exc}") from None
-
-
-def registered_names() -> list[str]:
-    """Names a reward service registers without configuration: the built-ins and the installed
-    plugins' entry-point names (their code is not imported)."""
-    from reward_service.rewards import BUILTINS
-
-    return [r.name for r in BUILTINS] + [ep.name for ep in plugin_entry_points()]
-
-
-def load_registry(
-    *,
-    builtins: Iterable[RewardFunction] | None = None,
-    entry_points: Iterable[metadata.EntryPoint] | None = None,
-    extra_entry_points: Iterable[metadata.EntryPoint] = (),
-    models: Iterable[RewardFunction] = (),
-    references: Iterable[str] = (),
-) -> RewardRegistry:
-    """Built-ins, then plugins (installed ones unless ``entry_points`` is given, plus
-    ``extra_entry_points``), then reward models, then the run file's ``references``, all loaded
-    now so a broken plugin fails the service's start rather than a request."""
-    if builtins is None:
-        from reward_service.rewards import BUILTINS
-
-        builtins = BUILTINS
-    registry = RewardRegistry()
-    for reward in builtins:
-        registry.add(reward)
-    installed = plugin_entry_points() if entry_points is None else list(entry_points)
-    for ep in [*installed, *extra_entry_points]:
-        registry.add(load_plugin(ep))
-    for model in models:
-        registry.add(model)
-    for ref in references:
-        registry.add(load_reference(ref))
-    return registry
