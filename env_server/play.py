@@ -3,10 +3,14 @@
 `play` loads a policy saved by the learner (`common.artifacts.load_policy`: a run's ``final/``, or
 its latest checkpoint when it has none, or a checkpoint folder) and runs evaluation
 episodes on an environment made by this package's registry (`env_server.registry.make_env`, so
-gymnasium ids, plugin packages such as flappy_bird_gymnasium and ``rlfleet.envs`` entry points
-all work). With ``--frames DIR`` or ``--video PATH`` it renders (``render_mode="rgb_array"``
-only then) and writes through imageio: PNG frames and GIFs via Pillow, MP4 and the other ffmpeg
-formats via imageio-ffmpeg (the ``play`` extra installs both).
+gymnasium ids, plugin packages such as flappy_bird_gymnasium, ``rlfleet.envs`` entry points and
+references as run files name them, ``module:Name`` or ``path/to/file.py:Name``, all work). With
+``--frames DIR`` or ``--video [PATH]`` it renders (``render_mode="rgb_array"`` only then), draws
+the score and return on each frame (Pillow; ``--no-overlay`` leaves frames as rendered) and
+writes through imageio: MP4 by default (and the other ffmpeg formats) via imageio-ffmpeg, whose
+wheel ships its own ffmpeg; PNG frames and GIFs via Pillow (the ``play`` extra installs all
+three). A GIF keeps every frame whole, so it is cut at GIF_MAX_SECONDS: a long episode belongs in
+an MP4.
 
 It lives in env_server because it needs the env registry; it needs torch only when it runs.
 Module import is cheap (stdlib only): `rlfleet` builds every subcommand's parser at start.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -33,7 +38,10 @@ __all__ = ["Episode", "PlayResult", "add_arguments", "main", "play"]
 
 DEFAULT_MAX_STEPS = 10_000  # per episode, on top of the env's own time limit (FlappyBird has none)
 DEFAULT_INFO_KEYS = ("score",)  # final-info values reported per episode when the env gives them
-GIF_MAX_FRAMES = 3_000  # a GIF is assembled in memory (~150 kB a 288x512 frame)
+# A GIF is assembled in memory and compresses nothing across frames: a long episode makes a file
+# many times its MP4's size. Longer recordings go to MP4.
+GIF_MAX_SECONDS = 20.0
+DEFAULT_VIDEO = Path("play.mp4")  # `--video` without a PATH
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".avi", ".mov")
 
 
@@ -71,17 +79,18 @@ class _FrameDir:
 
 
 class _Gif:
-    """An animated GIF; frames are kept in memory until the end, so recording stops at
-    GIF_MAX_FRAMES."""
+    """An animated GIF; frames are kept in memory until the end, so recording stops after
+    GIF_MAX_SECONDS of play."""
 
     def __init__(self, path: Path, fps: float) -> None:
         self.iio = _imageio(f"--video {path}")
         _writable(path)
         self.path, self.fps, self.dropped = path, fps, 0
+        self.max_frames = max(1, round(GIF_MAX_SECONDS * fps))
         self.frames: list[Any] = []
 
     def add(self, frame: Any, episode: int, step: int) -> None:
-        if len(self.frames) >= GIF_MAX_FRAMES:
+        if len(self.frames) >= self.max_frames:
             self.dropped += 1
             return
         self.frames.append(frame)
@@ -95,8 +104,14 @@ class _Gif:
         self.iio.imwrite(
             self.path, np.stack(self.frames), extension=".gif", duration=duration, loop=0
         )
-        note = f" (stopped at {GIF_MAX_FRAMES}; use --frames DIR)" if self.dropped else ""
-        return f"{len(self.frames)} frames in {self.path}{note}"
+        written = f"{len(self.frames)} frames in {self.path}"
+        if not self.dropped:
+            return written
+        return (
+            f"{written}: the GIF stops after {GIF_MAX_SECONDS:g} s ({self.max_frames} frames at "
+            f"{self.fps:g} fps), {self.dropped} later frames left out; record to "
+            f"{self.path.with_suffix('.mp4')} for all of them"
+        )
 
 
 class _Video:
@@ -105,15 +120,27 @@ class _Video:
     def __init__(self, path: Path, fps: float) -> None:
         _imageio(f"--video {path}")
         _writable(path)
+        if importlib.util.find_spec("imageio_ffmpeg") is None:  # it ships its own ffmpeg binary
+            raise ConfigError(
+                f"--video {path}: video formats need imageio-ffmpeg (pip install "
+                "'rlfleet[play]'); or record a short .gif"
+            )
         try:
             import imageio.v2 as imageio
 
             self.writer = imageio.get_writer(path, fps=fps, macro_block_size=1)
-        except Exception as exc:  # no ffmpeg backend, or a format ffmpeg cannot write
+        except Exception as exc:  # a format ffmpeg cannot write
             raise ConfigError(f"--video {path}: {one_line(exc)}") from exc
         self.path, self.count = path, 0
 
     def add(self, frame: Any, episode: int, step: int) -> None:
+        # H.264 in yuv420p (what players take) needs even sides: pad odd ones by a pixel.
+        h, w = frame.shape[:2]
+        if h % 2 or w % 2:
+            import numpy as np
+
+            pad = [(0, h % 2), (0, w % 2)] + [(0, 0)] * (frame.ndim - 2)
+            frame = np.pad(frame, pad, mode="edge")
         self.writer.append_data(frame)
         self.count += 1
 
@@ -127,11 +154,61 @@ def _writable(path: Path) -> None:
         raise ConfigError(f"--video {path}: folder {path.parent} does not exist")
 
 
+class _Overlay:
+    """Draws text lines (the score, the return) in the top left corner of a frame (Pillow)."""
+
+    def __init__(self) -> None:
+        from PIL import Image, ImageDraw, ImageFont
+
+        self.image, self.draw, self.font_module = Image, ImageDraw, ImageFont
+        self.fonts: dict[int, Any] = {}
+
+    def _font(self, size: int) -> Any:
+        if size not in self.fonts:
+            try:
+                self.fonts[size] = self.font_module.load_default(size=size)
+            except (TypeError, OSError):  # an old Pillow, or one without FreeType: fixed size
+                self.fonts[size] = self.font_module.load_default()
+        return self.fonts[size]
+
+    def __call__(self, frame: Any, lines: Sequence[str]) -> Any:
+        import numpy as np
+
+        if frame.ndim != 3 or frame.shape[-1] not in (3, 4) or frame.dtype != np.uint8:
+            return frame
+        size = max(10, min(frame.shape[:2]) // 16)
+        font, margin = self._font(size), max(2, size // 3)
+        image = self.image.fromarray(np.ascontiguousarray(frame))
+        draw = self.draw.Draw(image)
+        for i, line in enumerate(lines):
+            draw.text(
+                (margin, margin + i * (size + margin)), line, font=font, fill="white",
+                stroke_width=max(1, size // 8), stroke_fill="black",
+            )  # fmt: skip
+        return np.asarray(image)
+
+
+def _overlay() -> _Overlay | None:
+    try:
+        return _Overlay()
+    except ImportError:  # Pillow is optional here: record the frames as rendered
+        return None
+
+
+def _numbers(info: dict[str, Any], keys: Sequence[str]) -> dict[str, float]:
+    """The numeric values of ``keys`` in an env's info dict."""
+    import numpy as np
+
+    return {k: float(info[k]) for k in keys if isinstance(info.get(k), int | float | np.number)}
+
+
 def _open_recorder(video: Path | None, frames: Path | None, fps: float) -> Any:
     if frames is not None:
         return _FrameDir(frames)
     if video is None:
         return None
+    if not video.suffix:
+        video = video.with_suffix(".mp4")  # MP4 unless the name says otherwise
     suffix = video.suffix.lower()
     if suffix == ".gif":
         return _Gif(video, fps)
@@ -191,8 +268,11 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _make_env(env_id: str, env_kwargs: dict[str, Any], render: bool) -> Any:
-    from env_server.registry import make_env  # here, not at import: it loads protobuf
+    # here, not at import: the registry loads protobuf
+    from env_server.registry import is_reference, make_env, register
 
+    if is_reference(env_id):  # module:Name or path/to/file.py:Name, as a run file names an env
+        register(env_id)  # ConfigError saying what is wrong with the reference
     try:
         return make_env(env_id, kwargs=env_kwargs, render_mode="rgb_array" if render else None)
     except (NotFound, FailedPrecondition, InvalidArgument) as exc:
@@ -227,11 +307,14 @@ def play(
     runs_root: Path = RUNS_ROOT,
     on_episode: Any = None,
     env_id: str | None = None,
+    overlay: bool = True,
 ) -> PlayResult:
     """Run ``episodes`` episodes of a saved policy (episode i reset with seed + i; sampling
     seeded with ``seed`` without touching torch's global generator) and record the first
-    ``record_episodes`` of them when ``video`` or ``frames`` is given. ``env_id`` plays in
-    that env instead of the policy's own (e.g. Snake-v0 for a GameLink game's SnakeTS-v0)."""
+    ``record_episodes`` of them when ``video`` or ``frames`` is given, with the ``info_keys``
+    values and the return so far drawn on each frame unless ``overlay`` is False. ``env_id``
+    plays in that env instead of the policy's own (e.g. Snake-v0 for a GameLink game's
+    SnakeTS-v0; a reference ``path/to/file.py:Name`` as in run files)."""
     import numpy as np
     import torch
 
@@ -253,28 +336,33 @@ def play(
             Path(frames) if frames is not None else None,
             fps,
         )
+        draw = _overlay() if recorder is not None and overlay else None
         results: list[Episode] = []
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
+
+        def frame(info: dict[str, Any], total: float) -> Any:
+            image = np.asarray(env.render())
+            if draw is None:
+                return image
+            lines = [f"{k} {v:g}" for k, v in _numbers(info, info_keys).items()]
+            return draw(image, [*lines, f"return {total:.1f}"])
+
         for index in range(episodes):
             record = recorder is not None and index < record_episodes
             obs, info = env.reset(seed=seed + index)
             total, steps, done = 0.0, 0, False
             while not done and steps < max_steps:
                 if record:
-                    recorder.add(np.asarray(env.render()), index, steps)
+                    recorder.add(frame(info, total), index, steps)
                 action = policy.act(obs, deterministic=deterministic, generator=generator)
                 obs, reward, terminated, truncated, info = env.step(action)
                 total += float(reward)
                 steps += 1
                 done = bool(terminated or truncated)
             if record:
-                recorder.add(np.asarray(env.render()), index, steps)
-            values = {
-                k: float(info[k])
-                for k in info_keys
-                if isinstance(info.get(k), int | float | np.number)
-            }
+                recorder.add(frame(info, total), index, steps)
+            values = _numbers(info, info_keys)
             episode = Episode(index, seed + index, total, steps, not done, values)
             results.append(episode)
             if on_episode is not None:
@@ -327,10 +415,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     out = parser.add_mutually_exclusive_group()
     out.add_argument(
-        "--video", type=Path, metavar="PATH",
-        help="record to PATH: .gif (Pillow) or .mp4 (needs imageio[ffmpeg])",
+        "--video", type=Path, metavar="PATH", nargs="?", const=DEFAULT_VIDEO,
+        help=f"record to PATH (default {DEFAULT_VIDEO}): MP4 unless its suffix names another "
+        f"format ({', '.join(VIDEO_SUFFIXES[1:])}), or .gif (cut after {GIF_MAX_SECONDS:g} s)",
     )  # fmt: skip
     out.add_argument("--frames", type=Path, metavar="DIR", help="record PNG frames into DIR")
+    parser.add_argument(
+        "--no-overlay", dest="overlay", action="store_false",
+        help="record frames as rendered (default: the score and return drawn on them)",
+    )  # fmt: skip
     parser.add_argument(
         "--record-episodes", type=int, default=1, metavar="N",
         help="how many of the episodes to record (default 1, the first)",
@@ -347,7 +440,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--env", metavar="ID",
         help="play in this local env instead of the policy's own (same spaces; e.g. Snake-v0 "
-        "for a policy trained through GameLink on the TypeScript SnakeTS-v0)",
+        "for a policy trained through GameLink on the TypeScript SnakeTS-v0); an env id, or "
+        "module:Name or path/to/file.py:Name as in run files",
     )  # fmt: skip
 
 
@@ -371,6 +465,7 @@ def main(args: argparse.Namespace) -> int:
         info_keys=tuple(args.info or DEFAULT_INFO_KEYS),
         on_episode=report,
         env_id=args.env,
+        overlay=args.overlay,
     )
     summary = result.summary()
     if result.policy_note:

@@ -25,6 +25,7 @@ from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     RlfleetError,
     Unavailable,
     from_rpc_error,
@@ -57,6 +58,14 @@ class ClosedEnvError(FailedPrecondition, gymnasium.error.ClosedEnvironmentError)
     """A request on a session that is closed (or was aborted)."""
 
 
+class UnknownEnvError(NotFound, gymnasium.error.NameNotFound):
+    """The server has no env of that id (gymnasium.make raises NameNotFound locally)."""
+
+
+class InvalidSeedError(InvalidArgument, gymnasium.error.Error):
+    """A negative or non-integer seed (gymnasium's seeding raises its Error locally)."""
+
+
 class RemoteAttributeError(RlfleetError, AttributeError):
     """An attribute or method of the remote envs that cannot be reached over the wire."""
 
@@ -68,6 +77,8 @@ def _as_gym_error(error: RlfleetError, kind: str) -> RlfleetError:
     cls: type[RlfleetError] | None = None
     if kind == "step" and type(error) is InvalidArgument:
         cls = InvalidActionError
+    elif kind == "create" and type(error) is NotFound:
+        cls = UnknownEnvError
     elif kind in ("step", "reset") and type(error) is FailedPrecondition:
         cls = ResetNeededError
     if cls is None:
@@ -431,6 +442,10 @@ class SyncEnvSession:
 
     def create(self, env_id: str, num_envs: int = 1, **kwargs: Any) -> SessionInfo:
         return self._run(self._open().create(env_id, num_envs, **kwargs))
+
+    def colocate(self, **kwargs: Any) -> bool:
+        """`EnvSession.colocate`: True when steps now go through a shared-memory ring."""
+        return self._run(self._open().colocate(**kwargs))
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         return self._run(self._open().reset(**kwargs))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,12 @@ from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
-from clients.env.session import RemoteAttributeError, SessionInfo, SyncEnvSession
+from clients.env.session import (
+    InvalidSeedError,
+    RemoteAttributeError,
+    SessionInfo,
+    SyncEnvSession,
+)
 from clients.env.types import EpisodeStats
 
 # What get_attr/call can answer without the server: per-env attributes the client knows.
@@ -29,6 +35,21 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
     With copy=True (the default, as SyncVectorEnv) returned arrays are writable copies;
     copy=False returns read-only views. Ended episodes' returns and lengths, counted by the
     server, are in `last_episodes`.
+
+    ``record_episode_statistics=True`` puts them into the step's infos as gymnasium's per-env
+    ``RecordEpisodeStatistics`` wrapper does under SyncVectorEnv (the wrapper in an env factory
+    never reaches the server): ``infos["episode"]`` (``"r"`` float64, ``"l"`` int64, ``"t"``
+    float64 arrays with their ``"_r"``/``"_l"``/``"_t"`` masks) and the ``infos["_episode"]``
+    mask; under SAME_STEP autoreset both are inside ``infos["final_info"]``, as there. Returns
+    and lengths are the server's; ``"t"`` is the wall time this client saw the episode take.
+    Not together with gymnasium's vector RecordEpisodeStatistics wrapper under NEXT_STEP,
+    which refuses an existing "episode" key (as it does over SyncVectorEnv).
+
+    ``colocated=True`` offers the server the co-located shared-memory ring (docs/colocated.md;
+    `EnvSession.colocate`): when the server runs on this host and the spaces fit, steps skip
+    gRPC. Else steps stay on gRPC; `transport` says which ("shm" or "grpc") and
+    `colocate_reason` why not. The ring carries no per-env infos (SAME_STEP's ``final_info``
+    is then empty), and with copy=False a step's views are overwritten two steps later.
     """
 
     def __init__(
@@ -43,8 +64,11 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         render_mode: str | None = None,
         copy: bool = True,
         request_timeout_s: float = 120.0,
+        record_episode_statistics: bool = False,
+        colocated: bool = False,
     ) -> None:
         self._session = SyncEnvSession(address, request_timeout_s=request_timeout_s)
+        self.colocate_reason = "not asked (colocated=False)" if not colocated else ""
         try:
             info = self._session.create(
                 env_id,
@@ -55,6 +79,10 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
                 render_mode=render_mode,
                 float64_rewards=True,
             )
+            # The caller steps this one session in lock step: wait for answers in the kernel,
+            # as a lone actor does (sampler/actors/settings.py, colocated_block_us).
+            if colocated and not self._session.colocate(slots=2, block_us=10_000):
+                self.colocate_reason = self._session.session.colocate_reason
         except BaseException:
             self._session.close()
             raise
@@ -71,6 +99,14 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         self.metadata = {**self._env_metadata, "autoreset_mode": info.autoreset_mode}
         self.copy = copy
         self.last_episodes: list[EpisodeStats] = []
+        self.record_episode_statistics = record_episode_statistics
+        self._episode_start = np.zeros(self.num_envs)  # perf_counter at each episode's start
+        self._resets_next = np.zeros(self.num_envs, dtype=bool)  # NEXT_STEP: reset at next step
+
+    @property
+    def transport(self) -> str:
+        """How steps travel: "shm" (the co-located ring) or "grpc"."""
+        return self._session.session.transport
 
     def reset(
         self,
@@ -85,27 +121,44 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
         indices = np.flatnonzero(mask).tolist() if mask is not None else []
         if isinstance(seed, np.ndarray):
             seed = seed.tolist()
-        if isinstance(seed, Sequence) and not isinstance(seed, str):
+        if isinstance(seed, int | np.integer) and seed < 0:
+            raise InvalidSeedError(f"seed must be >= 0 (gymnasium seeds), got {seed}", field="seed")
+        if not (seed is None or isinstance(seed, int | np.integer)):
+            # As SyncVectorEnv: anything else is a sequence of one seed per env (TypeError when
+            # it has no length, ValueError when the length is wrong), each an int or None.
+            if not hasattr(seed, "__len__"):
+                raise TypeError(
+                    f"seed must be an int, a list of one per env, or None; got {seed!r}"
+                )
             if len(seed) != self.num_envs:
                 raise ValueError(
                     "If seeds are passed as a list the length must match "
                     f"num_envs={self.num_envs} but got length={len(seed)}."
                 )
-            seeds = [seed[i] for i in indices] if mask is not None else list(seed)
+            seed = list(seed)
+            _check_seeds(seed)
+            seeds = [seed[i] for i in indices] if mask is not None else seed
             seed = None if all(s is None for s in seeds) else seeds
-        elif seed is not None and not isinstance(seed, int | np.integer):
-            raise TypeError(f"seed must be an int, a list of one per env, or None; got {seed!r}")
         obs, infos = self._session.reset(seed=seed, env_indices=indices, options=options or None)
+        started = indices if mask is not None else slice(None)
+        self._episode_start[started] = time.perf_counter()
+        self._resets_next[started] = False
         return self._out(obs), self._out(infos)
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        began = time.perf_counter()
         result = self._session.step(actions)
         self.last_episodes = result.episodes
         infos = self._out(result.infos)
+        ended = result.terminated | result.truncated
+        same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
         if result.final_observations is not None:
-            ended = result.terminated | result.truncated
             infos["final_obs"] = _rows(result.final_observations, ended)
             infos["_final_obs"] = ended.copy()
+        if same_step and ended.any() and "final_info" not in infos:  # the ring carries no infos
+            infos["final_info"], infos["_final_info"] = {}, ended.copy()
+        if self.record_episode_statistics:
+            self._record(infos, result.episodes, began, ended, same_step)
         return (
             self._out(result.observations),
             result.rewards.astype(np.float64),  # float32 on the wire; SyncVectorEnv's dtype
@@ -113,6 +166,34 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
             np.array(result.truncated),
             infos,
         )
+
+    def _record(
+        self,
+        infos: dict[str, Any],
+        episodes: list[EpisodeStats],
+        began: float,
+        ended: np.ndarray,
+        same_step: bool,
+    ) -> None:
+        """Add the ended episodes' statistics to `infos` where and as SyncVectorEnv puts those
+        of per-env RecordEpisodeStatistics wrappers (its own `_add_info` builds them)."""
+        now = time.perf_counter()
+        self._episode_start[self._resets_next] = began  # NEXT_STEP: reset during this step
+        stats: dict[str, Any] = {}
+        for e in episodes:
+            t = round(now - float(self._episode_start[e.env_index]), 6)
+            episode = {"r": float(e.episode_return), "l": int(e.length), "t": t}
+            stats = self._add_info(stats, {"episode": episode}, e.env_index)
+        if same_step:
+            self._episode_start[ended] = now
+        else:
+            self._resets_next = ended.copy()
+        if not stats:
+            return
+        if same_step:
+            infos["final_info"] = {**infos.get("final_info", {}), **stats}
+        else:
+            infos.update(stats)
 
     def _out(self, value: Any) -> Any:
         if not self.copy:
@@ -183,6 +264,17 @@ class RemoteVectorEnv(gymnasium.vector.VectorEnv):
 
     def close_extras(self, **kwargs: Any) -> None:
         self._session.close()
+
+
+def _check_seeds(seeds: list[Any]) -> None:
+    """Per-env seeds as gymnasium's seeding checks them (ints >= 0, or None; numpy ints pass)."""
+    for s in seeds:
+        if s is not None and not isinstance(s, int | np.integer):
+            raise InvalidSeedError(
+                f"seeds must be ints or None, got {type(s).__name__} {s!r}", field="seed"
+            )
+    if any(s is not None and s < 0 for s in seeds):
+        raise InvalidSeedError(f"seeds must be >= 0 or None, got {seeds}", field="seed")
 
 
 def _metadata(info: SessionInfo) -> dict[str, Any]:

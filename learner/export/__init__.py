@@ -10,21 +10,25 @@
   onnxruntime (`learner.export.game`).
 
 Every export ends with ``rlfleet_export.json`` (`learner.export.manifest`): run, weight version,
-source, quantization, library versions and the sha256 of every file. This package imports
-nothing heavy at import time.
+source, quantization, library versions and the sha256 of every file. Nothing heavy (torch,
+transformers, onnx) loads before an export needs it, so `rlfleet` starts fast
+(`learner.export.commands` holds the command).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from learner.export import manifest, sources
+from learner.export import quantize as quantizer
 from learner.export.manifest import MANIFEST_FILE, library_versions, verify
 from learner.export.sources import Source, resolve_source
 from services.errors import ConfigError
 
-__all__ = ["MANIFEST_FILE", "calibration_texts", "export", "verify"]
+__all__ = ["CALIBRATION_SAMPLES", "MANIFEST_FILE", "calibration_texts", "export", "verify"]
 
 CALIBRATION_SAMPLES = 256
 
@@ -51,6 +55,28 @@ def _prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _umask() -> int:
+    try:  # Linux tells the umask without setting it (os.umask sets it for every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _readable(folder: Path) -> None:
+    """Give everything in the export the modes a plain open() or mkdir() would (0644 and 0755,
+    less the umask): writers that save through a temporary file (safetensors via mkstemp) leave
+    0600, which a container running as another user cannot read, and copies keep it."""
+    umask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def calibration_texts(
     source: Source, tokenizer_dir: Path, count: int, dataset: dict[str, Any] | None = None
 ) -> tuple[list[str], dict[str, Any]]:
@@ -58,7 +84,6 @@ def calibration_texts(
     through the chat template), each followed by its expert solution when the dataset has one
     (what the trained model's completions look like). Returns (texts, dataset spec)."""
     from common.datasets import DatasetSpecError, iter_tasks, take
-    from learner.export.sources import calibration_dataset
 
     if dataset is None:
         if source.config_path is None:
@@ -66,7 +91,7 @@ def calibration_texts(
                 f"quantization calibrates on the run's prompts, and no run config was found for "
                 f"{source.path}; pass --config RUN.yaml or --calibration-dataset SPEC"
             )
-        dataset = calibration_dataset(source.config_path)
+        dataset = sources.calibration_dataset(source.config_path)
         if dataset is None:
             raise ConfigError(f"{source.config_path}: no prompt dataset to calibrate on")
     try:
@@ -103,8 +128,6 @@ def export(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Export what ``source_text`` names into ``out``; returns the manifest."""
-    from learner.export import manifest as manifest_mod
-
     console = _console()
 
     def say(message: str) -> None:
@@ -115,12 +138,11 @@ def export(
     )
     out = Path(out)
     if quantize is not None:
-        from learner.export.quantize import SCHEMES
-
         if source.kind == "game":
             raise ConfigError("--quantize applies to language-model runs, not game policies")
-        if quantize not in SCHEMES:
-            raise ConfigError(f"--quantize {quantize!r}: unknown; known: {', '.join(SCHEMES)}")
+        if quantize not in quantizer.SCHEMES:
+            known = ", ".join(quantizer.SCHEMES)
+            raise ConfigError(f"--quantize {quantize!r}: unknown; known: {known}")
     if out.resolve() == source.path.resolve() or source.path.resolve() in out.resolve().parents:
         raise ConfigError(f"{out}: must not be inside the source {source.path}")
     _prepare_out(out, force)
@@ -141,8 +163,9 @@ def export(
             fields["libraries"] = library_versions("torch", "onnx", "onnxruntime", "rlfleet")
         else:
             fields |= _lm(source, out, say, quantize, calibration_dataset, calibration_samples)
+        _readable(out)
         say("writing the manifest (sha256 of every file)")
-        result = manifest_mod.write(out, fields, progress=progress)
+        result = manifest.write(out, fields, progress=progress)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # never leave a half export behind
         raise
@@ -175,64 +198,29 @@ def _lm(
     if scheme is None:
         fields = export_lm(source, out, say)
         return {**fields, "quantization": None, "libraries": libraries}
-    from learner.export.quantize import quantize
-
     with tempfile.TemporaryDirectory(prefix=".rlfleet-export-fp-", dir=out.parent) as tmp:
         fp = Path(tmp)
         fields = export_lm(source, fp, say)
         texts, spec = calibration_texts(source, fp, samples, dataset)
         say(f"calibrating on {len(texts)} prompts of {spec}")
         shutil.rmtree(out)
-        report = quantize(fp, out, scheme, texts, say=say)
-        fp_digest = manifest_mod_digest(fp)
+        report = quantizer.quantize(fp, out, scheme, texts, say=say)
+        fp_digest = _weights_digest(fp)
     quantization = {**report, "calibration": {"dataset": spec, "samples": len(texts)},
                     "unquantized_sha256": fp_digest}  # fmt: skip
     return {**fields, "quantization": quantization, "libraries": libraries}
 
 
-def manifest_mod_digest(folder: Path) -> str | None:
+def _weights_digest(folder: Path) -> str | None:
     """sha256 of the unquantized weights file the quantized folder was made from."""
-    from learner.export.manifest import sha256
-
     weights = folder / "model.safetensors"
-    return sha256(weights) if weights.is_file() else None
+    return manifest.sha256(weights) if weights.is_file() else None
 
 
 def _run_name(source: Source) -> str | None:
     if source.config_path is not None:
         try:
-            from learner.export.sources import load_config
-
-            return str(load_config(source.config_path).run.name)
+            return str(sources.load_config(source.config_path).run.name)
         except ConfigError:
             pass
     return source.run_dir.name if source.run_dir is not None else None
-
-
-def main_export(args: Any) -> int:
-    """The `rlfleet export` handler (learner.commands)."""
-    import json
-
-    dataset = None
-    if args.calibration_dataset:
-        import yaml
-
-        text = args.calibration_dataset
-        dataset = {"jsonl": text} if text.endswith(".jsonl") else yaml.safe_load(text)
-        if not isinstance(dataset, dict):
-            raise ConfigError(
-                f"--calibration-dataset {text!r}: expected a dataset spec such as "
-                "'{generator: arith, digits: 1}' or a .jsonl file"
-            )
-    result = export(
-        args.source,
-        args.out,
-        quantize=args.quantize,
-        config=args.config,
-        calibration_dataset=dataset,
-        calibration_samples=args.calibration_samples,
-        force=args.force,
-    )
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "files"}, indent=2))
-    return 0

@@ -107,8 +107,9 @@ def ensure_quant_env(
             return quant_python(venv)
         started = time.perf_counter()
         say(
-            f"creating the quantizer environment {venv} from {requirements} (once per machine: "
-            "llmcompressor needs its own environment, see docs/platform.md; a few minutes)"
+            f"creating the quantizer environment {venv} from {requirements} (once per checkout, "
+            f"or per ${ENV_VAR} path: llmcompressor needs its own environment, see "
+            "docs/platform.md; a few minutes)"
         )
         if venv.exists():
             say(f"removing the incomplete or outdated {venv}")

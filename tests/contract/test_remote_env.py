@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 def address() -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "services.cli", "serve", "env_server", "--port", str(port)]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--port", str(port)]
     server = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
         wait_for_health(f"127.0.0.1:{port}", timeout_s=60)
@@ -374,7 +374,7 @@ def test_close_prints_nothing(tmp_path: Path, address: str) -> None:
 
 def test_rlfleet_envs_lists_the_servers_envs(address: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "envs", "--server", address],
+        [sys.executable, "-m", "launch.cli", "envs", "--server", address],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -2,7 +2,7 @@
 
 - the learner's own `save_final` (the code a finished run executes; called here on a stand-in
   learner, no engine or bus) writes a folder that `play` loads and runs;
-- `python -m services.cli play` in a subprocess: a plugin env (flappy_bird_gymnasium's
+- `python -m launch.cli play` in a subprocess: a plugin env (flappy_bird_gymnasium's
   FlappyBird-v0 with env_kwargs) recorded to a GIF and a frame folder, and exit code 2 with a
   one-line message for a path that is not a run.
 """
@@ -56,7 +56,7 @@ def test_learner_final_policy_plays(tmp_path: Path) -> None:
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "play", *args],
+        [sys.executable, "-m", "launch.cli", "play", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
