@@ -1,6 +1,6 @@
 """What every learner workload (game fragments, LM trajectory groups) shares around the bus:
 the durable-consumer inbox with at-least-once bookkeeping, the applied/dropped ledger, the
-dedupe window and triage rule, and small helpers for checkpoints and time stamps.
+dedupe window and triage rule, and small helpers for seeding, checkpoints and time stamps.
 
 Delivery states: pulled (``inbox``) -> held for the batch being gathered (``gathering``) ->
 applied, waiting for the checkpoint that covers it (``unacked``) -> acked. Every held delivery
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from google.protobuf import timestamp_pb2
 
+from learner.weights import announce
 from services.bus import Bus, Delivery
 from services.errors import InvalidArgument, RlfleetError
 
@@ -38,6 +39,7 @@ __all__ = [
     "now",
     "publish_version",
     "rng_state",
+    "seed_everything",
     "set_rng_state",
     "settle",
     "triage",
@@ -57,6 +59,13 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every RNG an update may draw from, so every rank builds the same initial model."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state(generator: torch.Generator) -> dict[str, Any]:
@@ -100,8 +109,6 @@ async def publish_version(
     """Store ``named`` tensors as the next version, remember it in ``state.json``, announce it
     on the bus (WeightsPublished, with the WeightService ``address`` and the ``taken``
     sequences per producer); returns the version."""
-    from learner.weights import announce
-
     manifest = await asyncio.to_thread(store.publish, named)
     write_atomic(learner_dir / "state.json", json.dumps({"version": manifest.version}) + "\n")
     await announce(bus, run, manifest, address, taken_sequences=taken)

@@ -8,7 +8,7 @@ What this adds to ``deepspeed.initialize`` (see docs/platform.md, "DeepSpeed 0.1
 - the accelerator (``DS_ACCELERATOR``) chosen from ``device`` before DeepSpeed is imported;
 - a client ``torch.optim.AdamW`` (naming the optimizer in the config JIT-builds CPU FusedAdam);
 - ``TORCH_EXTENSIONS_DIR`` under a persistent cache: the first ``deepspeed.initialize`` on a
-  machine JIT-compiles the CPU shared-memory comm op (40-50 s), later ones load it (< 1 s).
+  machine JIT-compiles the CPU shared-memory comm op (slow), later ones load it from there.
   Call ``warm_up()`` (``python -m learner.engine``) once per machine or image to pay that
   outside any run;
 - full named weights, gathered under ZeRO-3; checkpoints with client state; a per-update
@@ -152,8 +152,8 @@ class Engine:
         )
         # One fp32 rank without ZeRO or DeepSpeed's clipping: DeepSpeed's forward, backward and
         # step then do what the module, ``loss.backward()`` and the optimizer do, plus hooks,
-        # timers and bookkeeping that cost about 15% of a small policy's update
-        # (bench/ppo_update_profile.py). ``direct`` makes those calls itself, with the same
+        # timers and bookkeeping that weigh on a small policy's update
+        # (bench/game/ppo_update_profile.py). ``direct`` makes those calls itself, with the same
         # arithmetic (the same bits) and the engine's step counters advanced as DeepSpeed would.
         self.direct = (
             settings.zero_stage == 0
@@ -319,9 +319,9 @@ def _shm_op_built() -> bool:
 
 def _skip_shm_op_unless_built() -> None:
     """DeepSpeed builds the CPU shared-memory all-reduce op on every first init of a machine
-    (40-50 s of g++, minutes on a loaded host). With one process it has nothing to speed up, and
-    with several a first start should not wait for a compiler: skip it then (DeepSpeed falls back
-    to torch.distributed, as when the op is missing); ranks use it once ``warm_up`` built it."""
+    (a long g++ build). With one process it has nothing to speed up, and with several a first
+    start should not wait for a compiler: skip it then (DeepSpeed falls back to
+    torch.distributed, as when the op is missing); ranks use it once ``warm_up`` built it."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1 and _shm_op_built():
         return
     try:  # (`from deepspeed.comm import torch` would find the torch package re-exported there)
@@ -333,7 +333,7 @@ def _skip_shm_op_unless_built() -> None:
 
 
 def preload_engine(ds_cfg: DeepSpeedSettings) -> None:
-    """Import what ``build_engine`` imports (about 4 s here): DeepSpeed's modules, in the
+    """Import what ``build_engine`` imports, ahead of the run: DeepSpeed's modules, in the
     environment it sets for ``ds_cfg`` (DeepSpeed picks its accelerator once, from
     DS_ACCELERATOR, as soon as it is imported), and torch._dynamo, which torch.optim imports
     as the first optimizer is made."""
@@ -352,7 +352,7 @@ def build_engine(
     model: nn.Module, optimizer_cfg: OptimizerSettings, ds_cfg: DeepSpeedSettings
 ) -> Engine:
     """Wrap ``model`` (its ``forward`` is what ``engine(...)`` calls) in a DeepSpeed engine with a
-    client AdamW. The first call on a machine may take 40-50 s (JIT comm op); see ``warm_up``."""
+    client AdamW. The first call on a machine may be slow (JIT comm op); see ``warm_up``."""
     global _open_engines
     device = _prepare_environment(ds_cfg)
     import deepspeed
@@ -378,7 +378,7 @@ def build_engine(
     init_s = time.perf_counter() - start
     if ds_cfg.zero_stage == 0 and torch.distributed.get_world_size() == 1:
         # An all-reduce over one rank is the identity, yet DeepSpeed still flattens, copies and
-        # reduces every gradient each step: ~12% of a small model's update in a profile.
+        # reduces every gradient each step, a real share of a small model's update.
         ds_engine.enable_backward_allreduce = False
     _open_engines += 1
     log.info(
@@ -393,7 +393,7 @@ def build_engine(
 
 def warm_up(settings: DeepSpeedSettings | None = None) -> float:
     """JIT-build the CPU shared-memory comm op into the cache (what a multi-process CPU run's
-    first init would otherwise spend 40-50 s on; single processes skip it) and check that an
+    first init would otherwise spend its time on; single processes skip it) and check that an
     engine builds. Returns the seconds it took; run it once per machine or image."""
     settings = settings or DeepSpeedSettings(device="cpu")
     start = time.perf_counter()

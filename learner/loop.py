@@ -1,5 +1,6 @@
 """The learner's run, written once: bus in, updates, versions out, for any ``Workload``
-(learner.workload: the protocol, and the ``Progress`` counters the loop keeps).
+(learner.workload: the protocol, the ``RunHandle`` a workload gets instead of the loop, and the
+``Progress`` counters the loop keeps).
 
 A workload (``learner.game.workload``: PPO/A2C over rollout fragments; ``learner.lm.workload``:
 GRPO-family updates over trajectory groups) holds what is particular to its data and model, in
@@ -22,8 +23,9 @@ Delivery guarantees (docs/design.md, "at-least-once delivery plus idempotent con
   restarted learner continues after it (clients holding a newer version than the checkpoint's
   would otherwise ignore the repeated numbers).
 
-About 460 lines: it is the one loop both workloads run, and the guarantees above are easiest
-to check when every step that touches the ledger, the acks and the versions is in one file.
+Every step that touches the ledger, the acks and the versions is in this one file, so the
+guarantees above can be checked in one place; workloads reach the run only through a
+``RunHandle``.
 """
 
 from __future__ import annotations
@@ -32,12 +34,10 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable
 from typing import Any
 
-import numpy as np
 import torch
 from google.protobuf import timestamp_pb2
 
@@ -50,6 +50,7 @@ from learner.consumer import (
     now,
     publish_version,
     rng_state,
+    seed_everything,
     set_rng_state,
     settle,
     triage,
@@ -58,28 +59,21 @@ from learner.engine import Engine
 from learner.ranks import Ranks, write_digest
 from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
 from learner.weights import WeightServicer, WeightStore, add_weight_service
-from learner.workload import Envelope, Progress, Workload
+from learner.workload import Envelope, Progress, RunDirs, RunHandle, Workload
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.bus import Bus, events_subject, stream_name, traj_subject
-from services.console import PROGRESS_EVENTS, progress_record
-from services.errors import InvalidArgument, RlfleetError
+from services.errors import InvalidArgument
 from services.grpc_names import service_name
 from services.registry import ServiceContext
 from services.server import GrpcServer
 
-__all__ = ["LearnerLoop", "seed_everything"]
+__all__ = ["LearnerLoop"]
 
 log = logging.getLogger(__name__)
 
 LEARNER_SERVICE = service_name(learner_pb2, "LearnerService")
 SHUTDOWN_STEP_S = 20.0  # the most one step of the shutdown may take (see _bounded)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
@@ -103,13 +97,11 @@ class LearnerLoop:
         self.ctx, self.workload, self.settings = ctx, workload, workload.settings
         self.ranks = ranks  # rank 0 of several (learner.ranks): each step below tells the others
         self.run_name = ctx.run_name
-        self.dirs = {
-            name: ctx.run_dir / name for name in ("checkpoints", "learner", "final", "tensorboard")
-        }
+        self.dirs = RunDirs.of(ctx.run_dir)
         self.progress = Progress(applied=AppliedWindow(self.settings.applied_window))
         self.checkpointed_updates = 0  # the updates the latest checkpoint on disk includes
         self.generator = torch.Generator().manual_seed(self.settings.seed)  # minibatch order
-        self.ledger = Ledger(self.dirs["learner"] / "applied.jsonl")
+        self.ledger = Ledger(self.dirs.learner / "applied.jsonl")
         self.taken = TakenSequences()  # announced with each version: the actors' flow control
         self.engine: Engine | None = None
         self.store: WeightStore | None = None
@@ -117,6 +109,7 @@ class LearnerLoop:
         self.server: GrpcServer | None = None
         self.consumer: TrajectoryConsumer | None = None
         self.writer: Any = None
+        self.handle: RunHandle | None = None  # the workload's view of the run, once the bus is up
         self.metrics: dict[str, float] = {}  # the last update's, for GetStatus
         self.last_update_time: timestamp_pb2.Timestamp | None = None
         self._started = time.monotonic()  # when consuming began: throughput
@@ -128,7 +121,7 @@ class LearnerLoop:
         s, w = self.settings, self.workload
         seed_everything(s.seed)
         self.engine = w.build()
-        state = self.engine.load(self.dirs["checkpoints"])
+        state = self.engine.load(self.dirs.checkpoints)
         if state is not None:
             self.progress = Progress.from_state(state, s.applied_window)
             w.restore(state)
@@ -159,7 +152,7 @@ class LearnerLoop:
             self.bus,
             self.run_name,
             named,
-            self.dirs["learner"],
+            self.dirs.learner,
             self.server.address,
             self.taken.snapshot(),
         )
@@ -168,21 +161,21 @@ class LearnerLoop:
 
     async def run(self) -> None:
         ctx, s, w = self.ctx, self.settings, self.workload
-        self.dirs["learner"].mkdir(parents=True, exist_ok=True)
+        self.dirs.learner.mkdir(parents=True, exist_ok=True)
         self.server = GrpcServer(ctx.name, host=ctx.host, port=ctx.port)
         try:
             if ctx.nats_url is None:
                 raise InvalidArgument("the learner needs the bus: no NATS url given")
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.dirs["tensorboard"]))
+            self.writer = SummaryWriter(str(self.dirs.tensorboard))
             await w.setup()
             await asyncio.to_thread(self._build)
             p = self.progress
             self.store = WeightStore(
                 self.run_name,
                 keep=s.keep_versions,
-                start_version=next_version(self.dirs["learner"], p.updates, p.version),
+                start_version=next_version(self.dirs.learner, p.updates, p.version),
             )
             self.server.add_service(add_weight_service, WeightServicer(self.store), WEIGHTS_SERVICE)
             self.server.add_service(
@@ -195,11 +188,20 @@ class LearnerLoop:
                 self.server.set_serving()
             self.bus = await Bus.connect(ctx.nats_url, name=ctx.name)
             await self.bus.ensure_stream(stream_name(self.run_name), [traj_subject(self.run_name)])
-            await asyncio.to_thread(w.warm_start, self)
+            self.handle = RunHandle(
+                run_name=self.run_name,
+                source=ctx.name,
+                progress=p,
+                bus=self.bus,
+                dirs=self.dirs,
+                writer=self.writer,
+                tensorboard_step=w.step,
+            )
+            await asyncio.to_thread(w.warm_start, self.handle)
             await self._publish_weights()
             self.server.set_serving()
             log.info("learner serving on %s, version %d", self.server.address, p.version)
-            await w.begin(self)
+            await w.begin(self.handle)
             self.consumer = TrajectoryConsumer(
                 self.bus,
                 stream=stream_name(self.run_name),
@@ -220,6 +222,7 @@ class LearnerLoop:
 
     async def _loop(self) -> None:
         s, w, p = self.settings, self.workload, self.progress
+        assert self.handle is not None
         while not w.done(p):  # done at once: restarted after the end
             if self.ctx.stop_event.is_set():
                 return
@@ -228,7 +231,7 @@ class LearnerLoop:
             if items is None:
                 return
             await self._train(items)
-            await w.after_update(self)
+            await w.after_update(self.handle, self.metrics)
             # The end checkpoints anyway (_finish): no need for a periodic one first.
             if not w.done(p) and p.updates - self.checkpointed_updates >= s.checkpoint_every:
                 await self._checkpoint()
@@ -299,7 +302,7 @@ class LearnerLoop:
 
     async def _train(self, gathered: tuple[list[Any], list[Envelope]]) -> None:
         w, p = self.workload, self.progress
-        assert self.consumer is not None
+        assert self.consumer is not None and self.handle is not None
         items, envelopes = gathered
         trained_at = p.version  # what lags are measured against
         started = time.perf_counter()
@@ -328,60 +331,7 @@ class LearnerLoop:
         metrics.update(w.report(items, metrics, p, elapsed_s))
         metrics["charts/update_s"] = train_s
         self.metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        await self.report(self.metrics)
-
-    def write_scalars(self, metrics: dict[str, float], step: int) -> None:
-        """To TensorBoard, the finite ones."""
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
-
-    async def report(self, metrics: dict[str, float]) -> None:
-        """Log ``metrics`` at the current point: TensorBoard, the bus (Metrics) and the log."""
-        p = self.progress
-        clean = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        self.write_scalars(clean, self.workload.step(p))
-        message = events_pb2.Metrics(
-            run=self.run_name,
-            source=self.ctx.name,
-            step=p.updates,
-            time=now(),
-            scalars=clean,
-            policy_version=p.version,
-        )
-        assert self.bus is not None
-        with contextlib.suppress(RlfleetError):  # metrics are best effort
-            await self.bus.publish_event(events_subject(self.run_name, "metrics"), message)
-        log.info(
-            "update %d v%d (%d samples): %s",
-            p.updates,
-            p.version,
-            p.samples,
-            " ".join(f"{k}={v:.4g}" for k, v in sorted(clean.items())),
-        )
-
-    async def publish_progress(
-        self,
-        unit: str,
-        done: int,
-        total: int,
-        headline: Sequence[tuple[str, str]],
-        values: Mapping[str, float],
-    ) -> None:
-        """The record behind `rlfleet up`'s progress line: ``done`` of ``total`` ``unit``s and
-        the ``headline`` (label, metric key) pairs found in ``values``. Best effort."""
-        assert self.bus is not None
-        record = progress_record(
-            self.ctx.name,
-            unit=unit,
-            done=done,
-            total=total,
-            version=self.progress.version,
-            headline=[(label, values[key]) for label, key in headline if key in values],
-        )
-        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
-            await self.bus.publish_event(events_subject(self.run_name, PROGRESS_EVENTS), record)
+        await self.handle.report(self.metrics)
 
     # ------------------------------------------------------------------ checkpoints and the end
 
@@ -395,14 +345,14 @@ class LearnerLoop:
             await self.ranks.send("save", tag, p.updates)
         await asyncio.to_thread(
             self.engine.save,
-            self.dirs["checkpoints"],
+            self.dirs.checkpoints,
             tag,
             state,
             keep=self.settings.keep_checkpoints,
         )
         if self.ranks is not None:
             await asyncio.to_thread(
-                write_digest, self.ranks, self.engine, self.dirs["learner"], p.updates
+                write_digest, self.ranks, self.engine, self.dirs.learner, p.updates
             )
         self.checkpointed_updates = p.updates
         acked = await self.consumer.ack_checkpointed() if self.consumer is not None else 0
@@ -411,8 +361,9 @@ class LearnerLoop:
     async def _finish(self) -> None:
         """The workload's last words, ``final/``, a last checkpoint, RunStatus DONE."""
         w = self.workload
-        await w.finish(self)
-        await asyncio.to_thread(w.save_final, self.dirs["final"], self.progress)
+        assert self.handle is not None
+        await w.finish(self.handle)
+        await asyncio.to_thread(w.save_final, self.dirs.final, self.progress)
         await self._checkpoint()
         status = events_pb2.RunStatus(
             run=self.run_name,

@@ -32,26 +32,35 @@ import subprocess
 import sys
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from learner.consumer import seed_everything
 from learner.engine import Engine
-from learner.game.settings import LearnerSettings
-from learner.workload import Progress, Workload
+from learner.workload import Progress, RunDirs, Workload
 from services.bus.nats_server import parent_death_signal
 from services.errors import InvalidArgument
 from services.ports import free_port
 from services.registry import ENV_LAUNCHER_PID, ENV_METRICS_PORT, ServiceContext
 from services.server import GrpcServer
 
-__all__ = ["Ranks", "digest", "follow", "write_digest"]
+__all__ = ["RankSettings", "Ranks", "digest", "follow", "write_digest"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STOP_WAIT_S = 30.0  # how long rank 0 waits for the others to exit after "stop"
+
+
+class RankSettings(Protocol):
+    """What a workload's settings say about its ranks (any workload may run several)."""
+
+    @property
+    def ranks(self) -> int: ...
+    @property
+    def rank_timeout_s(self) -> float: ...
 
 
 def digest(engine: Engine) -> str:
@@ -75,7 +84,7 @@ class Ranks:
         self._lock = asyncio.Lock()  # one broadcast at a time (heartbeats vs orders)
 
     @classmethod
-    def start(cls, settings: LearnerSettings) -> Ranks | None:
+    def start(cls, settings: RankSettings) -> Ranks | None:
         """None for one process; else this process's rank (starting ranks 1..N-1 first when
         ``settings.ranks`` asks for them and no launcher set up a world)."""
         env = os.environ
@@ -199,16 +208,14 @@ async def follow(ctx: ServiceContext[Any], workload: Workload, ranks: Ranks) -> 
     """Ranks > 0: build the same engine (and restore the same checkpoint) as rank 0, then
     carry out its orders until it says stop. A SIGTERM is rank 0's to act on: it stops the
     group with a last checkpoint these ranks must take part in."""
-    from learner.loop import seed_everything  # (learner.loop imports this module)
-
     settings = workload.settings
-    checkpoints, learner_dir = ctx.run_dir / "checkpoints", ctx.run_dir / "learner"
+    dirs = RunDirs.of(ctx.run_dir)
     await workload.setup()
 
     def build() -> Engine:
         seed_everything(settings.seed)
         engine = workload.build()
-        engine.load(checkpoints)
+        engine.load(dirs.checkpoints)
         ranks.connect()
         return engine
 
@@ -232,8 +239,8 @@ async def follow(ctx: ServiceContext[Any], workload: Workload, ranks: Ranks) -> 
                 await asyncio.to_thread(workload.train, items, progress, generator)
             elif kind == "save":
                 _, tag, updates = order
-                await asyncio.to_thread(engine.save, checkpoints, tag, {})
-                await asyncio.to_thread(write_digest, ranks, engine, learner_dir, updates)
+                await asyncio.to_thread(engine.save, dirs.checkpoints, tag, {})
+                await asyncio.to_thread(write_digest, ranks, engine, dirs.learner, updates)
             elif kind == "stop":
                 log.info("rank %d: rank 0 is done", ranks.rank)
                 return

@@ -1,6 +1,7 @@
 """The contract between the learner loop (learner.loop) and a workload: the ``Workload``
-protocol a workload implements, the ``Progress`` counters the loop keeps and checkpoints, and
-the ``Envelope`` a workload reads off each message before it is decoded.
+protocol a workload implements, the ``RunHandle`` it is given instead of the loop, the
+``Progress`` counters the loop keeps and checkpoints, and the ``Envelope`` a workload reads off
+each message before it is decoded.
 
 Implementations: ``learner.game.workload.GameWorkload`` (PPO/A2C over rollout fragments) and
 ``learner.lm.workload.LMWorkload`` (GRPO family over trajectory groups).
@@ -8,19 +9,35 @@ Implementations: ``learner.game.workload.GameWorkload`` (PPO/A2C over rollout fr
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from learner.consumer import AppliedWindow
+from common.artifacts import CHECKPOINTS_DIR, FINAL_DIR
+from learner.consumer import AppliedWindow, now
+from learner.engine import Engine
+from rlfleet.bus.v1 import events_pb2
+from services.bus import Bus, events_subject
+from services.errors import RlfleetError
+from services.progress import PROGRESS_EVENTS, progress_record
 
-if TYPE_CHECKING:
-    from learner.engine import Engine
-    from learner.loop import LearnerLoop
+__all__ = [
+    "Envelope",
+    "LoopSettings",
+    "Progress",
+    "RunDirs",
+    "RunHandle",
+    "ScalarWriter",
+    "Workload",
+]
 
-__all__ = ["Envelope", "LoopSettings", "Progress", "Workload"]
+log = logging.getLogger(__name__)
 
 _COUNTERS = (
     "updates",
@@ -90,6 +107,96 @@ class Envelope:
     sequence: int = -1
 
 
+@dataclass(frozen=True)
+class RunDirs:
+    """The learner's folders in a run directory; every rank reads the same ones."""
+
+    checkpoints: Path
+    learner: Path  # the ledger, state.json, rank digests, the LM's eval.jsonl
+    final: Path  # what a finished (or stopped game) run leaves to play or export
+    tensorboard: Path
+
+    @classmethod
+    def of(cls, run_dir: Path) -> RunDirs:
+        return cls(
+            checkpoints=run_dir / CHECKPOINTS_DIR,
+            learner=run_dir / "learner",
+            final=run_dir / FINAL_DIR,
+            tensorboard=run_dir / "tensorboard",
+        )
+
+
+class ScalarWriter(Protocol):
+    """The part of TensorBoard's SummaryWriter the run writes through."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """What a workload sees of the run the loop drives: the counters, the bus, the folders and
+    where scalars and progress go. The loop builds it once the bus is up; the ledger, the acks
+    and the versions stay out of a workload's reach, so it cannot break their guarantees."""
+
+    run_name: str
+    source: str  # the learner service's name, on every event it publishes
+    progress: Progress  # the loop's counters: read them, the loop alone changes them
+    bus: Bus
+    dirs: RunDirs
+    writer: ScalarWriter
+    tensorboard_step: Callable[[Progress], int]  # the workload's x axis (``Workload.step``)
+
+    def write_scalars(self, metrics: Mapping[str, float], step: int) -> None:
+        """To TensorBoard, the finite ones."""
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    async def report(self, metrics: Mapping[str, float]) -> None:
+        """Log ``metrics`` at the current point: TensorBoard, the bus (Metrics) and the log."""
+        p = self.progress
+        clean = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        self.write_scalars(clean, self.tensorboard_step(p))
+        message = events_pb2.Metrics(
+            run=self.run_name,
+            source=self.source,
+            step=p.updates,
+            time=now(),
+            scalars=clean,
+            policy_version=p.version,
+        )
+        with contextlib.suppress(RlfleetError):  # metrics are best effort
+            await self.bus.publish_event(events_subject(self.run_name, "metrics"), message)
+        log.info(
+            "update %d v%d (%d samples): %s",
+            p.updates,
+            p.version,
+            p.samples,
+            " ".join(f"{k}={v:.4g}" for k, v in sorted(clean.items())),
+        )
+
+    async def publish_progress(
+        self,
+        unit: str,
+        done: int,
+        total: int,
+        headline: Sequence[tuple[str, str]],
+        values: Mapping[str, float],
+    ) -> None:
+        """The record behind `rlfleet up`'s progress line: ``done`` of ``total`` ``unit``s and
+        the ``headline`` (label, metric key) pairs found in ``values``. Best effort."""
+        record = progress_record(
+            self.source,
+            unit=unit,
+            done=done,
+            total=total,
+            version=self.progress.version,
+            headline=[(label, values[key]) for label, key in headline if key in values],
+        )
+        with contextlib.suppress(RlfleetError):  # best effort, like the metrics
+            await self.bus.publish_event(events_subject(self.run_name, PROGRESS_EVENTS), record)
+
+
 class LoopSettings(Protocol):
     """The settings every workload's settings carry for the loop."""
 
@@ -142,13 +249,13 @@ class Workload(Protocol):
     def state(self) -> dict[str, Any]:
         """The workload's part of a checkpoint, beside the loop's ``Progress``."""
 
-    def warm_start(self, run: LearnerLoop) -> None:
+    def warm_start(self, run: RunHandle) -> None:
         """Blocking: training before version 0 is published (e.g. SFT); may do nothing."""
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Blocking: the named tensors a version publishes."""
 
-    async def begin(self, run: LearnerLoop) -> None:
+    async def begin(self, run: RunHandle) -> None:
         """Version 0 is out and nothing consumed yet (e.g. evaluate the baseline)."""
 
     def envelope(self, message: Any) -> Envelope:
@@ -176,13 +283,14 @@ class Workload(Protocol):
     def step(self, progress: Progress) -> int:
         """The TensorBoard step of the current point."""
 
-    async def after_update(self, run: LearnerLoop) -> None:
-        """After each update is published and reported (e.g. a periodic evaluation)."""
+    async def after_update(self, run: RunHandle, metrics: Mapping[str, float]) -> None:
+        """After each update is published and reported with ``metrics`` (e.g. a periodic
+        evaluation, the progress record)."""
 
     def done(self, progress: Progress) -> bool:
         """The run is over."""
 
-    async def finish(self, run: LearnerLoop) -> None:
+    async def finish(self, run: RunHandle) -> None:
         """Before the final save (e.g. the final evaluation)."""
 
     def save_final(self, final_dir: Path, progress: Progress) -> None:

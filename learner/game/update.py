@@ -1,6 +1,6 @@
 """PPO / A2C over rollout fragments: decode, stack, advantages, update.
 
-The math is bench/ppo_baseline.py's (CleanRL's ``ppo.py`` with time-limit bootstrapping), fed by
+The math is bench/game/ppo_baseline.py's (CleanRL's ``ppo.py``, time-limit bootstrapping), fed by
 ``bus.v1.RolloutFragment`` messages instead of a local vector env:
 
 1. ``decode_fragment``: one message -> tensors ``[T, N, ...]``, every shape checked;
@@ -20,8 +20,8 @@ The math is bench/ppo_baseline.py's (CleanRL's ``ppo.py`` with time-limit bootst
 The consumer's bookkeeping (``AppliedWindow``, ``triage``) is shared with the LM workload and
 lives in learner.consumer; the service around this (learner.game.workload) only adapts it.
 
-About 500 lines: the four steps above are one pipeline, each step's checks next to the shapes it
-reads, and splitting them would spread one tensor's story over several files.
+The four steps above stay one pipeline in one file, each step's checks next to the shapes it
+reads: split, one tensor's story would spread over several files.
 """
 
 from __future__ import annotations
@@ -468,7 +468,7 @@ def update(
 
 def clip_grad_norm(parameters: Any, max_norm: float) -> Tensor:
     """DeepSpeed's ``clip_grad_norm_`` (deepspeed/runtime/utils.py) for one fp32 rank: the same
-    arithmetic in the same order, so the same bits (``bench/ppo_update_profile.py`` checks the
+    arithmetic in the same order, so the same bits (``bench/game/ppo_update_profile.py`` checks the
     weights), without its all-reduce of the norm over the data-parallel group (a group of one
     has nothing to reduce, and on a small model the call costs more than the rest) and with
     the per-tensor loops as single ``_foreach`` calls. Returns the total norm before clipping."""

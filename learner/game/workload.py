@@ -12,8 +12,7 @@ every checkpoint carries the policy description (``common.artifacts.POLICY_STATE
 over says so at once (the run, why, and how to start afresh or continue) and only re-announces
 the end.
 
-About 450 lines: the workload protocol's methods are short, but there are many of them, and the
-run's start, stop and end cases read best side by side.
+The run's start, stop and end cases stay side by side in this one class, where they read best.
 """
 
 from __future__ import annotations
@@ -23,16 +22,17 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import gymnasium
 import numpy as np
 import torch
 
+from clients.env import env_spaces
 from common.artifacts import (
     CHECKPOINTS_DIR,
-    FINAL_DIR,
     MODEL_STATES_FILES,
     POLICY_STATE_KEY,
     policy_description,
@@ -45,9 +45,8 @@ from learner.consumer import now
 from learner.engine import Engine, build_engine
 from learner.game.settings import LearnerSettings
 from learner.game.update import Fragment, FragmentBatch, decode_fragment, update
-from learner.loop import LearnerLoop
 from learner.settings import DeepSpeedSettings
-from learner.workload import Envelope, Progress
+from learner.workload import Envelope, Progress, RunHandle
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
 from services.errors import InvalidArgument, RlfleetError, Unavailable
@@ -57,7 +56,9 @@ __all__ = ["GameWorkload", "build_game_engine", "engine_settings"]
 
 log = logging.getLogger(__name__)
 
-# The progress line `rlfleet up` shows (services.console): (label, metric) in display order.
+SPACES_REQUEST_S = 30.0  # the most one env server may take to answer for its spaces
+
+# The progress line `rlfleet up` shows (services.progress): (label, metric) in display order.
 HEADLINE = (
     ("EpRewMean", "charts/episodic_return"),
     ("EpLenMean", "charts/episodic_length"),
@@ -84,7 +85,7 @@ class GameWorkload:
         self.episodes = 0
         self._steps_this_run = 0  # env steps since this incarnation began consuming: SPS
         self._watcher: asyncio.Task[None] | None = None
-        self._run: LearnerLoop | None = None  # from begin: what a stop saves final/ from
+        self._run: RunHandle | None = None  # from begin: what a stop saves final/ from
         self._final_saved = False  # this incarnation wrote final/ (the run's end)
         self._over_at_start: str | None = None  # why the run was already over when it began
         self._description: dict[str, Any] | None = None  # the policy's, for every checkpoint
@@ -142,16 +143,15 @@ class GameWorkload:
             )
         return self._description
 
-    def warm_start(self, run: LearnerLoop) -> None:
+    def warm_start(self, run: RunHandle) -> None:
         """Nothing: game RL starts from the freshly initialised policy."""
 
     def weights(self) -> dict[str, torch.Tensor]:
         assert self.engine is not None
         return self.engine.named_weights()
 
-    async def begin(self, run: LearnerLoop) -> None:
+    async def begin(self, run: RunHandle) -> None:
         """Follow the episode statistics actors publish."""
-        assert run.bus is not None
         self._run = run
         if self._over_at_start is None:  # (setup could not read the checkpoint)
             self._note_over(run.progress.samples, self.returns)
@@ -249,12 +249,10 @@ class GameWorkload:
     def step(self, progress: Progress) -> int:
         return progress.samples  # CleanRL's global_step: env steps
 
-    async def after_update(self, run: LearnerLoop) -> None:
+    async def after_update(self, run: RunHandle, metrics: Mapping[str, float]) -> None:
         """The progress record of `rlfleet up`'s progress line (env steps of total_timesteps)."""
-        p = run.progress
-        await run.publish_progress(
-            "step", p.samples, self.settings.total_timesteps, HEADLINE, run.metrics
-        )
+        total = self.settings.total_timesteps
+        await run.publish_progress("step", run.progress.samples, total, HEADLINE, metrics)
 
     # ------------------------------------------------------------------ the end
 
@@ -292,7 +290,7 @@ class GameWorkload:
         )
         log.warning("%s", self._over_at_start)
 
-    async def finish(self, run: LearnerLoop) -> None:
+    async def finish(self, run: RunHandle) -> None:
         # Episodes that arrived after the last update's report (while it was published, or
         # during a checkpoint) can be what ended the run: record the return it ended on.
         if self.returns:
@@ -353,7 +351,7 @@ class GameWorkload:
         p = run.progress
         if not self.ctx.stop_event.is_set() or p.updates == 0 or self.done(p):
             return
-        final_dir = run.dirs[FINAL_DIR]
+        final_dir = run.dirs.final
         try:
             await asyncio.to_thread(self._save, final_dir, p, complete=False)
         except Exception as exc:  # the stop checkpoint still follows
@@ -380,8 +378,8 @@ def _single_fp32_rank(s: LearnerSettings) -> bool:
 def engine_settings(s: LearnerSettings) -> DeepSpeedSettings:
     """The DeepSpeed settings of the learner's engine. One fp32 rank without ZeRO: no DeepSpeed
     gradient clipping, ``learner.game.update`` clips (``clip_grad_norm``: the same numbers,
-    without DeepSpeed's all-reduce of the norm over a group of one, ~0.7 ms of its ~2.6 ms step
-    on the CartPole MLP)."""
+    without DeepSpeed's all-reduce of the norm over a group of one, a large share of a small
+    policy's step)."""
     ds = s.deepspeed()
     if _single_fp32_rank(s):
         ds = ds.model_copy(update={"gradient_clipping": None})
@@ -401,8 +399,6 @@ def _checkpoint_state(checkpoints: Path) -> dict[str, Any] | None:
 
 
 def _local_spaces(env_id: str, env_kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    import gymnasium
-
     env = gymnasium.make(env_id, **env_kwargs)
     try:
         return env.observation_space, env.action_space
@@ -413,37 +409,16 @@ def _local_spaces(env_id: str, env_kwargs: dict[str, Any]) -> tuple[Any, Any]:
 async def _remote_spaces(
     addresses: list[str], env_id: str, env_kwargs: dict[str, Any], timeout_s: float
 ) -> tuple[Any, Any]:
-    """The spaces an env server reports for ``env_id`` (a one-env session, closed at once);
-    tries each address in turn until ``timeout_s``. A game-link env id is answered once a game
-    has said Hello with it (UNAVAILABLE before: retried)."""
-    from google.protobuf import struct_pb2
-
-    from common import spaces as space_codec
-    from rlfleet.env.v1 import env_pb2, env_pb2_grpc
-    from services.errors import from_status
-    from services.server import channel
-
-    kwargs = struct_pb2.Struct()
-    kwargs.update(env_kwargs)
-    create = env_pb2.SessionRequest(
-        request_id=1, create=env_pb2.CreateRequest(env_id=env_id, num_envs=1, kwargs=kwargs)
-    )
+    """The spaces an env server reports for ``env_id``; tries each address in turn until
+    ``timeout_s``, since env servers may start after the learner. A game-link env id is
+    answered once a game has said Hello with it (UNAVAILABLE before: retried)."""
     deadline = time.monotonic() + timeout_s
     last: BaseException | None = None
     while time.monotonic() < deadline:
         for address in addresses:
             try:
-                async with channel(address) as ch:
-                    call = env_pb2_grpc.EnvServiceStub(ch).Session(iter([create]), timeout=30.0)
-                    async for response in call:
-                        if response.HasField("error"):
-                            raise from_status(response.error)
-                        info = response.create
-                        return (
-                            space_codec.from_proto(info.observation_space),
-                            space_codec.from_proto(info.action_space),
-                        )
-            except Unavailable as exc:  # e.g. a game-link env id no game has linked yet
+                return await env_spaces(address, env_id, env_kwargs, timeout_s=SPACES_REQUEST_S)
+            except Unavailable as exc:  # not up yet, or a game-link env id no game has linked
                 last = exc
             except RlfleetError:
                 raise

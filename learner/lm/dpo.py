@@ -20,7 +20,7 @@ A run file's ``job: {kind: dpo, ...}`` (learner/lm/dpo_job.py: the knobs) runs t
    ``rlfleet export`` load.
 
 Under ``torchrun`` each rank trains on its slice of every global batch (rank 0 logs and saves).
-One file (about 450 lines) for one trainer read top to bottom, CleanRL-style; data preparation
+One file for one trainer, read top to bottom, CleanRL-style; data preparation
 is in learner/lm/dpo_data.py and the loss in learner.algos.
 """
 
@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import Tensor
 
+from learner.algos import dpo_loss
 from learner.engine import build_engine
 from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
 from learner.lm.dpo_job import DPOSettings
-from learner.lm.model import load_causal_lm, load_tokenizer, token_logprobs
+from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer, token_logprobs
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 
 if TYPE_CHECKING:
@@ -234,8 +235,6 @@ class DPOTrainer:
         return torch.cat(rows) if rows else torch.zeros(0, 2)  # [N, 2]
 
     def _loss(self, chosen: Tensor, rejected: Tensor, ref: Tensor) -> tuple[Tensor, dict]:
-        from learner.algos import dpo_loss
-
         s = self.settings
         ref = ref.to(chosen.device)  # [B, 2]
         return dpo_loss(
@@ -413,8 +412,6 @@ class DPOTrainer:
     def export(self) -> Path:
         """Save the full model (LoRA merged) and the tokenizer to ``output_dir/final``."""
         from peft import PeftModel
-
-        from learner.lm.model import hf_weights
 
         out = self.output_dir / "final"
         module = self.engine.module

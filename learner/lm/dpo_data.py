@@ -5,7 +5,7 @@ A line is ``{"prompt": str, "chosen": str, "rejected": str}`` or chat-style, wit
 of ``{role, content}`` messages that the tokenizer's chat template renders (chosen and rejected
 are then the assistant's reply). Other keys (an ``id``, a source) are allowed and ignored.
 
-``rlfleet dpo-data OUT.jsonl --count N`` (learner/commands.py) writes pairs for the "arith"
+``rlfleet dpo-data OUT.jsonl --count N`` (learner/lm/commands.py) writes pairs for the "arith"
 generator of common/datasets.py: chosen is the correct `` <answer>N</answer>``, rejected a near
 miss in the same format, so the pair differs only in the number (what DPO has to learn, not the
 format).

@@ -28,7 +28,7 @@ __all__ = ["SPEC", "BusReporter", "main"]
 
 log = logging.getLogger(__name__)
 
-# The progress line's values (services.console): (label, metric key) in display order.
+# The progress line's values (services.progress): (label, metric key) in display order.
 HEADLINE = (
     ("loss", "loss"),
     ("acc", "rewards/accuracies"),
@@ -71,8 +71,8 @@ async def main(ctx: ServiceContext[DPOSettings]) -> None:
     """Train to the end (exit 0, RunStatus DONE) or until stopped (checkpointed)."""
     announcer = await Announcer(ctx).open()
     try:
-        # Importing torch, transformers and DeepSpeed takes 10-30 s on a busy CPU: say so, and
-        # import in a thread so that the event loop sends the notice meanwhile.
+        # Importing torch, transformers and DeepSpeed is slow on a busy CPU: say so, and import
+        # in a thread so that the event loop sends the notice meanwhile.
         announcer.say("importing torch, transformers and DeepSpeed")
         await asyncio.to_thread(importlib.import_module, "learner.lm.dpo")
         from common.datasets import DatasetSpecError

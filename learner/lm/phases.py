@@ -23,8 +23,8 @@ from typing import Any
 
 from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, announce, events_subject
-from services.console import PROGRESS_EVENTS, progress_record
 from services.errors import RlfleetError
+from services.progress import PROGRESS_EVENTS, progress_record
 from services.registry import ServiceContext
 
 __all__ = ["Announcer"]

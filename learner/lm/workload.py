@@ -23,28 +23,29 @@ import collections
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from common.datasets import Task, iter_tasks, take
+from clients.reward import RewardClient
+from common.datasets import Task, iter_tasks
 from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import now
 from learner.engine import Engine, build_engine
 from learner.lm.batch import Sample, decode_group
-from learner.lm.evaluate import generate_greedy, score_accuracy
+from learner.lm.evaluate import generate_greedy, held_out_tasks, score_accuracy
 from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer
 from learner.lm.phases import Announcer
 from learner.lm.settings import LMLearnerSettings
 from learner.lm.sft import sft_phase
 from learner.lm.update import group_filter, lm_update
-from learner.loop import LearnerLoop
 from learner.settings import DeepSpeedSettings, OptimizerSettings
-from learner.workload import Envelope, Progress
+from learner.workload import Envelope, Progress, RunHandle
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
-from services.bus import Bus, events_subject
+from services.bus import events_subject
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 
@@ -52,9 +53,10 @@ __all__ = ["LMWorkload", "reward_metrics"]
 
 log = logging.getLogger(__name__)
 
-SFT_PROGRESS_EVERY_S = 1.0  # at most one SFT progress record a second (the console shows 1/5 s)
+# SFT progress records at most this often: the console shows one per interval, more are noise.
+SFT_PROGRESS_EVERY_S = 1.0
 DROPPED_EVENTS = "dropped"  # GroupsDropped's event kind (the drivers' sampler/rollout/pacing.py)
-# The progress line `rlfleet up` shows (services.console): (label, metric) in display order.
+# The progress line `rlfleet up` shows (services.progress): (label, metric) in display order.
 HEADLINE = (
     ("reward", "reward/total"),
     ("eval", "eval/accuracy"),
@@ -84,8 +86,8 @@ class LMWorkload:
         self._eval_tasks: list[Task] | None = None  # the same held-out prompts every time
         self._filtered_streak = 0  # groups filtered out in a row
         self._decoding: Any = None  # the message being decoded and accepted (its drop's source)
-        self._bus: Bus | None = None  # for GroupsDropped; set by `begin`
-        self._progress: Progress | None = None  # the loop's counters; set by `begin`
+        self._run: RunHandle | None = None  # the bus for GroupsDropped, counters; from `begin`
+        self._last_update: Mapping[str, float] = {}  # its metrics stay on the progress line
         # Drops not announced yet: (producer, reason) -> group ids; one task sends them.
         self._dropped: dict[tuple[str, str], list[str]] = {}
         self._announcing: asyncio.Task[None] | None = None
@@ -130,7 +132,7 @@ class LMWorkload:
     def state(self) -> dict[str, Any]:
         return {"sft_done": self.sft_done, "evals": self.evals}
 
-    def warm_start(self, run: LearnerLoop) -> None:
+    def warm_start(self, run: RunHandle) -> None:
         """SFT on the dataset's solutions (fresh runs only); refreshes the KL reference."""
         s = self.settings
         assert self.engine is not None
@@ -169,9 +171,9 @@ class LMWorkload:
         assert self.engine is not None
         return hf_weights(self.engine.module)
 
-    async def begin(self, run: LearnerLoop) -> None:
+    async def begin(self, run: RunHandle) -> None:
         """Evaluate version 0 (the warm-started baseline) unless a restored run already did."""
-        self._bus, self._progress = run.bus, run.progress
+        self._run = run
         p, total = run.progress, self.settings.total_updates
         if self._resumed:
             finished = ": the run is finished" if p.updates >= total else ""
@@ -205,12 +207,12 @@ class LMWorkload:
     def decode(self, message: Any) -> list[Sample]:
         # The loop accepts (or drops as invalid) what it decodes at once: remember whose it is.
         self._decoding = message
-        if not self._first_group_in and self._progress is not None:
+        if not self._first_group_in and self._run is not None:
             self._first_group_in = True
             self.phases.say(
                 f"first rollout group in from {message.source or 'a driver'} "
                 f"(policy v{message.policy_version}); training update "
-                f"{self._progress.updates + 1} of {self.settings.total_updates}"
+                f"{self._run.progress.updates + 1} of {self.settings.total_updates}"
             )
         try:
             return decode_group(message, self.vocab_size)
@@ -244,7 +246,7 @@ class LMWorkload:
         """Queue a GroupsDropped for the group being decoded (sent by a task, coalesced with
         the other drops of the same moment: the loop drops many in a row at times)."""
         message, self._decoding = self._decoding, None
-        if message is None or self._bus is None or not message.source or not message.group_id:
+        if message is None or self._run is None or not message.source or not message.group_id:
             return
         self._dropped.setdefault((message.source, reason), []).append(message.group_id)
         if self._announcing is None or self._announcing.done():
@@ -253,8 +255,8 @@ class LMWorkload:
             )
 
     async def _announce(self) -> None:
-        bus, subject = self._bus, events_subject(self.ctx.run_name, DROPPED_EVENTS)
-        assert bus is not None and self._progress is not None
+        run, subject = self._run, events_subject(self.ctx.run_name, DROPPED_EVENTS)
+        assert run is not None
         while self._dropped:  # drops queued while publishing go out in the next round
             await asyncio.sleep(0)  # let the loop drop what else is at hand first
             (producer, reason), ids = self._dropped.popitem()
@@ -265,11 +267,11 @@ class LMWorkload:
                 count=len(ids),
                 reason=reason,
                 group_ids=ids,
-                version=self._progress.version,
+                version=run.progress.version,
                 time=now(),
             )
             try:
-                await bus.publish_event(subject, event)
+                await run.bus.publish_event(subject, event)
             except RlfleetError as exc:  # best effort: the driver's version_wait_s backs it up
                 log.warning("could not announce %d dropped groups: %s", len(ids), exc)
 
@@ -314,28 +316,27 @@ class LMWorkload:
     def step(self, progress: Progress) -> int:
         return progress.updates
 
-    async def after_update(self, run: LearnerLoop) -> None:
+    async def after_update(self, run: RunHandle, metrics: Mapping[str, float]) -> None:
+        self._last_update = metrics
         cfg = self.settings.eval
         if cfg is not None and run.progress.updates % cfg.every == 0:
             await self.evaluate(run)
         await self._publish_progress(run)
 
-    async def _publish_progress(self, run: LearnerLoop) -> None:
+    async def _publish_progress(self, run: RunHandle) -> None:
         """The progress record of `rlfleet up`'s progress line (updates of total_updates)."""
-        values = {**(self.evals[-1] if self.evals else {}), **run.metrics}
+        values = {**(self.evals[-1] if self.evals else {}), **self._last_update}
         total = self.settings.total_updates
         await run.publish_progress("update", run.progress.updates, total, HEADLINE, values)
 
-    async def evaluate(self, run: LearnerLoop) -> None:
+    async def evaluate(self, run: RunHandle) -> None:
         """Held-out greedy accuracy of the current weights (logged as eval/accuracy)."""
         s, cfg = self.settings, self.settings.eval
         if cfg is None or s.reward_service is None:
             return
-        from clients.reward import RewardClient
-
         assert self.engine is not None
         if self._eval_tasks is None:
-            self._eval_tasks = take(iter_tasks(cfg.dataset, split=cfg.split), cfg.count)
+            self._eval_tasks = held_out_tasks(cfg, s.total_updates * s.groups_per_update)
         tasks = self._eval_tasks
         started = time.perf_counter()
         texts = await asyncio.to_thread(
@@ -362,7 +363,7 @@ class LMWorkload:
         }
         self.evals.append(record)
         await run.report(record)
-        with (run.dirs["learner"] / "eval.jsonl").open("a") as out:
+        with (run.dirs.learner / "eval.jsonl").open("a") as out:
             out.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ the end
@@ -370,7 +371,7 @@ class LMWorkload:
     def done(self, progress: Progress) -> bool:
         return progress.updates >= self.settings.total_updates
 
-    async def finish(self, run: LearnerLoop) -> None:
+    async def finish(self, run: RunHandle) -> None:
         """The final evaluation, unless the last one was of this very version."""
         version = run.progress.version
         if self.settings.eval is not None and (

@@ -177,7 +177,7 @@ async def test_gather_drops_stale_invalid_filtered_and_duplicates_then_train_led
         published.append(metrics)
 
     loop._publish_weights = publish  # type: ignore[method-assign]
-    loop.report = report  # type: ignore[method-assign]
+    loop.handle = SimpleNamespace(report=report)  # type: ignore[assignment]
     await loop._train(gathered)
     loop.ledger.close()
     assert (p.updates, p.version, p.samples, p.messages) == (1, 6, 6, 2)
