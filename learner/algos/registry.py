@@ -311,7 +311,7 @@ _plugins_loaded = False
 _plugins_lock = threading.RLock()
 
 
-@functools.cache  # a scan of every installed distribution's metadata, ~10 ms
+@functools.cache  # a scan of every installed distribution's metadata: once per process
 def plugins_installed() -> bool:
     """Whether any package declares an ``rlfleet.algos`` entry point (nothing is imported);
     asked once per process, as the plugins are loaded once."""
