@@ -11,9 +11,8 @@
   GPUs only in the gpu overlay, a workload for every service the compose file runs.
 
 The slow smoke test (every image the manifests name starts under Docker and passes its readiness
-probe) is at the end. Over 400 lines: the offline checks and the smoke test read the same
-rendered manifests through the same few helpers, which would otherwise be shared by import
-between test modules.
+probe) is at the end, beside the offline checks: both read the same rendered manifests through
+the same few helpers.
 """
 
 from __future__ import annotations
