@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import PurePath
 from typing import Any
 
+import yaml
 from pydantic import BaseModel
 
 from launch.dashboard.live import dashboard_port_from_env, tensorboard_from_env
@@ -100,9 +101,25 @@ def _up(args: argparse.Namespace) -> int:
     ).run()
 
 
-@command("validate", "validate a run config (structure and every service's settings)", _config_arg)
+def _validate_args(parser: argparse.ArgumentParser) -> None:
+    _config_arg(parser)
+    parser.add_argument(
+        "--print",
+        action="store_true",
+        dest="print_services",
+        help="print the services the job expands to, every setting filled in (YAML)",
+    )
+
+
+@command(
+    "validate", "validate a run config (structure and every service's settings)", _validate_args
+)
 def _validate(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, check_machine=True)
+    if args.print_services:
+        services = [entry.model_dump(mode="json") for entry in config.services]
+        print(yaml.safe_dump({"services": services}, sort_keys=False), end="")
+        return 0
     print(f"OK: {args.config} (run '{config.run.name}', {len(config.services)} services)")
     return 0
 

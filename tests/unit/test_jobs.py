@@ -499,3 +499,17 @@ def test_a_trl_style_reward_gets_every_dataset_column(
         )
         config = load_run_config(_write(tmp_path, body), environ={})
         assert config.service("reward").settings.plugins == [f"{refs}:{ref}"]
+
+
+def test_validate_print_shows_every_expanded_service_with_its_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launch.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "--print", "examples/cartpole_ppo.yaml"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["services"]
+    config = load_run_config("examples/cartpole_ppo.yaml", environ={})
+    assert [s["name"] for s in printed] == [entry.name for entry in config.services]
+    learner = next(s for s in printed if s["name"] == "learner")
+    assert learner["settings"] == config.service("learner").settings.model_dump(mode="json")
