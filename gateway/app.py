@@ -1,11 +1,13 @@
 """The FastAPI application and the uvicorn server that runs it inside a service.
 
 ``Gateway`` holds the parts (backend pool, authenticator, serving classes); ``build_app``
-wires them into FastAPI with the middleware every route shares: the body-size limit (413),
-Prometheus request metrics and an OpenTelemetry SERVER span per request (its context, taken
-from the caller's ``traceparent``, is current while the sampler calls run, so their CLIENT spans
-and the sampler's SERVER spans join the same trace). ``HttpServer`` runs uvicorn on the
-service's event loop without taking over its signal handling (the service's stop event stops it).
+wires them into FastAPI with the middleware every route shares: the body-size limit (413), the
+body read timeout (408), Prometheus request metrics and an OpenTelemetry SERVER span per request
+(its context, taken from the caller's ``traceparent``, is current while the sampler calls run,
+so their CLIENT spans and the sampler's SERVER spans join the same trace). ``HttpServer`` runs
+uvicorn on the service's event loop without taking over its signal handling (the service's stop
+event stops it), with the connection limits of the settings: idle and header timeouts and the
+header size limit (``GuardedH11Protocol``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import h11
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
@@ -28,18 +31,19 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway import metrics
 from gateway.auth import Authenticator
 from gateway.backends import BackendPool, Replica, SamplerReplica
-from gateway.errors import ApiError, BodyTooLarge
-from gateway.openai.routes import param_of, router
+from gateway.errors import ApiError, BodyTooLarge, RequestTimeout
+from gateway.openai.routes import authenticate, param_of, router
 from gateway.openai.serving_chat import OpenAIServingChat
 from gateway.openai.serving_completion import OpenAIServingCompletion
 from gateway.settings import GatewaySettings, Limits
 from services import telemetry
 
-__all__ = ["Gateway", "HttpServer", "build_app"]
+__all__ = ["Gateway", "GuardedH11Protocol", "HttpServer", "build_app"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class Gateway:
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     limits: Limits
+    settings: GatewaySettings
 
     @classmethod
     def create(
@@ -81,10 +86,16 @@ class Gateway:
         }
         return cls(
             pool=pool,
-            auth=Authenticator(settings.api_keys, environ),
+            auth=Authenticator(
+                settings.api_keys,
+                environ,
+                max_failures=settings.auth_max_failures,
+                failure_window_s=settings.auth_failure_window_s,
+            ),
             completion=OpenAIServingCompletion(pool, **kw),
             chat=OpenAIServingChat(pool, **kw),
             limits=settings.limits,
+            settings=settings,
         )
 
 
@@ -129,6 +140,41 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited, send)
+
+
+class BodyTimeoutMiddleware:
+    """408 when the body has not all arrived ``timeout_s`` after the request began (the end
+    of its headers). Only reads of the body are timed: once it is complete, ``receive`` waits
+    for the client's disconnect as long as the response lasts."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        complete = False
+
+        async def timed() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"the request body did not arrive within {self.timeout_s:g}s"
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        await self.app(scope, timed, send)
 
 
 class ObservabilityMiddleware:
@@ -233,11 +279,17 @@ def build_app(gateway: Gateway, *, cors_origins: list[str] | None = None) -> Fas
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        access = gateway.settings.metrics_access
+        if access == "off":
+            raise HTTPException(404)
+        if access == "key":
+            authenticate(request)  # open when no keys are configured, like every route
         data = prometheus_client.generate_latest(prometheus_client.REGISTRY)
         return Response(data, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    # Outermost first: metrics/tracing see the 413s and every status.
+    # Outermost first: metrics/tracing see the 413s, 408s and every status.
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=gateway.settings.body_timeout_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.limits.max_body_bytes)
     if cors_origins:
         app.add_middleware(
@@ -245,6 +297,73 @@ def build_app(gateway: Gateway, *, cors_origins: list[str] | None = None) -> Fas
         )
     app.add_middleware(ObservabilityMiddleware)
     return app
+
+
+class _Config(uvicorn.Config):
+    """uvicorn's settings plus the two timeouts ``GuardedH11Protocol`` adds."""
+
+    header_timeout_s: float | None = None
+    body_timeout_s: float | None = None
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines it lacks. uvicorn arms its keep-alive timer
+    only after a response and any byte cancels it, so a connection that never sends a request,
+    or sends its headers a byte at a time, stays open for ever; and a body the app did not wait
+    for (a 401 is sent before the body is read) may trickle in for ever after the response.
+    Here a new connection gets the idle timeout too, a request's head must be complete within
+    ``header_timeout_s`` of its first byte, and the rest of an unread body must arrive within
+    ``body_timeout_s`` of the response; past a deadline the connection is closed."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout_s: float | None = getattr(config, "header_timeout_s", None)
+        self.body_timeout_s: float | None = getattr(config, "body_timeout_s", None)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline_for: str | None = None  # "head" or "body"
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            # No request head complete yet: its clock starts at its first byte, and later
+            # bytes do not restart it.
+            if self._deadline is None:
+                self._arm("head", self.header_timeout_s)
+        elif not (state is h11.SEND_BODY and self._deadline_for == "body"):
+            self._cancel_deadline()
+
+    def on_response_complete(self) -> None:
+        unread = self.conn.their_state is h11.SEND_BODY
+        super().on_response_complete()
+        if unread and self.conn.their_state is h11.SEND_BODY:
+            self._cancel_deadline()
+            self._arm("body", self.body_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def _arm(self, what: str, timeout_s: float | None) -> None:
+        if timeout_s is not None and not self.transport.is_closing():
+            self._deadline = self.loop.call_later(timeout_s, self._expired)
+            self._deadline_for = what
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self._deadline_for = None
+
+    def _expired(self) -> None:
+        self._deadline = self._deadline_for = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -262,7 +381,17 @@ class HttpServer:
     client's delayed ACK, so the first tokens arrived late and in one burst.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        settings: GatewaySettings,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+    ) -> None:
+        """Listens on ``host``:``port`` (default: the settings' ``http_host``, ``http_port``)."""
+        host = settings.http_host if host is None else host
+        port = settings.http_port if port is None else port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -272,14 +401,20 @@ class HttpServer:
         self.socket.setblocking(False)
         self.host = host
         self.port = int(self.socket.getsockname()[1])
-        config = uvicorn.Config(
+        config = _Config(
             app,
             lifespan="off",
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
-            timeout_keep_alive=30,
+            # h11, not httptools: only h11 bounds the size of a request head.
+            http=GuardedH11Protocol,
+            timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]
+            h11_max_incomplete_event_size=settings.max_header_bytes,
+            limit_concurrency=settings.max_connections,
         )
+        config.header_timeout_s = settings.header_timeout_s
+        config.body_timeout_s = settings.body_timeout_s
         self.server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -95,13 +95,31 @@ class BodyTooLarge(ApiError):
 class RateLimited(ApiError):
     status = 429
 
-    def __init__(self, message: str, *, kind: str, retry_after_s: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        retry_after_s: float,
+        code: str = "rate_limit_exceeded",
+    ) -> None:
         super().__init__(
             message,
-            code="rate_limit_exceeded",
+            code=code,
             type=kind,  # OpenAI: "requests" or "tokens"
             headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
         )
+
+
+class RequestTimeout(ApiError):
+    """The body did not arrive in time; the connection is closed, as what is left of the body
+    would otherwise be read as the next request."""
+
+    status = 408
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_timeout", headers={"Connection": "close"})
 
 
 class Overloaded(ApiError):

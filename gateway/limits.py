@@ -4,15 +4,20 @@ Requests are charged one at admission. Tokens are post-paid, as the real count i
 once the sampler has tokenized the prompt and generated: admission needs the token bucket out of
 debt, and the prompt and completion tokens are charged as they become known (the bucket may go
 negative; a key in debt waits until it has refilled, which ``retry_after_s`` says).
+
+``FailedAuthThrottle`` counts wrong API keys per client address and locks an address out for a
+while once it has sent too many.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-__all__ = ["KeyLimiter", "TokenBucket"]
+__all__ = ["FailedAuthThrottle", "KeyLimiter", "TokenBucket"]
 
 
 @dataclass
@@ -90,3 +95,52 @@ class KeyLimiter:
     def charge_tokens(self, count: int) -> None:
         if self.tokens is not None and count > 0:
             self.tokens.charge(count)
+
+
+@dataclass
+class FailedAuthThrottle:
+    """``max_failures`` wrong keys from one address within ``window_s`` lock it out for
+    ``window_s``. While locked, the caller refuses the address's requests without checking
+    their key: a right guess must look the same as a wrong one, or the lock would not slow
+    guessing down. Tracks at most ``max_addresses`` addresses (the least recent are dropped)."""
+
+    max_failures: int
+    window_s: float
+    clock: Callable[[], float] = time.monotonic
+    max_addresses: int = 65_536
+    _failures: OrderedDict[str, deque[float]] = field(init=False, default_factory=OrderedDict)
+    _locked: OrderedDict[str, float] = field(init=False, default_factory=OrderedDict)
+
+    def locked_for(self, address: str) -> float:
+        """Seconds until ``address`` may try again (0: not locked)."""
+        until = self._locked.get(address)
+        if until is None:
+            return 0.0
+        left = until - self.clock()
+        if left <= 0:
+            del self._locked[address]
+            return 0.0
+        return left
+
+    def fail(self, address: str) -> None:
+        """One wrong key from ``address``; the one that reaches ``max_failures`` locks it."""
+        now = self.clock()
+        times = self._failures.pop(address, None) or deque()
+        while times and now - times[0] >= self.window_s:
+            times.popleft()
+        times.append(now)
+        if len(times) >= self.max_failures:
+            self._locked[address] = now + self.window_s
+            self._locked.move_to_end(address)
+            _trim(self._locked, self.max_addresses)
+            return
+        self._failures[address] = times  # re-inserted last: the dict is in recency order
+        _trim(self._failures, self.max_addresses)
+
+
+V = TypeVar("V")
+
+
+def _trim(table: OrderedDict[str, V], size: int) -> None:
+    while len(table) > size:
+        table.popitem(last=False)

@@ -47,7 +47,10 @@ COMPLETION_TOKENS = metrics.counter(
     "gateway_completion_tokens_total", "Tokens generated for served requests.", ("route",)
 )
 RATE_LIMITED = metrics.counter(
-    "gateway_rate_limited_total", "Requests refused by a key's rate limit.", ("key", "limit")
+    "gateway_rate_limited_total",
+    "Requests refused by a key's rate limit (key unauthenticated, limit failed_auth: from an "
+    "address locked out for wrong keys).",
+    ("key", "limit"),
 )
 BACKEND_OUTSTANDING = metrics.gauge(
     "gateway_backend_outstanding", "Sampler streams open on each backend.", ("backend",)

@@ -29,11 +29,7 @@ async def main(ctx: ServiceContext[GatewaySettings]) -> None:
     gateway = Gateway.create(settings, addresses=addresses)
     health = GrpcServer(ctx.name, host=ctx.host, port=ctx.port, grace_s=1.0)
     await health.start()
-    http = HttpServer(
-        build_app(gateway, cors_origins=settings.cors_origins),
-        settings.http_host,
-        settings.http_port,
-    )
+    http = HttpServer(build_app(gateway, cors_origins=settings.cors_origins), settings)
     try:
         await gateway.pool.start()
         await http.start()

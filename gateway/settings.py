@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -71,6 +72,11 @@ class Limits(StrictModel):
         default=None, ge=1, description="cap on a request's max_tokens (null: the context length)"
     )
     max_stop: int = Field(default=16, ge=0, description="stop strings per request")
+    max_json_depth: int = Field(
+        default=64,
+        ge=4,
+        description="deepest nesting of arrays and objects in a request body (400 deeper)",
+    )
 
 
 class GatewaySettings(StrictModel):
@@ -88,3 +94,51 @@ class GatewaySettings(StrictModel):
     max_attempts: int = Field(default=3, ge=1)  # replicas tried before a request fails
     startup_timeout_s: float = Field(default=120.0, gt=0)  # wait for a first healthy sampler
     cors_origins: list[str] = Field(default_factory=list)
+    auth_max_failures: int | None = Field(
+        default=20,
+        ge=1,
+        description="wrong API keys one client address may send within auth_failure_window_s; "
+        "past that it gets 429 for every request, its key unchecked, until the window has "
+        "passed since the lock began (null: no throttling)",
+    )
+    auth_failure_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="window in which auth_max_failures count, and how long the lock lasts",
+    )
+    metrics_access: Literal["key", "open", "off"] = Field(
+        default="key",
+        description="`/metrics` on the HTTP port: `key` needs an API key when api_keys are set "
+        "(open when none are, like every route), `open` serves anyone, `off` answers 404; the "
+        "metrics port (RLFLEET_METRICS_PORT) serves the same registry whatever this says",
+    )
+    idle_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="an HTTP connection with no request in progress is closed after this long "
+        "without a byte, a new one as well as a kept-alive one",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="time from a request's first byte to the end of its headers; "
+        "the connection is closed past it",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="time from the end of a request's headers to the end of its body "
+        "(408, and the connection closed, past it)",
+    )
+    max_header_bytes: int = Field(
+        default=32 << 10,
+        ge=4096,
+        description="largest request line plus headers in bytes (400 and the connection "
+        "closed above it)",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="open connections plus requests in progress past which new requests get "
+        "503 (uvicorn's limit_concurrency; null: no limit)",
+    )

@@ -5,6 +5,10 @@ unknown fields are accepted and ignored (``extra="allow"``; the route logs them)
 fields we parse but cannot honour (``suffix``, ``logit_bias``, tools, images, JSON mode...) are
 rejected by the serving classes with a 400 naming them. Responses mirror OpenAI's objects so the
 official ``openai`` client parses them.
+
+Numbers are bounded by what the sampler's protobuf fields hold (``UInt31``, ``Int32``), and
+floats must be finite: a value the model lets through must never fail later, in the conversion
+to a sampler request, as a 500.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -78,13 +82,17 @@ class ModelList(Response):
 Stop = str | list[str] | None
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4e38  # just under float32's largest, so it stays finite in the proto
+UInt31 = Annotated[int, Field(ge=0, le=INT32_MAX)]  # counts: uint32 in the proto, int in vLLM
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]  # token ids
 
 
 class SamplingFields(OpenAIModel):
     """What completions and chat share (OpenAI's fields, then vLLM's extras)."""
 
     model: str
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     temperature: Temperature | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: Stop = None
@@ -96,10 +104,10 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=FLOAT32_MAX)
+    stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
 
     def stop_list(self) -> list[str]:
@@ -112,11 +120,11 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    max_tokens: UInt31 | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=INT32_MAX)
     suffix: str | None = None
 
 
@@ -177,8 +185,8 @@ class ResponseFormat(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)  # deprecated by OpenAI, still sent
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: UInt31 | None = None  # deprecated by OpenAI, still sent
+    max_completion_tokens: UInt31 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None

@@ -1,13 +1,13 @@
 """Thin routers: authenticate, rate-limit, validate, hand over to a serving class.
 
-Checks run in the order a client can act on: body size (413, middleware), API key (401), rate
-limit (429), request shape (400), model (404), then the samplers (400 for what they reject,
-429 when every queue is full, 503 when no replica is healthy).
+Checks run in the order a client can act on: body size (413, middleware), API key (401; 429
+while the client's address is locked out for wrong keys), rate limit (429), request shape (400:
+the JSON itself in openai/body.py, then the protocol models), model (404), then the samplers
+(400 for what they reject, 429 when every queue is full, 503 when no replica is healthy).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,18 +17,33 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import metrics
 from gateway.errors import BadRequest
+from gateway.limits import KeyLimiter
+from gateway.openai.body import parse_body
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving_engine import RequestContext
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-__all__ = ["param_of", "router"]
+__all__ = ["authenticate", "param_of", "router"]
 
 log = logging.getLogger(__name__)
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
+
+
+_UNION_MEMBERS = frozenset(
+    {
+        "str",
+        "list[str]",
+        "list[int]",
+        "list[list[int]]",
+        "list[constrained-int]",
+        "list[list[constrained-int]]",
+        "list[ContentPart]",
+    }
+)
 
 
 def param_of(loc: tuple[Any, ...]) -> str | None:
@@ -39,7 +54,7 @@ def param_of(loc: tuple[Any, ...]) -> str | None:
             out += f"[{part}]"
         elif not out:
             out = str(part)
-        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[ContentPart]"):
+        elif part in _UNION_MEMBERS:
             continue  # the union member pydantic tried, not a field
         else:
             out += f".{part}"
@@ -53,7 +68,7 @@ def validation_error(exc: ValidationError) -> BadRequest:
     if param == "prompt" and len(exc.errors()) > 1:  # no member of the union matched
         return BadRequest(
             "prompt: must be a string, a list of strings, a list of token ids or a list of "
-            "token-id lists",
+            "token-id lists (token ids are 32-bit integers)",
             param="prompt",
         )
     if param:
@@ -66,12 +81,7 @@ def validation_error(exc: ValidationError) -> BadRequest:
 
 async def parse(request: Request, model: type[M]) -> M:
     body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the body must be a JSON object")
+    data = parse_body(body, max_depth=gateway_of(request).limits.max_json_depth)
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
@@ -86,24 +96,28 @@ def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
+def authenticate(request: Request) -> KeyLimiter:
+    """The caller's key (401, or 429 while its address is locked out for wrong keys)."""
+    address = request.client.host if request.client is not None else None
+    return gateway_of(request).auth.authenticate(request.headers.get("authorization"), address)
+
+
 def admit(request: Request, route: str) -> RequestContext:
-    gateway = gateway_of(request)
-    key = gateway.auth.authenticate(request.headers.get("authorization"))
-    gateway.auth.admit(key)
+    key = authenticate(request)
+    gateway_of(request).auth.admit(key)
     return RequestContext(route=route, key=key)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    gateway = gateway_of(request)
-    gateway.auth.authenticate(request.headers.get("authorization"))
-    return JSONResponse(gateway.completion.models().model_dump(mode="json"))
+    authenticate(request)
+    return JSONResponse(gateway_of(request).completion.models().model_dump(mode="json"))
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     gateway = gateway_of(request)
-    gateway.auth.authenticate(request.headers.get("authorization"))
+    authenticate(request)
     for card in gateway.completion.models().data:
         if card.id == model:
             return JSONResponse(card.model_dump(mode="json"))

@@ -185,7 +185,7 @@ def test_raw_sse_format(gw: ThreadedGateway) -> None:
 
 def test_http_connections_have_nagle_off(gw: ThreadedGateway) -> None:
     """Each accepted connection has TCP_NODELAY: with Nagle on, the first SSE chunk waited for
-    the client's delayed ACK of the headers (~40 ms of TTFT, measured in bench/gateway.py)."""
+    the client's delayed ACK of the headers (~40 ms of TTFT, seen in bench/serving/gateway.py)."""
     import socket
 
     async def nodelay() -> list[int]:

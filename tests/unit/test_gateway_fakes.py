@@ -42,7 +42,7 @@ class ThreadedGateway:
         gateway = Gateway.create(settings, replicas, addresses=addresses)
         await gateway.pool.start()
         await gateway.pool.wait_healthy(wait_s)
-        self.http = HttpServer(build_app(gateway), "127.0.0.1", 0)
+        self.http = HttpServer(build_app(gateway), settings, host="127.0.0.1", port=0)
         await self.http.start()
         return gateway
 
