@@ -410,7 +410,8 @@ def _actor_entries(
 def _place_cpus(entries: list[dict[str, Any]], s: GameJobSettings) -> list[dict[str, Any]]:
     """``cpu_placement: auto``: the learner on a CPU of its own, the others on the rest
     (services.placement.own_cpu_for). The learner's update is the critical path of a PPO run:
-    actors, env servers and games time-sliced onto its core slow every update. Not with several learner ranks, which need CPUs of their own."""
+    actors, env servers and games time-sliced onto its core slow every update. Not with
+    several learner ranks, which need CPUs of their own."""
     if s.cpu_placement != "auto" or s.learner_ranks != 1:
         return entries
     return own_cpu_for(entries, "learner")
