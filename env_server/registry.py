@@ -26,6 +26,8 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import re
+import reprlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -265,14 +267,17 @@ def make_env(
 ) -> gymnasium.Env:
     """Create one environment of a listed id.
 
-    Bad kwargs are InvalidArgument, a missing optional dependency FailedPrecondition; anything
-    else the env raises propagates (the servicer reports it as INTERNAL).
+    Bad kwargs (the env raises TypeError, or ValueError/AssertionError when it was given any)
+    are InvalidArgument naming the id and the argument, a missing optional dependency
+    FailedPrecondition; anything else the env raises propagates (the servicer reports it as
+    INTERNAL).
     """
     entry = find_env(env_id)
     gym = _gymnasium()
     kwargs = dict(kwargs or {})
     if render_mode:
         kwargs["render_mode"] = render_mode
+    given = dict(kwargs)  # what the caller chose, before a target adds its own
     target: Any = env_id
     if entry.source.startswith("plugin:"):
         value = entry_point_registry(PLUGIN_GROUP)[env_id]
@@ -285,7 +290,11 @@ def make_env(
         else:
             return gym.make(target, **kwargs)
     except TypeError as exc:
-        raise InvalidArgument(f"{env_id}: bad kwargs: {exc}", field="create.kwargs") from exc
+        raise _rejected(env_id, given, exc) from exc
+    except (ValueError, AssertionError) as exc:
+        if not given:
+            raise  # the env fails on its own defaults: its bug, not the caller's
+        raise _rejected(env_id, given, exc) from exc
     except gym.error.DependencyNotInstalled as exc:
         raise FailedPrecondition(f"{env_id}: {exc}") from exc
     if not isinstance(env, gym.Env):
@@ -293,6 +302,21 @@ def make_env(
             f"{env_id}: the factory returned {type(env).__name__}, not a gymnasium.Env"
         )
     return env
+
+
+def _rejected(env_id: str, given: dict[str, Any], exc: BaseException) -> InvalidArgument:
+    """The env's constructor refused ``given``: InvalidArgument naming the id and the
+    arguments its message names (else all of them), with the env's own reason."""
+    reason = f"{type(exc).__name__}: {exc}"
+    if not given:
+        return InvalidArgument(f"{env_id}: bad kwargs: {reason}", field="create.kwargs")
+    # gymnasium appends every kwarg to a constructor's TypeError: only the part before names one
+    told = str(exc).partition(" was raised from the environment creator")[0]
+    named = [k for k in given if re.search(rf"(?<!\w){re.escape(k)}(?!\w)", told)]
+    shown = ", ".join(f"{k}={reprlib.repr(given[k])}" for k in (named or given))
+    what = "argument" if len(named or given) == 1 else "arguments"
+    field = f"create.kwargs.{named[0]}" if len(named) == 1 else "create.kwargs"
+    return InvalidArgument(f"{env_id}: {what} {shown} rejected: {reason}", field=field)
 
 
 def preload(env_ids: list[str]) -> None:

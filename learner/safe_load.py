@@ -11,6 +11,7 @@ A checkpoint holding anything else fails to load with an error naming the class.
 from __future__ import annotations
 
 import importlib
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,39 @@ SAFE_GLOBALS: list[Any] = []  # filled on first use: importing deepspeed is slow
 
 
 def safe_load(path: str | Path, map_location: Any = "cpu") -> Any:
-    """`torch.load` of ``path`` that unpickles only `SAFE_GLOBALS` beside plain data."""
+    """`torch.load` of ``path`` that unpickles only `SAFE_GLOBALS` beside plain data.
+
+    A file it refuses is a ConfigError naming the file and what it pickles, in one line: a
+    permanent failure (``rlfleet serve`` exits EXIT_PERMANENT), since a restart would read the
+    same file again."""
     import torch
+
+    from services.errors import ConfigError
 
     if not SAFE_GLOBALS:
         SAFE_GLOBALS.extend(_safe_globals())
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(f"{path}: refusing to load, {_refusal(Path(path), exc)}") from None
+
+
+def _refusal(path: Path, exc: pickle.UnpicklingError) -> str:
+    """Why torch refused ``path``: the classes it pickles beyond `SAFE_GLOBALS`, else the line
+    of torch's message that says (its others are advice about ``weights_only``)."""
+    import torch
+
+    allowed = {_name(g) for g in SAFE_GLOBALS}
+    try:
+        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - allowed
+    except Exception:  # not even a readable archive: torch's message is all there is
+        unsafe = set()
+    if unsafe:
+        return f"it pickles {', '.join(sorted(unsafe))}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if "GLOBAL" in line or "Unpickler" in line]
+    return f"not loadable with weights_only: {(said or lines or ['no reason given'])[0]}"
 
 
 def _name(obj: Any) -> str:

@@ -23,7 +23,7 @@ import typing
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -36,8 +36,23 @@ from pydantic import (
 
 from services.errors import ConfigError
 from services.registry import JOBS_GROUP, entry_point_registry, get_job, get_service
-from services.settings import Loc, ServiceRef, StrictModel, address_refs, service_refs
+from services.settings import (
+    Loc,
+    ServiceRef,
+    StrictModel,
+    address_problem,
+    address_refs,
+    host_problem,
+    service_refs,
+)
 from services.start_order import start_problems
+from services.yaml_loading import (
+    MAX_YAML_BYTES,
+    BoundedLoader,
+    YamlTooLarge,
+    check_size,
+)
+from services.yaml_loading import safe_load as safe_load_yaml
 
 __all__ = [
     "ENV_PREFIX",
@@ -83,6 +98,10 @@ class RunSection(StrictModel):
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")  # as services.bus.subjects wants
     dir: Path | None = None
+    # Once every producer of training data is gone (actors and rollout drivers finished, the
+    # last game unlinked) while the main service still waits: `rlfleet up` says so and ends
+    # the run failed ("stop"), or says so and waits for one to come back ("wait").
+    when_producers_gone: Literal["stop", "wait"] = "stop"
 
 
 class NatsSection(StrictModel):
@@ -91,6 +110,21 @@ class NatsSection(StrictModel):
     url: str | None = Field(default=None, pattern=r"^(nats|tls|ws|wss)://\S+$")
     # Restarts of the embedded server (same port and store) before its death fails the run.
     restarts: int = Field(default=5, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _server(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        # scheme://[user[:password]@]host[:port][/path]; the port is optional (NATS's default)
+        where = url.partition("://")[2].partition("/")[0].rpartition("@")[2]
+        if where.rfind(":") > where.rfind("]"):
+            problem = address_problem(where)
+        else:
+            problem = host_problem(where[1:-1] if where.startswith("[") else where)
+        if problem is not None:
+            raise ValueError(problem)
+        return url
 
 
 class SecuritySection(StrictModel):
@@ -106,6 +140,16 @@ class SecuritySection(StrictModel):
     nats_auth: bool = False
     certs_dir: Path | None = None
     hosts: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_names(cls, hosts: list[str]) -> list[str]:
+        # Each becomes a name in every certificate (launch/certs.py): an IP or a DNS name.
+        for i, host in enumerate(hosts):
+            problem = host_problem(host, wildcard=True)
+            if problem is not None:
+                raise _AtLoc(problem, (i,))
+        return hosts
 
 
 class _AtLoc(ValueError):
@@ -221,7 +265,11 @@ class YamlSource:
 
 def parse_yaml(text: str, name: str = "<string>") -> YamlSource:
     """Parse one YAML document, recording the line of every mapping key and sequence item."""
-    loader = yaml.SafeLoader(text)
+    try:
+        check_size(len(text.encode("utf-8", "surrogatepass")))
+    except YamlTooLarge as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    loader = BoundedLoader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else {}
@@ -411,8 +459,8 @@ def _env_overrides(
             if parent is None:
                 break  # a free-form mapping below here: any key goes
         try:
-            found[path] = (var, yaml.safe_load(environ[var]))
-        except yaml.YAMLError as exc:
+            found[path] = (var, safe_load_yaml(environ[var]))
+        except (yaml.YAMLError, YamlTooLarge) as exc:
             raise ConfigError(f"{var}: value is not valid YAML: {exc}") from None
     return found
 
@@ -502,6 +550,9 @@ def validate_run_config(
                 issues.append(_Issue(loc, msg))
         for loc, ref in address_refs(settings, where):
             if ":" in ref:
+                problem = address_problem(ref)
+                if problem is not None:
+                    issues.append(_Issue(loc, problem))
                 continue
             if ref not in names:
                 msg = f"unknown service '{ref}'{_suggest(ref, sorted(names))}"
@@ -552,9 +603,13 @@ def read_yaml_mapping(path: str | os.PathLike[str], what: str = "a run config") 
     """Read and parse a YAML file whose top level must be a mapping (ConfigError otherwise)."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as file:
+            raw = file.read(MAX_YAML_BYTES + 1)  # a larger file is refused unread
+        check_size(path.stat().st_size if len(raw) > MAX_YAML_BYTES else len(raw))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    except YamlTooLarge as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -89,7 +89,7 @@ class Preset(BaseModel):
     of another family fails, naming the field), kwargs are checked against the named function's
     hyperparameters."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # as settings
 
     advantage: str  # GROUP_ADVANTAGES
     advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -155,7 +155,7 @@ class GamePreset(BaseModel):
     """One game-RL recipe. Frozen; names are looked up in their family's registry, and every
     ``loss_kwargs`` / ``loss_knobs`` key must be a hyperparameter of the policy loss."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # as settings
 
     advantage: str = "gae"  # GAME_ADVANTAGES
     advantage_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. V-trace's rho_bar

@@ -13,6 +13,8 @@ from learner.export import CALIBRATION_SAMPLES, export
 from learner.export.quantize import SCHEMES
 from services.commands import Command
 from services.errors import ConfigError
+from services.yaml_loading import YamlTooLarge
+from services.yaml_loading import safe_load as safe_load_yaml
 
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +55,10 @@ def _calibration_dataset(text: str | None) -> dict[str, Any] | None:
     """``--calibration-dataset``: a .jsonl file, or a dataset spec written as YAML."""
     if not text:
         return None
-    dataset = {"jsonl": text} if text.endswith(".jsonl") else yaml.safe_load(text)
+    try:
+        dataset = {"jsonl": text} if text.endswith(".jsonl") else safe_load_yaml(text)
+    except (yaml.YAMLError, YamlTooLarge) as exc:
+        raise ConfigError(f"--calibration-dataset {text[:80]!r}: not valid YAML: {exc}") from None
     if not isinstance(dataset, dict):
         raise ConfigError(
             f"--calibration-dataset {text!r}: expected a dataset spec such as "

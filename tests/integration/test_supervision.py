@@ -123,6 +123,61 @@ def test_permanent_failure_is_not_restarted_and_fails_with_its_reason(tmp_path: 
     assert_nothing_left(run_dir)
 
 
+class _RunsCode:
+    """Unpickling it would run a shell command (touch ``marker``)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_a_poisoned_checkpoint_fails_the_learner_once_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint that pickles code is refused (learner/safe_load.py) as a permanent failure:
+    it used to be an UnpicklingError traceback, restarted three times to the same end."""
+    import torch
+
+    config, run_dir = launch_config(
+        tmp_path,
+        """\
+        - name: learner
+          service: learner
+          restarts: 3
+          settings: {env_id: CartPole-v1, device: cpu, policy: {hidden_sizes: [8]}}
+        """,
+    )
+    tag = run_dir / "checkpoints" / "update-00000003"
+    tag.mkdir(parents=True)
+    poisoned = tag / "mp_rank_00_model_states.pt"
+    marker = tmp_path / "code-ran"
+    torch.save({"module": {}, "x": _RunsCode(marker)}, poisoned)
+    (run_dir / "checkpoints" / "latest").write_text(tag.name)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "up", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    reason = (
+        f"learner (learner): ConfigError: {poisoned}: refusing to load, it pickles posix.system"
+    )
+    assert f"learner failed permanently (exit {EXIT_PERMANENT}, not restarted): {reason}" in out
+    assert "restart 1/3" not in out
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.count("rlfleet: permanent failure:") == 1
+    assert f"rlfleet: permanent failure: {reason}\n" in log
+    assert "Traceback" not in log
+    assert len(service_pids(run_dir, "learner")) == 1  # started once
+    assert not marker.exists()
+    assert_nothing_left(run_dir)
+
+
 def test_serve_exits_permanent_with_one_line_on_invalid_argument(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -94,9 +94,25 @@ def test_make_each_kind_of_plugin(plugins: list[EntryPoint]) -> None:
 def test_unknown_id_and_bad_kwargs() -> None:
     with pytest.raises(NotFound, match=r"unknown env id 'CartPol-v1' .*did you mean CartPole-v1"):
         registry.find_env("CartPol-v1")
-    with pytest.raises(InvalidArgument, match="CartPole-v1: bad kwargs") as err:
+    with pytest.raises(InvalidArgument, match="CartPole-v1: argument no_such_kwarg=1") as err:
         registry.make_env("CartPole-v1", kwargs={"no_such_kwarg": 1})
-    assert err.value.field == "create.kwargs"
+    assert err.value.field == "create.kwargs.no_such_kwarg"
+
+
+def test_kwargs_the_constructor_refuses_are_invalid_argument_naming_them() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        registry.make_env("CartPole-v1", kwargs={"max_episode_steps": -5})
+    assert str(err.value).startswith(
+        "CartPole-v1: argument max_episode_steps=-5 rejected: ValueError: Expect the "
+    )
+    assert err.value.field == "create.kwargs.max_episode_steps"
+    with pytest.raises(InvalidArgument, match="Snake-v0: argument size=640 rejected") as err:
+        registry.make_env("Snake-v0", kwargs={"size": 640})
+    assert err.value.field == "create.kwargs.size"
+    # gymnasium lists every kwarg after the reason: only the one the reason names is blamed
+    with pytest.raises(InvalidArgument, match=r"argument bad=1 rejected: TypeError") as err:
+        registry.make_env("Snake-v0", kwargs={"size": 8, "bad": 1})
+    assert err.value.field == "create.kwargs.bad"
 
 
 def test_a_plugin_named_like_a_gymnasium_id_is_an_error(plugins: list[EntryPoint]) -> None:

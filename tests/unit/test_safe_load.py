@@ -26,7 +26,18 @@ def test_plain_checkpoints_load(tmp_path: Path) -> None:
 
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path: Path) -> None:
     torch.save({"module": {}, "x": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="weights_only"):
+    with pytest.raises(ConfigError) as err:
         safe_load(tmp_path / "evil.pt")
+    # One line naming the file and the class: a permanent failure `rlfleet serve` reports as is.
+    assert str(err.value) == f"{tmp_path / 'evil.pt'}: refusing to load, it pickles posix.system"
     with pytest.raises(ConfigError, match=r"refusing to load, it pickles posix\.system"):
         verify_checkpoint(tmp_path)
+
+
+def test_a_file_that_is_no_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    import pickle
+
+    (tmp_path / "odd.pt").write_bytes(pickle.dumps(Payload(), protocol=2))  # no torch archive
+    with pytest.raises(ConfigError, match=r"odd\.pt: refusing to load, not loadable") as err:
+        safe_load(tmp_path / "odd.pt")
+    assert "\n" not in str(err.value)
