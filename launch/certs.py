@@ -4,9 +4,11 @@ development, tests and the launcher's `security: {tls: true}`.
 Each certificate serves as both server and client certificate (mutual TLS), carries its service
 name as common name, and lists as subject alternative names the service name, ``localhost``,
 ``127.0.0.1`` and ``::1`` plus any ``--host`` given (the DNS names of a compose or Kubernetes
-deployment). Keys are ECDSA P-256; the CA lives ten years, certificates one. Production
-deployments bring certificates from their own CA (cert-manager, Vault): the services only read
-PEM files (services/security.py).
+deployment), and, given a run and kind, the holder's identity as the URI
+``spiffe://rlfleet/<run>/<kind>/<name>`` that servers check callers against
+(services/security.py `Identity`). Keys are ECDSA P-256; the CA lives ten years, certificates
+one. Production deployments bring certificates from their own CA (cert-manager, Vault): the
+services only read PEM files (services/security.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import datetime
 import ipaddress
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from cryptography import x509
@@ -25,7 +27,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.commands import Command
 from services.errors import ConfigError
-from services.security import TlsFiles
+from services.security import Identity, TlsFiles, cert_identity
 
 __all__ = ["CERTS", "ensure_certs"]
 
@@ -94,8 +96,10 @@ def _load_or_make_ca(out: Path) -> CaPair:
     return cert, key
 
 
-def _san(hosts: Iterable[str]) -> list[x509.GeneralName]:
+def _san(hosts: Iterable[str], identity: Identity | None = None) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = []
+    if identity is not None:
+        names.append(x509.UniformResourceIdentifier(identity.uri))
     for host in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -104,7 +108,9 @@ def _san(hosts: Iterable[str]) -> list[x509.GeneralName]:
     return names
 
 
-def _issue(out: Path, ca: CaPair, name: str, hosts: Iterable[str]) -> TlsFiles:
+def _issue(
+    out: Path, ca: CaPair, name: str, hosts: Iterable[str], identity: Identity | None = None
+) -> TlsFiles:
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     start, end = _validity(365)
@@ -118,7 +124,7 @@ def _issue(out: Path, ca: CaPair, name: str, hosts: Iterable[str]) -> TlsFiles:
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(end)
-        .add_extension(x509.SubjectAlternativeName(_san([name, *hosts])), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_san([name, *hosts], identity)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(usage, critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -129,16 +135,25 @@ def _issue(out: Path, ca: CaPair, name: str, hosts: Iterable[str]) -> TlsFiles:
     return files
 
 
-def ensure_certs(out: Path, names: Iterable[str], hosts: Iterable[str] = ()) -> dict[str, TlsFiles]:
-    """The CA in ``out`` (made once) and a certificate per name (made when missing)."""
+def ensure_certs(
+    out: Path,
+    names: Iterable[str],
+    hosts: Iterable[str] = (),
+    identities: Mapping[str, Identity] | None = None,
+) -> dict[str, TlsFiles]:
+    """The CA in ``out`` (made once) and a certificate per name (made when missing, or when it
+    names another identity than ``identities`` gives the name: a service whose kind changed
+    must not keep the old kind's rights)."""
     hosts = (*DEFAULT_HOSTS, *hosts)
     ca = _load_or_make_ca(out)
     issued = {}
     for name in names:
+        identity = (identities or {}).get(name)
         files = TlsFiles(out / CA_FILE, out / f"{name}.pem", out / f"{name}-key.pem")
-        issued[name] = (
-            files if files.cert.exists() and files.key.exists() else _issue(out, ca, name, hosts)
-        )
+        usable = files.cert.exists() and files.key.exists()
+        if usable and identity is not None:
+            usable = cert_identity(files.cert.read_bytes()) == identity
+        issued[name] = files if usable else _issue(out, ca, name, hosts, identity)
     return issued
 
 
@@ -150,13 +165,20 @@ def _args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", action="append", default=[], help="extra DNS name or IP for every certificate"
     )
+    parser.add_argument("--run", help="run the certificates are for (with --kind)")
+    parser.add_argument(
+        "--kind", help="service kind of every --name (e.g. game_client), checked by servers"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     for name in args.name:
         if not name or "/" in name or name.startswith("."):
             raise ConfigError(f"--name {name!r}: not a usable file name")
-    issued = ensure_certs(Path(args.out_dir), args.name, args.host)
+    if bool(args.run) != bool(args.kind):
+        raise ConfigError("--run and --kind go together")
+    identities = {n: Identity(args.run, args.kind, n) for n in args.name} if args.run else None
+    issued = ensure_certs(Path(args.out_dir), args.name, args.host, identities)
     for name, files in issued.items():
         env = " ".join(f"{k}={v}" for k, v in files.env().items())
         print(f"{name}: {env}")

@@ -194,6 +194,13 @@ class WeightStore:
 class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
     """rlfleet.learner.v1.WeightService over a WeightStore."""
 
+    # Who may call, by certificate kind (services/security.py; the launcher may call all):
+    # whoever follows the learner's weights (actors, game links, samplers) and learners.
+    CALLERS = dict.fromkeys(
+        ("GetManifest", "FetchWeights", "ListVersions"),
+        frozenset({"game_actor", "env_server", "sampler", "learner", "lm_learner", "dpo_learner"}),
+    )
+
     def __init__(self, store: WeightStore) -> None:
         self.store = store
         self._closing = False

@@ -40,6 +40,9 @@ _KINDS = {
 class RewardService(reward_pb2_grpc.RewardServiceServicer):
     """Serves Score and ListRewards over one registry of reward functions."""
 
+    # Who may call, by certificate kind (services/security.py; the launcher may call all).
+    CALLERS = dict.fromkeys(("Score", "ListRewards"), frozenset({"rollout", "lm_learner"}))
+
     def __init__(
         self,
         registry: Mapping[str, RewardFunction],

@@ -15,12 +15,19 @@ client checks the server's certificate against the CA and the address it dials (
 certificate's subject alternative names: see launch/certs.py). The same files secure the
 NATS connection. Naming only some of the three TLS files is an error, never a silent
 downgrade to plaintext.
+
+Certificates the launcher makes also say who holds them: a URI subject alternative name
+``spiffe://rlfleet/<run>/<kind>/<name>`` (`Identity`). A server whose own certificate carries
+one checks each caller's (services/server.py): a caller of another run is refused, and so is
+a kind a servicer's ``CALLERS`` (method -> kinds) does not list for the method called.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +36,13 @@ import grpc
 from services.errors import ConfigError
 
 __all__ = [
+    "GAME_CLIENT",
+    "LAUNCHER_KIND",
+    "Callers",
+    "Identity",
     "NatsCredentials",
     "TlsFiles",
+    "cert_identity",
     "channel_credentials",
     "nats_credentials",
     "server_credentials",
@@ -40,6 +52,47 @@ __all__ = [
 
 TLS_ENV = ("RLFLEET_TLS_CA", "RLFLEET_TLS_CERT", "RLFLEET_TLS_KEY")
 NATS_USER_ENV, NATS_PASSWORD_ENV = "RLFLEET_NATS_USER", "RLFLEET_NATS_PASSWORD"
+IDENTITY_PREFIX = "spiffe://rlfleet/"
+# Kinds that are no service kind: the launcher (health checks, dashboard, admin calls) and the
+# games that connect to a GameLink from outside the run (`rlfleet certs --kind game_client`).
+LAUNCHER_KIND, GAME_CLIENT = "launcher", "game_client"
+# What a servicer declares as ``CALLERS``: method name -> the kinds that may call it. Methods it
+# does not name, and servicers without a declaration, are open to every kind of the run.
+Callers = Mapping[str, frozenset[str]]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who holds a certificate: an instance ``name`` of service ``kind`` in ``run``."""
+
+    run: str
+    kind: str
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return f"{IDENTITY_PREFIX}{self.run}/{self.kind}/{self.name}"
+
+    @classmethod
+    def parse(cls, uri: str) -> Identity | None:
+        if not uri.startswith(IDENTITY_PREFIX):
+            return None
+        parts = uri[len(IDENTITY_PREFIX) :].split("/")
+        return cls(*parts) if len(parts) == 3 and all(parts) else None
+
+
+@functools.lru_cache(maxsize=256)
+def cert_identity(pem: bytes) -> Identity | None:
+    """The rlfleet identity a PEM certificate names, or None (none, or not a certificate)."""
+    from cryptography import x509  # loaded with the first TLS peer, not with every service
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return None
+    uris = names.get_values_for_type(x509.UniformResourceIdentifier)
+    return next((i for i in map(Identity.parse, uris) if i is not None), None)
 
 
 @dataclass(frozen=True)

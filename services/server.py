@@ -12,7 +12,10 @@ raised message limits on both ends, graceful stop, and three always-on intercept
 3. exception mapping: an exception escaping a handler becomes a proper status (RlfleetError ->
    its code, anything else -> INTERNAL naming the type) with ``google.rpc.Status`` details,
    instead of grpc's bare UNKNOWN; a request message that cannot be decoded is INVALID_ARGUMENT
-   (grpc alone answers UNKNOWN).
+   (grpc alone answers UNKNOWN);
+
+and, under mutual TLS with a certificate naming an rlfleet identity, a fourth: caller kinds
+(``CallerKindInterceptor``: each servicer's ``CALLERS`` says which kinds may call a method).
 
 ``channel()`` builds the matching client side: same limits, keepalive, retries of UNAVAILABLE,
 and interceptors that forward the request id and the trace context.
@@ -32,7 +35,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
@@ -53,6 +56,7 @@ from services.placement import pin_to_assigned_cpus
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "CallerKindInterceptor",
     "ExceptionMappingInterceptor",
     "GrpcServer",
     "RequestIdInterceptor",
@@ -96,10 +100,13 @@ def wrap_method_handler(
 ) -> grpc.RpcMethodHandler[_RequestT, _ResponseT]:
     """A new RpcMethodHandler whose behaviour runs inside ``scope(context)``.
 
-    grpc.aio picks how to drive a behaviour by its kind (coroutine function; async generator
-    function for streamed responses), so the wrapper must be of the same kind as the original.
-    Synchronous behaviours (run by grpc in a thread pool) are returned unwrapped: rlfleet
-    servicers are async.
+    grpc.aio picks how to drive a behaviour by its kind: a coroutine function, or for streamed
+    responses an async generator function or a coroutine that calls ``context.write``. An async
+    generator is wrapped as such a coroutine: grpc iterates a generator from its own code and,
+    when the call is cancelled while it sends, leaves the generator to be closed by the garbage
+    collector in another task, so the scopes (the trace context above all) would be left in a
+    context other than the one they were entered in. Synchronous behaviours (run by grpc in a
+    thread pool) are returned unwrapped: rlfleet servicers are async.
     """
     kind = next((k for k in _HANDLER_FACTORIES if getattr(handler, k) is not None), None)
     if kind is None:
@@ -111,18 +118,23 @@ def wrap_method_handler(
 
     if inspect.isasyncgenfunction(behaviour):
 
-        async def wrapped(
-            request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             async with scope(context):
                 if innermost and isinstance(request, _Undecodable):
                     raise request.error()
-                async for response in behaviour(request, context):
-                    yield response
+                # Closed here, in the call's task, also when the call is cancelled mid-write.
+                async with contextlib.aclosing(behaviour(request, context)) as responses:
+                    async for response in responses:
+                        try:
+                            await context.write(response)
+                        except Exception:
+                            if context.cancelled():  # the caller left while it was sent
+                                raise asyncio.CancelledError from None
+                            raise
 
     elif inspect.iscoroutinefunction(behaviour):
-        # A redefinition of the same name in the other branch, with another return type.
-        async def wrapped(  # type: ignore[misc]
+        # A redefinition of the same name in the other branch.
+        async def wrapped(  # type: ignore[no-redef]
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> Any:
             async with scope(context):
@@ -279,6 +291,41 @@ class ExceptionMappingInterceptor(ScopedServerInterceptor):
             await abort_with(context, exc)
 
 
+class CallerKindInterceptor(ScopedServerInterceptor):
+    """Who may call what, under mutual TLS with identities (services/security.py): a caller
+    whose certificate names another run (or no identity) is refused every method, and one of
+    a kind that ``callers`` (full method path -> kinds) does not list for the method called is
+    refused that method, both with PERMISSION_DENIED naming the method and the caller."""
+
+    def __init__(self, run: str, callers: Mapping[str, frozenset[str]]) -> None:
+        self.run = run
+        self.callers = dict(callers)
+
+    @contextlib.asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[None]:
+        method = details.method
+        pem = next(iter(context.auth_context().get("x509_pem_cert") or ()), b"")
+        caller = security.cert_identity(bytes(pem))
+        if caller is None or caller.run != self.run:
+            who = "no rlfleet identity" if caller is None else f"{caller.uri}"
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method}: the caller's certificate names {who}, not a service of run "
+                f"{self.run!r}",
+            )
+        assert caller is not None  # abort raised otherwise
+        allowed = self.callers.get(method)
+        if allowed is not None and caller.kind not in allowed:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method}: caller kind {caller.kind!r} ({caller.name}) may not call it; "
+                f"allowed kinds: {', '.join(sorted(allowed))}",
+            )
+        yield
+
+
 # --------------------------------------------------------------------------- server
 
 
@@ -340,6 +387,16 @@ class GrpcServer:
             raise RuntimeError(f"{self.name}: add_service({full_name}) after start")
         self._services.append((add_fn, servicer, full_name))
 
+    def _callers(self) -> dict[str, frozenset[str]]:
+        """Full method path -> the kinds that may call it, from each servicer's ``CALLERS``
+        (services/security.py); the launcher may call every method."""
+        out = {}
+        for _, servicer, full_name in self._services:
+            declared: security.Callers = getattr(servicer, "CALLERS", None) or {}
+            for method, kinds in declared.items():
+                out[f"/{full_name}/{method}"] = frozenset(kinds) | {security.LAUNCHER_KIND}
+        return out
+
     async def start(self) -> int:
         """Bind and start; health is NOT_SERVING until set_serving(). Returns the bound port."""
         if self._server is not None:
@@ -355,10 +412,16 @@ class GrpcServer:
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
         ]
+        tls = security.tls_files()
+        # Our own certificate's identity turns the caller checks on: certificates from another
+        # CA (a deployment's own) may carry none, and then every holder is trusted alike.
+        own = security.cert_identity(tls.read()[1]) if tls is not None else None
+        checks = (CallerKindInterceptor(own.run, self._callers()),) if own is not None else ()
         interceptors = (
             RequestIdInterceptor(),
             TelemetryServerInterceptor(),
             ExceptionMappingInterceptor(),
+            *checks,
             *self._interceptors,
         )
         server = grpc.aio.server(interceptors=interceptors, options=options)
@@ -375,7 +438,6 @@ class GrpcServer:
             server,
         )
         address = f"{self.host}:{self.port}"
-        tls = security.tls_files()
         try:
             if tls is None:
                 bound = server.add_insecure_port(address)
@@ -393,7 +455,9 @@ class GrpcServer:
             "%s: gRPC listening on %s%s (%s)",
             self.name,
             self.address,
-            " with mutual TLS" if tls is not None else "",
+            (" with mutual TLS" + (", callers checked by kind" if checks else ""))
+            if tls is not None
+            else "",
             self.service_names,
         )
         return bound

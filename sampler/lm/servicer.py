@@ -54,6 +54,12 @@ _KINDS = {"vllm": sampler_pb2.ENGINE_KIND_VLLM, "hf": sampler_pb2.ENGINE_KIND_HF
 class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
     """Generate and GetInfo; `attach` the engine, then `set_ready` once weights are in."""
 
+    # Who may call, by certificate kind (services/security.py; the launcher may call all):
+    # rollout drivers and the gateway.
+    CALLERS = dict.fromkeys(
+        ("Generate", "GenerateStream", "GetInfo"), frozenset({"rollout", "gateway"})
+    )
+
     def __init__(self, settings: SamplerSettings) -> None:
         self.settings = settings
         self.engine: GenerationEngine | None = None

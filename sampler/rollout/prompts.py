@@ -31,6 +31,7 @@ from common.datasets import SOLUTION_COLUMN, DatasetSpecError, Task, iter_tasks
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.bus import Bus, Delivery, work_queue_stream, work_queue_subject
+from services.bus.subjects import QUEUE_DURABLE
 from services.errors import Unavailable
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DURABLE = "rollout"  # the one consumer every driver of a run shares
+DURABLE = QUEUE_DURABLE  # the one consumer every driver of a run shares
 SOLUTION_KEY = SOLUTION_COLUMN  # Task.solution travels in PromptTask.extra under this key
 CURSOR_KEY = "cursor"
 

@@ -46,6 +46,7 @@ from services.bus.messages import (
     header_bytes,
 )
 from services.bus.payloads import PAYLOAD_HEADER, PayloadStore
+from services.bus.subjects import inbox_prefix
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -219,7 +220,11 @@ class Bus:
         # compose and Kubernetes hand them to each service.
         secure: dict[str, Any] = {}
         if (creds := security.nats_credentials()) is not None:
-            secure.update(user=creds.user, password=creds.password)
+            # Replies come to an inbox of this user's own, the only one its permissions let
+            # it subscribe to (subjects.service_permissions).
+            secure.update(
+                user=creds.user, password=creds.password, inbox_prefix=inbox_prefix(creds.user)
+            )
         if (tls := security.tls_files()) is not None:
             secure["tls"] = security.ssl_context(tls)
         try:

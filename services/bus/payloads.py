@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from typing import Any
 
 import nats.errors
 import nats.js.errors
 
 from rlfleet.bus.v1 import trajectory_pb2
+from services.bus.subjects import payload_bucket
 from services.errors import InvalidArgument, Unavailable
 
 __all__ = ["PAYLOAD_HEADER", "PayloadStore", "bucket_for"]
@@ -32,12 +32,11 @@ log = logging.getLogger("rlfleet.bus")
 
 PAYLOAD_HEADER = "Rlfleet-Payload"  # "ref": the payload is a PayloadRef to resolve
 MAX_AGE_S = 6 * 3600.0
-_BUCKET_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def bucket_for(subject: str) -> str:
     """The object store bucket for payloads published on ``subject``."""
-    return "PAYLOADS_" + _BUCKET_CHARS.sub("_", subject.replace(".", "_"))
+    return payload_bucket(subject)
 
 
 class PayloadStore:
@@ -60,6 +59,11 @@ class PayloadStore:
                 config = ObjectStoreConfig(bucket=name, ttl=self.max_age_s)
                 self._buckets[name] = await self._js.create_object_store(name, config=config)
         return self._buckets[name]
+
+    async def ensure(self, subject: str) -> None:
+        """Create the bucket of ``subject`` if missing (the launcher does, under NATS auth,
+        where publishers may use the bucket but not create it)."""
+        await self._bucket(bucket_for(subject), create=True)
 
     async def put(
         self, subject: str, msg_id: str, data: bytes, type_name: str

@@ -17,9 +17,14 @@ import re
 from services.errors import InvalidArgument
 
 __all__ = [
+    "DEFAULT_RIGHTS",
+    "KIND_RIGHTS",
     "PREFIX",
+    "QUEUE_DURABLE",
     "events_subject",
     "events_wildcard",
+    "inbox_prefix",
+    "payload_bucket",
     "service_permissions",
     "stream_name",
     "traj_subject",
@@ -107,20 +112,146 @@ def work_queue_stream(run: str, queue: str) -> str:
     return f"{stream_name(run)}-WQ-{queue}"
 
 
-def service_permissions(run: str) -> dict[str, tuple[str, ...]]:
-    """What a service of ``run`` may do on NATS (the launcher's authorization): publish and
-    subscribe on the run's own subjects, reply inboxes, and the JetStream API it uses (streams,
-    consumers, acks, key-value, the object store of by-reference payloads), but never delete or
-    purge a stream or a message, and touch no other run's subjects. Keyword arguments for
-    ``NatsUser``."""
-    own = (f"{PREFIX}.*.{validate_run_name(run)}", f"{PREFIX}.*.{run}.>")
+# What each service kind may do on NATS, one declaration per kind: names of the capabilities
+# below. A kind not listed gets DEFAULT_RIGHTS. The launcher alone creates the run's streams,
+# work queues, feeder bucket and payload bucket (launch/run_security.py); the learner may also
+# create and update the run's stream (it does at start-up), nobody else may change one, and no
+# one may delete or purge a stream or delete a consumer.
+KIND_RIGHTS: dict[str, tuple[str, ...]] = {
+    "learner": ("events", "publish_all_events", "manage_run_stream", "consume_trajectories"),
+    "lm_learner": ("events", "publish_all_events", "manage_run_stream", "consume_trajectories"),
+    "dpo_learner": ("events", "publish_all_events", "manage_run_stream", "consume_trajectories"),
+    # publish_status: long waits say what they wait for (services/waits.py); publish_producers:
+    # an env server's live game links (services/producers.py).
+    "game_actor": ("events", "publish_episodes", "publish_trajectories", "publish_status"),
+    "env_server": (  # its game links
+        "events",
+        "publish_episodes",
+        "publish_trajectories",
+        "publish_status",
+        "publish_producers",
+    ),
+    "rollout": (
+        "events",
+        "publish_metrics",
+        "publish_trajectories",
+        "feed_queue",
+        "take_queue",
+        "publish_status",
+    ),
+    "sampler": ("events", "publish_status"),
+    "heartbeat": ("events", "publish_metrics"),
+}
+DEFAULT_RIGHTS = ("events", "publish_metrics")
+QUEUE_DURABLE = "rollout"  # the one consumer the drivers of a run share on a work queue
+
+_API = "$JS.API"
+
+
+def inbox_prefix(user: str) -> str:
+    """Reply inbox prefix of NATS user ``user``: each user subscribes only to its own replies
+    (JetStream answers, fetched messages), never to another service's."""
+    return "_INBOX." + re.sub(r"[^A-Za-z0-9_-]", "_", user)
+
+
+def payload_bucket(subject: str) -> str:
+    """The object store bucket of messages published on ``subject`` by reference."""
+    return "PAYLOADS_" + re.sub(r"[^A-Za-z0-9_-]", "_", subject.replace(".", "_"))
+
+
+def _stream_api(stream: str, *calls: str) -> tuple[str, ...]:
+    return tuple(f"{_API}.{call}.{stream}" for call in calls)
+
+
+def _consumer_api(stream: str, durable: str) -> tuple[str, ...]:
+    """Create (with or without a filter subject), look up and fetch from one durable consumer."""
+    return (
+        f"{_API}.CONSUMER.CREATE.{stream}.{durable}",
+        f"{_API}.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"{_API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+        f"{_API}.CONSUMER.INFO.{stream}.{durable}",
+        f"{_API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    )
+
+
+def _payload_api(bucket: str, *, read: bool) -> tuple[str, ...]:
+    """Put objects in a payload bucket (purging an overwritten object's chunks); ``read`` adds
+    fetching them (an ordered ephemeral consumer found by STREAM.NAMES)."""
+    stream = f"OBJ_{bucket}"
+    out = (
+        f"$O.{bucket}.>",
+        *_stream_api(stream, "STREAM.INFO", "STREAM.MSG.GET", "STREAM.PURGE"),
+        f"{_API}.DIRECT.GET.{stream}",
+        f"{_API}.DIRECT.GET.{stream}.>",
+    )
+    if read:  # flow control answers of the ordered consumer too
+        out += (f"{_API}.STREAM.NAMES", f"{_API}.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>")
+    return out
+
+
+def _kv_api(bucket: str) -> tuple[str, ...]:
+    """Read and write the keys of one key-value bucket."""
+    stream = f"KV_{bucket}"
+    return (
+        f"$KV.{bucket}.>",
+        *_stream_api(stream, "STREAM.INFO", "STREAM.MSG.GET", "DIRECT.GET"),
+        f"{_API}.DIRECT.GET.{stream}.>",
+    )
+
+
+def _capability(name: str, run: str, queues: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """(publish, subscribe) subjects of one capability of a service of ``run``."""
+    stream, traj, events = stream_name(run), traj_subject(run), f"{PREFIX}.events.{run}"
+    work = [(work_queue_stream(run, q), work_queue_subject(run, q)) for q in queues]
+    if name == "events":  # every event of the run, as the console shows them
+        return (), (f"{events}.>",)
+    if name.startswith("publish_") and name != "publish_trajectories":
+        kinds = {
+            "publish_all_events": (">",),
+            "publish_episodes": ("episodes", "metrics"),
+            "publish_metrics": ("metrics", "progress"),
+            "publish_status": ("status",),
+            "publish_producers": ("producers",),
+        }[name]
+        return tuple(f"{events}.{kind}" for kind in kinds), ()
+    if name == "publish_trajectories":
+        bucket = payload_bucket(traj)
+        return (traj, *_stream_api(stream, "STREAM.INFO"), *_payload_api(bucket, read=False)), ()
+    if name == "manage_run_stream":
+        return _stream_api(stream, "STREAM.CREATE", "STREAM.UPDATE", "STREAM.INFO"), ()
+    if name == "consume_trajectories":  # its own durables on the run's stream, payloads too
+        rights = (*_consumer_api(stream, "*"), *_payload_api(payload_bucket(traj), read=True))
+        return rights, ()
+    if name == "feed_queue":  # the feeder: publish tasks, watch the depth, keep its cursor
+        feeds = [
+            (subject, *_stream_api(s, "STREAM.INFO"), *_kv_api(f"{s}-FEED")) for s, subject in work
+        ]
+        return tuple(x for group in feeds for x in group), ()
+    if name == "take_queue":  # the drivers' shared durable on each work queue
+        takes = [
+            (*_stream_api(s, "STREAM.INFO"), *_consumer_api(s, QUEUE_DURABLE)) for s, _ in work
+        ]
+        return tuple(x for group in takes for x in group), ()
+    raise InvalidArgument(f"unknown NATS capability {name!r}", field="rights")
+
+
+def service_permissions(
+    run: str, kind: str, user: str, *, queues: tuple[str, ...] = ()
+) -> dict[str, tuple[str, ...]]:
+    """What NATS user ``user``, a service of kind ``kind`` in ``run``, may do (the launcher's
+    authorization): the capabilities KIND_RIGHTS gives the kind, on the run's own subjects and
+    streams (``queues``: the run's prompt work queues) and its own reply inbox; nothing on
+    another run's subjects, no stream or consumer deletes, no purge of a run's stream.
+    Keyword arguments for ``NatsUser``."""
+    validate_run_name(run)
+    publish: list[str] = []
+    subscribe: list[str] = [f"{inbox_prefix(user)}.>"]
+    for name in KIND_RIGHTS.get(kind, DEFAULT_RIGHTS):
+        pub, sub = _capability(name, run, queues)
+        publish.extend(pub)
+        subscribe.extend(sub)
     return {
-        "publish_allow": (*own, "_INBOX.>", "$JS.API.>", "$JS.ACK.>", "$KV.>", "$O.>"),
-        "publish_deny": (
-            "$JS.API.STREAM.DELETE.>",
-            "$JS.API.STREAM.PURGE.>",
-            "$JS.API.STREAM.MSG.DELETE.>",
-            "$JS.API.ACCOUNT.>",
-        ),
-        "subscribe_allow": (*own, "_INBOX.>", "$KV.>", "$O.>"),
+        "publish_allow": tuple(dict.fromkeys(publish)),
+        "subscribe_allow": tuple(dict.fromkeys(subscribe)),
     }

@@ -99,11 +99,16 @@ async def test_nats_credentials_tls_and_subject_permissions(
     tmp_path: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
     certs = ensure_certs(tmp_path / "certs", ["nats", "svc"])
-    users = [NatsUser("svc", "s3cret", **service_permissions("sec-a")), NatsUser("admin", "adm")]
+    rights = service_permissions("sec-a", "game_actor", "svc")
+    users = [NatsUser("svc", "s3cret", **rights), NatsUser("admin", "adm")]
     server = EmbeddedNats(tmp_path / "nats", tls=certs["nats"], users=users)
     await server.start_async()
     try:
         use(clean_env, certs["svc"])
+        clean_env.setenv("RLFLEET_NATS_USER", "admin")  # the launcher makes the run's stream
+        clean_env.setenv("RLFLEET_NATS_PASSWORD", "adm")
+        async with Bus.connect(server.url, name="launcher") as bus:
+            await bus.ensure_stream(stream_name("sec-a"), ["rlfleet.v1.traj.sec-a"])
         clean_env.setenv("RLFLEET_NATS_USER", "svc")
         clean_env.setenv("RLFLEET_NATS_PASSWORD", "s3cret")
         async with Bus.connect(server.url, name="svc") as bus:
@@ -169,7 +174,9 @@ def test_ppo_run_with_mutual_tls_and_nats_auth(tmp_path: Path) -> None:
             asyncio.run(_connect_anonymously(nats_url))
         assert up.wait() == 0, "the run failed"
         assert "main service learner finished" in up.output
-        assert "with mutual TLS" in (run_dir / "logs" / "env-0.log").read_text()
+        assert "callers checked by kind" in (run_dir / "logs" / "env-0.log").read_text()
+        for name in ("learner", "actor-0", "actor-1"):  # each kind had every permission it used
+            assert "permissions violation" not in (run_dir / "logs" / f"{name}.log").read_text()
         conf = (run_dir / "nats" / "nats-server.conf").read_text()
         assert '"verify": true' in conf and '"authorization"' in conf
         users = {u["user"] for u in json.loads(conf)["authorization"]["users"]}
@@ -186,3 +193,82 @@ def test_ppo_run_with_mutual_tls_and_nats_auth(tmp_path: Path) -> None:
 async def _connect_anonymously(url: str) -> None:
     bus = await Bus.connect(url, name="intruder", connect_attempts=1)
     await bus.close()
+
+
+async def test_caller_kinds_from_certificates_gate_each_method(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    """An actor's certificate fetches weights but may not call the learner's control surface;
+    a certificate of another run, or one naming no identity, is refused everything."""
+    import torch
+
+    from learner.loop import LearnerServicer
+    from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
+    from rlfleet.learner.v1 import learner_pb2, learner_pb2_grpc
+    from services.grpc_names import service_name
+    from services.security import Identity
+
+    folder = tmp_path / "certs"
+    kinds = {"learner": "learner", "actor-0": "game_actor", "launcher": "launcher"}
+    ours = {n: Identity("sec-k", k, n) for n, k in kinds.items()}
+    theirs = {"actor-9": Identity("sec-other", "game_actor", "actor-9")}
+    certs = ensure_certs(folder, [*ours, *theirs, "anonymous"], (), {**ours, **theirs})
+    status = learner_pb2.GetStatusResponse(run="sec-k", updates=3)
+    store = WeightStore("sec-k", keep=2)
+    store.publish({"w": torch.arange(6, dtype=torch.float32)})
+    use(clean_env, certs["learner"])
+    server = GrpcServer("learner", port=0)
+    server.add_service(add_weight_service, WeightServicer(store), SERVICE_NAME)
+    learner_service = service_name(learner_pb2, "LearnerService")
+    loop = type("Loop", (), {"status": lambda self: status})()
+    server.add_service(
+        learner_pb2_grpc.add_LearnerServiceServicer_to_server,
+        LearnerServicer(loop),
+        learner_service,
+    )
+    await server.start()
+    server.set_serving()
+
+    async def get_status(who: str) -> learner_pb2.GetStatusResponse:
+        use(clean_env, certs[who])
+        async with channel(server.address) as ch:
+            stub = learner_pb2_grpc.LearnerServiceStub(ch)
+            return await stub.GetStatus(learner_pb2.GetStatusRequest(), timeout=5)
+
+    async def fetch(who: str) -> torch.Tensor:
+        from clients.learner import fetch_weights
+
+        use(clean_env, certs[who])
+        async with channel(server.address) as ch:
+            _, tensors = await fetch_weights(ch, timeout_s=10, max_retries=0)
+            return tensors["w"]
+
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await get_status("actor-0")
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "LearnerService/GetStatus" in str(denied.value.details())
+        assert "'game_actor'" in str(denied.value.details())
+        assert torch.equal(await fetch("actor-0"), torch.arange(6, dtype=torch.float32))
+        assert (await get_status("launcher")).updates == 3
+        assert (await get_status("learner")).updates == 3
+        for stranger in ("actor-9", "anonymous"):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await get_status(stranger)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "not a service of run 'sec-k'" in str(refused.value.details())
+            with pytest.raises(Exception, match=r"(?i)permission|not a service"):
+                await fetch(stranger)
+    finally:
+        await server.stop()
+
+
+def test_a_certificate_is_reissued_when_its_holder_changes_kind(tmp_path: Path) -> None:
+    from services.security import Identity, cert_identity
+
+    first = ensure_certs(tmp_path, ["svc"], (), {"svc": Identity("r", "game_actor", "svc")})
+    again = ensure_certs(tmp_path, ["svc"], (), {"svc": Identity("r", "game_actor", "svc")})
+    pem = first["svc"].cert.read_bytes()
+    assert again["svc"].cert.read_bytes() == pem  # reused while the identity holds
+    ensure_certs(tmp_path, ["svc"], (), {"svc": Identity("r", "learner", "svc")})
+    assert cert_identity(first["svc"].cert.read_bytes()) == Identity("r", "learner", "svc")

@@ -53,3 +53,21 @@ def test_event_kinds_may_use_underscores_but_queue_names_may_not() -> None:
     assert subjects.events_subject("demo", "weights_published").endswith(".weights_published")
     with pytest.raises(InvalidArgument, match="invalid queue name"):
         subjects.work_queue_subject("demo", "math_easy")
+
+
+def test_per_kind_nats_permissions_stay_inside_the_run() -> None:
+    from services.bus.subjects import KIND_RIGHTS, service_permissions
+
+    run, stream = "perm-u", "RLFLEET_PERM_U"
+    for kind in [*KIND_RIGHTS, "some_plugin"]:
+        rights = service_permissions(run, kind, "svc-0", queues=("prompts",))
+        publish, subscribe = rights["publish_allow"], rights["subscribe_allow"]
+        for subject in publish:  # each names this run (or is the learner's stream lookup)
+            assert run in subject or stream in subject or subject == "$JS.API.STREAM.NAMES"
+            assert ".DELETE." not in subject and "STREAM.PURGE." + stream not in subject
+        assert set(subscribe) <= {"_INBOX.svc-0.>", f"rlfleet.v1.events.{run}.>"}
+        may_update = f"$JS.API.STREAM.UPDATE.{stream}" in publish
+        assert may_update == (kind in ("learner", "lm_learner", "dpo_learner")), kind
+    actor = service_permissions(run, "game_actor", "a")["publish_allow"]
+    assert "rlfleet.v1.traj.perm-u" in actor
+    assert not any("CONSUMER" in s or "STREAM.CREATE" in s for s in actor)
