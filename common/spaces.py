@@ -26,7 +26,14 @@ from services.errors import InvalidArgument
 if TYPE_CHECKING:
     import gymnasium
 
-__all__ = ["SpecTree", "batch_specs", "from_proto", "to_proto", "validate_actions"]
+__all__ = [
+    "SpecTree",
+    "batch_specs",
+    "finite_observations",
+    "from_proto",
+    "to_proto",
+    "validate_actions",
+]
 
 # A TensorSpec per leaf, nested like the space: dict for Dict, tuple for Tuple. A Text leaf is a
 # TensorSpec with D_TYPE_UNSPECIFIED and shape [N]: N strings, no element type.
@@ -280,6 +287,54 @@ def _validate_box(space: Any, array: np.ndarray, n: int, name: str) -> np.ndarra
     elif array.dtype.kind in "iu":
         _check_range(array, space.low, space.high.astype(np.int64) + 1, name)
     return array
+
+
+def finite_observations(
+    space: gymnasium.Space, obs: Any, *, name: str, who: str = "env", clip: bool = False
+) -> Any:
+    """`obs`, a batch of observations of `space` (rows: envs or agents), once every float in
+    it is finite.
+
+    NaN/inf is InvalidArgument naming the row (`who` and its index), the element and the field
+    (`name`, with the key of a Dict/Tuple leaf): a policy trained on it turns every weight NaN.
+    With `clip`, a non-finite element becomes 0 (NaN) or the space's bound (inf; the dtype's
+    largest value where the bound is infinite) instead, in place unless the array is read-only.
+    """
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Dict) and isinstance(obs, Mapping):
+        return {
+            k: finite_observations(s, obs[k], name=f"{name}.{k}", who=who, clip=clip)
+            for k, s in space.spaces.items()
+        }
+    if isinstance(space, spaces.Tuple) and isinstance(obs, tuple):
+        return tuple(
+            finite_observations(s, o, name=f"{name}[{i}]", who=who, clip=clip)
+            for i, (s, o) in enumerate(zip(space.spaces, obs, strict=True))
+        )
+    if not isinstance(obs, np.ndarray) or obs.dtype.kind != "f":
+        return obs  # integers, booleans and text cannot be NaN
+    bad = ~np.isfinite(obs)
+    if not bad.any():
+        return obs
+    if not clip:
+        where = np.argwhere(bad)[0]
+        row, value = int(where[0]), obs[tuple(where)].item()
+        at = "".join(f"[{int(i)}]" for i in where[1:])
+        raise InvalidArgument(
+            f"{name}: {who} {row} (row {row}): {value}{' at ' + at if at else ''} is not finite "
+            f"({int(bad.sum())} non-finite values in the batch)",
+            field=name,
+        )
+    if not obs.flags.writeable:
+        obs = obs.copy()
+    fixed = np.nan_to_num(obs[bad])  # NaN -> 0, inf -> the dtype's extremes
+    if isinstance(space, spaces.Box) and obs.ndim == 1 + len(space.shape):
+        low = np.broadcast_to(np.asarray(space.low, obs.dtype), obs.shape)[bad]
+        high = np.broadcast_to(np.asarray(space.high, obs.dtype), obs.shape)[bad]
+        fixed = np.clip(fixed, low, high)  # an infinite bound leaves the value as it is
+    obs[bad] = fixed
+    return obs
 
 
 def _validate_text(space: Any, actions: Any, n: int, name: str) -> list[str]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, SupportsFloat
 import numpy as np
 
 from clients.env.types import EpisodeStats, StepResult
+from common.spaces import finite_observations
 from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class EnvPool:
         autoreset_mode: AutoresetMode,
         seed: int | None = None,
         float64_rewards: bool = False,
+        nonfinite_observations: str = "refuse",
     ) -> None:
         from gymnasium import spaces
         from gymnasium.vector import AutoresetMode
@@ -61,6 +63,9 @@ class EnvPool:
         self.render_mode = self.envs[0].render_mode
         self.metadata: dict[str, Any] = dict(getattr(self.envs[0], "metadata", None) or {})
         self.float64_rewards = float64_rewards  # else float32 (StepResult.rewards)
+        # NaN/inf in what the envs return: "refuse" (InvalidArgument, the pool must be reset) or
+        # "clip" (common.spaces.finite_observations).
+        self._clip_nonfinite = nonfinite_observations == "clip"
         for i, env in enumerate(self.envs[1:], 1):
             if env.observation_space != self.observation_space:
                 self.close()
@@ -121,8 +126,9 @@ class EnvPool:
         self._ended[targets] = False
         self._returns[targets] = 0.0
         self._lengths[targets] = 0
+        observations = self._finite(_stack(self.observation_space, self._obs), "reset")
         self._started = True
-        return _stack(self.observation_space, self._obs), infos
+        return observations, infos
 
     def step(self, actions: Any, *, observations_out: np.ndarray | None = None) -> StepResult:
         """Step every env with its row of `actions` (already validated against action_space).
@@ -164,10 +170,11 @@ class EnvPool:
                         obs[i], info = env.reset()
             if info:
                 _add_info(infos, info, i, n)
-        self._started = True
-        return self._account(
+        result = self._account(
             obs, rewards, terminated, truncated, stepped, infos, finals, observations_out
         )
+        self._started = True  # after the observations passed: a refused step needs a reset
+        return result
 
     def _account(
         self,
@@ -202,14 +209,23 @@ class EnvPool:
                 episodes.append(EpisodeStats(i, ret, length, bool(trunc_list[i])))
             self._returns[done] = 0.0
             self._lengths[done] = 0
+        observations = _stack(self.observation_space, obs, out=observations_out)
         return StepResult(
-            observations=_stack(self.observation_space, obs, out=observations_out),
+            observations=self._finite(observations, "step"),
             rewards=rewards if self.float64_rewards else rewards.astype(np.float32),
             terminated=terminated,
             truncated=truncated,
             infos=infos,
-            final_observations=self._finals(finals) if finals else None,
+            final_observations=self._finite(self._finals(finals), "step", "final_observations")
+            if finals
+            else None,
             episodes=episodes,
+        )
+
+    def _finite(self, obs: Any, request: str, field: str = "observations") -> Any:
+        """The envs' observations with no NaN/inf, refused (naming env and field) or clipped."""
+        return finite_observations(
+            self.observation_space, obs, name=f"{request}.{field}", clip=self._clip_nonfinite
         )
 
     def _finals(self, finals: dict[int, Any]) -> Any:

@@ -45,6 +45,11 @@ class EnvServerSettings(StrictModel):
     # References ("module:Name", "path/to/file.py:Name", relative to the current directory; a
     # gymnasium Env class, a factory, or an id the module registers) become ids of this server.
     preload: list[str] = Field(default_factory=list)
+    # NaN/inf in an observation, from an env (EnvService) or a game (GameLinkService): "refuse"
+    # answers that step in-band with INVALID_ARGUMENT naming the env or agent (its row) and the
+    # field, so it never reaches a fragment and a learner; "clip" turns NaN into 0 and inf into
+    # the space's bound (the dtype's largest value where that is infinite) and goes on.
+    nonfinite_observations: Literal["refuse", "clip"] = "refuse"
     # GameLinkService on the same port: games that own their loop (env_server/game_link).
     game_link: GameLinkSettings = GameLinkSettings()
 
@@ -68,7 +73,11 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
     """Serve EnvService (and GameLinkService when enabled) until ctx.stop_event is set."""
     settings = ctx.settings
     registry.preload(settings.preload)
-    links = GameLinkMount(ctx, settings.game_link) if settings.game_link.enabled else None
+    links = (
+        GameLinkMount(ctx, settings.game_link, nonfinite=settings.nonfinite_observations)
+        if settings.game_link.enabled
+        else None
+    )
     service = EnvService(
         name=ctx.name,
         max_sessions=settings.max_sessions,
@@ -79,6 +88,7 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         colocated_max_bytes=settings.colocated_max_bytes,
         colocated_busy_poll_us=settings.colocated_busy_poll_us,
         linked_spaces=links.spaces if links is not None else None,
+        nonfinite_observations=settings.nonfinite_observations,
     )
     server = GrpcServer(
         ctx.name, host=ctx.host, port=ctx.port, max_message_bytes=settings.max_message_bytes
@@ -105,4 +115,8 @@ SPEC = ServiceSpec(
     settings=EnvServerSettings,
     main=main,
     uses_bus=lambda s: s.game_link.enabled,  # game links publish fragments; pools do not
+    # While games are linked (their links report it: services/producers.py).
+    produces=lambda s: (
+        "rollout fragments" if s.game_link.enabled and s.game_link.publishes else None
+    ),
 )

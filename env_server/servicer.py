@@ -11,6 +11,13 @@ Inputs are bounded before any work is done: env indices (at most N, each once, i
 (>= 0), the autoreset and render modes (known values), Struct kwargs/options (finite numbers),
 and render output (frames must fit the server's message limit).
 
+What the envs return is checked too: a NaN/inf observation (or final observation) fails its
+reset or step in-band, INVALID_ARGUMENT naming the field and the env (its row), and the pool
+must be reset before the next step, as after an env raising; `nonfinite_observations: clip`
+replaces such values instead (common.spaces.finite_observations). In-band rather than ending
+the session: the other envs' state and the stream survive, as the protocol wants for any one
+request's fault.
+
 Stepping runs on the event loop thread, not in `asyncio.to_thread`: a step such as CartPole's is
 pure Python holding the GIL, so a thread adds a hand-off per message and buys
 no parallelism; other sessions wait at most one message's stepping either way. Creating and
@@ -92,6 +99,12 @@ _PROTO_MODES = {
 class EnvService(env_pb2_grpc.EnvServiceServicer):
     """Serves ListEnvs and Session streams within per-server and per-session limits."""
 
+    # Who may call, by certificate kind (services/security.py; the launcher may call all):
+    # actors step environments, learners read their spaces (and evaluate), env servers chain.
+    CALLERS = dict.fromkeys(
+        ("ListEnvs", "Session"), frozenset({"game_actor", "learner", "env_server"})
+    )
+
     def __init__(
         self,
         *,
@@ -104,8 +117,10 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         colocated: str = "auto",
         colocated_max_bytes: int = 1 << 30,
         colocated_busy_poll_us: int = 0,
+        nonfinite_observations: str = "refuse",
     ) -> None:
         self.name = name
+        self.nonfinite_observations = nonfinite_observations  # "refuse" or "clip" (EnvPool)
         # "auto": accept co-located rings from clients on this host; "off": decline every offer.
         self.colocated = colocated
         self.colocated_max_bytes = colocated_max_bytes
@@ -344,6 +359,7 @@ class _Session:
                 autoreset_mode=mode,
                 seed=req.seed if req.HasField("seed") else None,
                 float64_rewards=req.float64_rewards,
+                nonfinite_observations=self.service.nonfinite_observations,
             )
         )
         try:

@@ -9,10 +9,11 @@ event; the event lines of ``--verbose``; the start plan and the run's summary.
 On a terminal the line is a rich live line updated in place (other lines print above it); off a
 terminal (pipes, CI, tests) it is a plain line. Every metrics event of every service goes to
 ``<run dir>/metrics.jsonl`` (one JSON object a line: time, service, kind, step, version,
-values). Verbose (``rlfleet up --verbose``, ``RLFLEET_VERBOSE=1``) prints every metrics and
-episode event as well, one line each from the formatter registered for its message type
-(`register_formatter`). A ``RunStatus`` with a message (a learner that resumed from a
-checkpoint, the run's end) prints as ``<source>: <message>``.
+values; a NaN/inf value is null there, its name listed in ``nonfinite``). Verbose
+(``rlfleet up --verbose``, ``RLFLEET_VERBOSE=1``) prints every metrics and episode event as
+well, one line each from the formatter registered for its message type (`register_formatter`).
+A ``RunStatus`` with a message (a learner that resumed from a checkpoint, the run's end) prints
+as ``<source>: <message>``.
 """
 
 from __future__ import annotations
@@ -481,12 +482,18 @@ class Console:
         if self.metrics_path is None:
             return
         if full_name == "rlfleet.bus.v1.Metrics":
+            values = dict(message.scalars)
+            # JSON has no NaN/inf: such a value is written as null and named under "nonfinite",
+            # so a diverged loss stays visible instead of vanishing from the file.
+            nonfinite = sorted(k for k, v in values.items() if not math.isfinite(v))
             record: dict[str, Any] = {
                 "service": message.source,
                 "step": message.step,
                 "version": message.policy_version,
-                "values": dict(message.scalars),
+                "values": {k: None if k in nonfinite else v for k, v in values.items()},
             }
+            if nonfinite:
+                record["nonfinite"] = nonfinite
         elif isinstance(message, struct_pb2.Struct):
             fields = json_format.MessageToDict(message)
             service = fields.pop("service", fields.pop("source", None))

@@ -329,6 +329,12 @@ class TrajectoryConsumer:
         self.unacked.extend(self.gathering)
         self.gathering = []
 
+    async def drop_gathered(self) -> None:
+        """The gathered batch will never be applied (a non-finite update): terminate its
+        deliveries now, as every drop is, so they do not come back."""
+        dropped, self.gathering = self.gathering, []
+        await asyncio.gather(*(settle(d.term()) for d in dropped))
+
     async def ack_checkpointed(self) -> int:
         """Ack everything applied so far (call right after a checkpoint is on disk)."""
         acks, self.unacked = self.unacked, []

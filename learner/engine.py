@@ -13,7 +13,10 @@ What this adds to ``deepspeed.initialize`` (see docs/platform.md, "DeepSpeed 0.1
   outside any run;
 - full named weights, gathered under ZeRO-3; checkpoints with client state; a per-update
   learning rate; and ``close()``, which destroys the process group and removes the shared-memory
-  buffer files the comm op created.
+  buffer files the comm op created;
+- ``check_step``: between backward and the optimizer step, a loss or global gradient norm that
+  is NaN/inf on any rank drops the gradients and raises ``NonfiniteUpdate``, so no such step is
+  ever applied (one NaN step makes every weight NaN, and every version after it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import shutil
 import time
@@ -34,9 +38,19 @@ from torch import nn
 from learner import safe_load
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 from services.cache import user_cache_dir
+from services.errors import InvalidArgument
 from services.ports import free_port
 
-__all__ = ["Engine", "TrainEngine", "build_engine", "cache_dir", "deepspeed_config", "warm_up"]
+__all__ = [
+    "Engine",
+    "NonfiniteUpdate",
+    "TrainEngine",
+    "build_engine",
+    "cache_dir",
+    "check_step",
+    "deepspeed_config",
+    "warm_up",
+]
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +208,29 @@ class Engine:
         """Optimizer step (clips gradients first) and zero the gradients."""
         if not self.direct:
             self.ds.step()
+            # ZeRO 1/2 keep gradients in their partitions, where check_step cannot see them; such
+            # a step DeepSpeed skips itself on a non-finite norm (fp16 skips are loss scaling).
+            if self.dtype != torch.float16 and not self.ds.was_step_applied():
+                raise NonfiniteUpdate("DeepSpeed skipped a step: the gradient norm is not finite")
             return
         ds = self.ds
         ds.optimizer.step()
         ds.optimizer.zero_grad(set_to_none=True)  # DeepSpeed's zero_grad: every grad to None
         ds.global_steps += 1  # what its checkpoints record
         ds.global_samples += ds.train_batch_size()
+
+    def drop_gradients(self) -> None:
+        """Forget the gradients of a step that will not be taken (see ``check_step``)."""
+        for param in self.ds.module.parameters():
+            param.grad = None
+        optimizer = self.ds.optimizer
+        optimizer.zero_grad(set_to_none=True)
+        # ZeRO 1/2 reduce into these; DeepSpeed's own overflow branch clears them the same way.
+        for name in ("averaged_gradients", "all_grad_tensors"):
+            held = getattr(optimizer, name, None)
+            if isinstance(held, dict):
+                for key in held:
+                    held[key] = None
 
     def accumulation_boundary(self, last: bool) -> None:
         """Whether the next ``backward`` ends an optimizer step's micro-batches. Before it,
@@ -287,6 +318,53 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class NonfiniteUpdate(InvalidArgument):
+    """An update stopped before an optimizer step whose loss or gradients were NaN/inf (on any
+    rank): that step was not taken and its gradients were dropped. The learner loop skips the
+    update (no version), and fails the run after ``max_nonfinite_updates`` in a row."""
+
+    def __init__(self, message: str, *, metrics: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.metrics = dict(metrics or {})  # the update's values so far (NaN ones included)
+        self.sources: list[str] = []  # where the update's data came from, filled by a workload
+
+
+def check_step(engine: Any, loss: torch.Tensor) -> None:
+    """Between ``engine.backward(loss)`` and ``engine.step()``: raise NonfiniteUpdate, with the
+    gradients dropped, when the loss or the global gradient norm is NaN/inf on any rank. Every
+    rank decides the same (one all-reduce with several ranks), so they never part ways.
+
+    ``engine``: an ``Engine`` or any TrainEngine with a ``module`` (plain test engines)."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    loss_value = loss.detach().float().reshape(-1)[0]
+    if grads:
+        norm_value = torch.stack(torch._foreach_norm(grads, 2.0)).norm().float()
+    else:  # ZeRO 1/2 after the boundary: DeepSpeed's step checks the partitions (Engine.step)
+        norm_value = torch.zeros((), device=loss_value.device)
+    norm_value = norm_value.to(loss_value.device)
+    finite = torch.isfinite(loss_value) & torch.isfinite(norm_value)
+    world = int(getattr(engine, "world_size", 1))
+    if world > 1:
+        import torch.distributed as dist
+
+        flag = finite.to(device=engine.device, dtype=torch.float32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the process group DeepSpeed set up
+        finite = flag[0] > 0
+    if bool(finite):
+        return
+    if hasattr(engine, "drop_gradients"):
+        engine.drop_gradients()
+    else:
+        for param in engine.module.parameters():
+            param.grad = None
+    loss_f, norm_f = float(loss_value), float(norm_value)
+    if math.isfinite(loss_f) and math.isfinite(norm_f):
+        what = "another rank's loss or gradient norm is not finite"
+    else:
+        what = f"loss {loss_f}, gradient norm {norm_f}"
+    raise NonfiniteUpdate(what)
 
 
 def _shm_buffer_path() -> Path | None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -55,7 +54,7 @@ from learner.consumer import (
     settle,
     triage,
 )
-from learner.engine import Engine
+from learner.engine import Engine, NonfiniteUpdate
 from learner.ranks import Ranks, write_digest
 from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
 from learner.weights import WeightServicer, WeightStore, add_weight_service
@@ -67,6 +66,7 @@ from services.errors import InvalidArgument
 from services.grpc_names import service_name
 from services.registry import ServiceContext
 from services.server import GrpcServer
+from services.waits import bus_say, waiting
 
 __all__ = ["LearnerLoop"]
 
@@ -74,10 +74,15 @@ log = logging.getLogger(__name__)
 
 LEARNER_SERVICE = service_name(learner_pb2, "LearnerService")
 SHUTDOWN_STEP_S = 20.0  # the most one step of the shutdown may take (see _bounded)
+_SOURCES_SHOWN = 5  # sources of a non-finite update named in its line; the rest are counted
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     """GetStatus over a running LearnerLoop."""
+
+    # Who may call, by certificate kind (services/security.py; the launcher may call all):
+    # the learner's control surface is for the launcher and learners, not actors or samplers.
+    CALLERS = {"GetStatus": frozenset({"learner", "lm_learner", "dpo_learner"})}
 
     def __init__(self, loop: LearnerLoop) -> None:
         self.loop = loop
@@ -111,6 +116,10 @@ class LearnerLoop:
         self.writer: Any = None
         self.handle: RunHandle | None = None  # the workload's view of the run, once the bus is up
         self.metrics: dict[str, float] = {}  # the last update's, for GetStatus
+        # Updates skipped for a NaN/inf loss or gradients since this learner started, and in a
+        # row (max_nonfinite_updates of those fail the run).
+        self.nonfinite_updates = 0
+        self.nonfinite_in_a_row = 0
         self.last_update_time: timestamp_pb2.Timestamp | None = None
         self._started = time.monotonic()  # when consuming began: throughput
 
@@ -226,11 +235,16 @@ class LearnerLoop:
         while not w.done(p):  # done at once: restarted after the end
             if self.ctx.stop_event.is_set():
                 return
-            gathering = self._gather()
+            gathering = waiting(
+                lambda: f"{w.noun} for update {p.updates + 1}",  # says so on the console
+                self._gather(),
+                say=bus_say(self.bus, self.run_name, self.ctx.name),
+            )
             items = await (self.ranks.while_waiting(gathering) if self.ranks else gathering)
             if items is None:
                 return
-            await self._train(items)
+            if not await self._train(items):
+                continue  # skipped (non-finite): nothing published, nothing to save
             await w.after_update(self.handle, self.metrics)
             # The end checkpoints anyway (_finish): no need for a periodic one first.
             if not w.done(p) and p.updates - self.checkpointed_updates >= s.checkpoint_every:
@@ -300,7 +314,9 @@ class LearnerLoop:
 
     # ------------------------------------------------------------------ training
 
-    async def _train(self, gathered: tuple[list[Any], list[Envelope]]) -> None:
+    async def _train(self, gathered: tuple[list[Any], list[Envelope]]) -> bool:
+        """One update on the gathered batch, published; False when it was skipped because its
+        loss or gradients were not finite (see ``_skip_nonfinite``)."""
         w, p = self.workload, self.progress
         assert self.consumer is not None and self.handle is not None
         items, envelopes = gathered
@@ -308,7 +324,12 @@ class LearnerLoop:
         started = time.perf_counter()
         if self.ranks is not None:
             await self.ranks.send_train(items, p, self.generator)
-        metrics = await asyncio.to_thread(w.train, items, p, self.generator)
+        try:
+            metrics = await asyncio.to_thread(w.train, items, p, self.generator)
+        except NonfiniteUpdate as exc:
+            await self._skip_nonfinite(exc, envelopes)
+            return False
+        self.nonfinite_in_a_row = 0
         train_s = time.perf_counter() - started
         p.updates += 1
         p.samples += w.samples(items)
@@ -330,8 +351,46 @@ class LearnerLoop:
         elapsed_s = max(time.monotonic() - self._started, 1e-9)
         metrics.update(w.report(items, metrics, p, elapsed_s))
         metrics["charts/update_s"] = train_s
-        self.metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        metrics["losses/nonfinite_updates"] = float(self.nonfinite_updates)
+        # NaN/inf values are kept: metrics.jsonl shows them (null, flagged), TensorBoard skips them.
+        self.metrics = {k: float(v) for k, v in metrics.items()}
         await self.handle.report(self.metrics)
+        return True
+
+    async def _skip_nonfinite(self, exc: NonfiniteUpdate, envelopes: list[Envelope]) -> None:
+        """An update the engine stopped before a NaN/inf step: no weights of it are published,
+        its messages are dropped (ledger status "nonfinite", terminated: they would do the same
+        again), it is counted and reported; ``max_nonfinite_updates`` in a row fail the run
+        (permanently: a restart would train on the same data) in one line naming the data's
+        source: the fragments holding NaN/inf when the workload found them, else every
+        producer of the batch."""
+        assert self.consumer is not None and self.handle is not None
+        p, limit = self.progress, self.settings.max_nonfinite_updates
+        self.nonfinite_updates += 1
+        self.nonfinite_in_a_row += 1
+        sources = exc.sources or sorted({e.producer or e.id for e in envelopes})
+        for envelope in envelopes:
+            fields = {"policy_version": envelope.policy_version, **envelope.fields}
+            self._ledger_drop(envelope.id, "nonfinite", **fields, error=str(exc))
+        await self.consumer.drop_gathered()
+        where = "; ".join(sources[:_SOURCES_SHOWN])
+        if len(sources) > _SOURCES_SHOWN:
+            where += f"; and {len(sources) - _SOURCES_SHOWN} more"
+        log.warning(
+            "update %d skipped, not applied (%d in a row, at most %d): %s; data from %s",
+            p.updates + 1,
+            self.nonfinite_in_a_row,
+            limit,
+            exc,
+            where,
+        )
+        self.metrics = {**exc.metrics, "losses/nonfinite_updates": float(self.nonfinite_updates)}
+        await self.handle.report(self.metrics)
+        if self.nonfinite_in_a_row >= limit:
+            raise NonfiniteUpdate(
+                f"{self.nonfinite_in_a_row} updates in a row stopped before a NaN/inf step "
+                f"(max_nonfinite_updates={limit}), none applied; last: {exc}; data from {where}"
+            )
 
     # ------------------------------------------------------------------ checkpoints and the end
 

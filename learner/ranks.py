@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from learner.consumer import seed_everything
-from learner.engine import Engine
+from learner.engine import Engine, NonfiniteUpdate
 from learner.workload import Progress, RunDirs, Workload
 from services.bus.nats_server import parent_death_signal
 from services.errors import InvalidArgument
@@ -236,7 +236,10 @@ async def follow(ctx: ServiceContext[Any], workload: Workload, ranks: Ranks) -> 
             if kind == "train":
                 _, items, progress, rng = order
                 generator.set_state(rng)
-                await asyncio.to_thread(workload.train, items, progress, generator)
+                # A NaN/inf step stops the update on every rank alike (check_step agrees
+                # across ranks); rank 0 alone counts it and decides whether the run fails.
+                with contextlib.suppress(NonfiniteUpdate):
+                    await asyncio.to_thread(workload.train, items, progress, generator)
             elif kind == "save":
                 _, tag, updates = order
                 await asyncio.to_thread(engine.save, dirs.checkpoints, tag, {})

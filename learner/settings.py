@@ -23,6 +23,7 @@ __all__ = [
     "DeepSpeedSettings",
     "Device",
     "DeviceKnob",
+    "NonfiniteGuard",
     "OptimizerSettings",
     "Precision",
     "PrecisionKnob",
@@ -90,6 +91,16 @@ def knob(model: type[BaseModel], name: str, **changes: Any) -> Any:
     ``default=256``: how a model that shares a knob states its one difference instead of
     declaring the knob again. Typed ``Any``, like ``Field``, to stand as any field's default."""
     return FieldInfo.merge_field_infos(model.model_fields[name], **changes)
+
+
+class NonfiniteGuard(StrictModel):
+    """The loop setting every learner's settings share (learner.loop)."""
+
+    # An update whose loss or gradient norm is NaN/inf is skipped: no optimizer step, no weight
+    # version, its messages dropped, counted as losses/nonfinite_updates. This many in a row
+    # fail the run (a permanent failure, one line naming where their data came from) instead of
+    # training on for nothing.
+    max_nonfinite_updates: int = Field(default=3, ge=1)
 
 
 class OptimizerSettings(StrictModel):

@@ -153,16 +153,17 @@ class RunHandle:
                 self.writer.add_scalar(key, value, step)
 
     async def report(self, metrics: Mapping[str, float]) -> None:
-        """Log ``metrics`` at the current point: TensorBoard, the bus (Metrics) and the log."""
+        """Log ``metrics`` at the current point: TensorBoard (finite ones), the bus (Metrics,
+        NaN/inf included: metrics.jsonl keeps them visible) and the log."""
         p = self.progress
-        clean = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        self.write_scalars(clean, self.tensorboard_step(p))
+        values = {k: float(v) for k, v in metrics.items()}
+        self.write_scalars(values, self.tensorboard_step(p))
         message = events_pb2.Metrics(
             run=self.run_name,
             source=self.source,
             step=p.updates,
             time=now(),
-            scalars=clean,
+            scalars=values,
             policy_version=p.version,
         )
         with contextlib.suppress(RlfleetError):  # metrics are best effort
@@ -172,7 +173,7 @@ class RunHandle:
             p.updates,
             p.version,
             p.samples,
-            " ".join(f"{k}={v:.4g}" for k, v in sorted(clean.items())),
+            " ".join(f"{k}={v:.4g}" for k, v in sorted(values.items())),
         )
 
     async def publish_progress(
@@ -216,6 +217,8 @@ class LoopSettings(Protocol):
     def seed(self) -> int: ...
     @property
     def max_ack_pending(self) -> int: ...
+    @property
+    def max_nonfinite_updates(self) -> int: ...
 
 
 class Workload(Protocol):

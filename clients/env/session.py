@@ -76,7 +76,9 @@ def _as_gym_error(error: RlfleetError, kind: str) -> RlfleetError:
     """The server's error for a request of `kind`, as the gymnasium-catchable subclass."""
     cls: type[RlfleetError] | None = None
     if kind == "step" and type(error) is InvalidArgument:
-        cls = InvalidActionError
+        # The actions' fault; not the env's own NaN observations ("step.observations").
+        if not (error.field or "").startswith("step."):
+            cls = InvalidActionError
     elif kind == "create" and type(error) is NotFound:
         cls = UnknownEnvError
     elif kind in ("step", "reset") and type(error) is FailedPrecondition:

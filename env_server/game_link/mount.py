@@ -3,6 +3,7 @@ and stopped with the server (env_server/service.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -18,6 +19,7 @@ from services.errors import ConfigError
 from services.grpc_names import service_name
 from services.registry import ServiceContext
 from services.server import GrpcServer
+from services.waits import bus_say, waiting
 
 __all__ = ["SERVICE_NAME", "GameLinkMount"]
 
@@ -29,14 +31,18 @@ SERVICE_NAME = service_name(game_link_pb2, "GameLinkService")
 class GameLinkMount:
     """Everything GameLinkService needs, for one env server."""
 
-    def __init__(self, ctx: ServiceContext[Any], settings: GameLinkSettings) -> None:
+    def __init__(
+        self, ctx: ServiceContext[Any], settings: GameLinkSettings, *, nonfinite: str = "refuse"
+    ) -> None:
         self.ctx, self.settings = ctx, settings
+        self.nonfinite = nonfinite  # the env server's nonfinite_observations
         self.bus: Bus | None = None
         self.follower: WeightFollower | None = None
         self.hub = PolicyHub(settings, None)
         self.links: LinkRegistry | None = None
         self.service: GameLinkService | None = None
         self._pending: _Deferred = _Deferred()
+        self._first_game: asyncio.Task[bool] | None = None  # says what the server waits for
 
     def spaces(self, env_id: str) -> tuple[Any, Any] | None:
         return self.hub.spaces(env_id)
@@ -68,7 +74,18 @@ class GameLinkMount:
             settings, self.hub, server=ctx.name, address=address, run=ctx.run_name, bus=self.bus
         )
         self.links.start()
-        self.service = GameLinkService(settings, self.hub, self.links)
+        if settings.publishes:  # a run whose data comes from games waits for the first one
+            self._first_game = asyncio.create_task(
+                waiting(
+                    f"a game to link at {address} ({SERVICE_NAME})",
+                    self.links.linked.wait(),
+                    say=bus_say(self.bus, ctx.run_name, ctx.name),
+                ),
+                name="first-game",
+            )
+        self.service = GameLinkService(
+            settings, self.hub, self.links, clip_nonfinite=self.nonfinite == "clip"
+        )
         self._pending.target = self.service
         log.info(
             "game links on %s: policy %s, T=%d, fragments %s",
@@ -79,6 +96,8 @@ class GameLinkMount:
         )
 
     async def stop(self) -> None:
+        if self._first_game is not None:
+            self._first_game.cancel()
         if self.service is not None:
             await self.service.shutdown()
         await self.hub.close()
@@ -92,6 +111,8 @@ class GameLinkMount:
 class _Deferred(game_link_pb2_grpc.GameLinkServiceServicer):
     """The servicer gRPC holds from the start; calls go to the real one once it exists (the
     bus and the bound address come after the server has started)."""
+
+    CALLERS = GameLinkService.CALLERS  # what gRPC sees is this servicer: the same rights
 
     def __init__(self) -> None:
         self.target: GameLinkService | None = None

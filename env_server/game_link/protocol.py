@@ -148,8 +148,17 @@ class TickCursor:
         self.tick, self.episode_ids, self.done = tick.tick, tick.episode_ids, tick.done
 
 
-def check_tick(batch: game_link_pb2.ObservationBatch, spec: LinkSpec, cursor: TickCursor) -> Tick:
-    """Decode and check one batch; the cursor is not moved (the caller advances it)."""
+def check_tick(
+    batch: game_link_pb2.ObservationBatch,
+    spec: LinkSpec,
+    cursor: TickCursor,
+    *,
+    clip: bool = False,
+) -> Tick:
+    """Decode and check one batch; the cursor is not moved (the caller advances it).
+
+    NaN/inf observations are refused like NaN rewards, naming the agent (its row) and the
+    field, unless `clip` (the env server's nonfinite_observations) replaces them."""
     n = spec.num_agents
     if cursor.tick is not None and batch.tick <= cursor.tick:
         raise InvalidArgument(
@@ -166,6 +175,9 @@ def check_tick(batch: game_link_pb2.ObservationBatch, spec: LinkSpec, cursor: Ti
             field="observations.observations",
         )
     tensor.check(obs, obs_spec)  # type: ignore[arg-type]
+    obs = spaces.finite_observations(
+        space, obs, name="observations.observations", who="agent", clip=clip
+    )
     rewards = _leaf(batch, "rewards", np.float32, n)
     if not np.isfinite(rewards).all():
         bad = int(np.flatnonzero(~np.isfinite(rewards))[0])

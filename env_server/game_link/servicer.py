@@ -54,8 +54,21 @@ _EOF = object()
 class GameLinkService(game_link_pb2_grpc.GameLinkServiceServicer):
     """Connect streams over the links of a LinkRegistry and the policy of a PolicyHub."""
 
-    def __init__(self, settings: GameLinkSettings, hub: PolicyHub, links: LinkRegistry) -> None:
+    # Who may call, by certificate kind (services/security.py; the launcher may call all):
+    # games, from outside the run or started by it as a `process` service.
+    CALLERS = {"Connect": frozenset({"game_client", "process"})}
+
+    def __init__(
+        self,
+        settings: GameLinkSettings,
+        hub: PolicyHub,
+        links: LinkRegistry,
+        *,
+        clip_nonfinite: bool = False,
+    ) -> None:
         self.settings, self.hub, self.links = settings, hub, links
+        # NaN/inf observations: clipped (True), else refused in-band (protocol.check_tick).
+        self.clip_nonfinite = clip_nonfinite
         self.streams: set[_Stream] = set()
         self.stopping = False
 
@@ -197,13 +210,17 @@ class _Stream:
             resume_window_s=settings.resume_window_s,
             run=self.service.links.run,
             policy_version=hub.version if hub.ready else 0,
+            policy_loaded=hub.ready,
+            policy=settings.policy,
         )
 
     def _observe(self, request: game_link_pb2.ConnectRequest) -> None:
         link = self.link
         if link is None:
             raise FailedPrecondition("observations before Hello: open the link first")
-        tick = check_tick(request.observations, link.spec, link.cursor)
+        tick = check_tick(
+            request.observations, link.spec, link.cursor, clip=self.service.clip_nonfinite
+        )
         link.cursor.advance(tick)
         future = self.service.hub.decide(link.spec.env_id, tick.obs)
         self._futures.append(future)

@@ -3,7 +3,8 @@
 ``rlfleet up`` appends one JSON object a line to ``<run dir>/metrics.jsonl`` for every metrics
 event of every service (launch.console): ``time`` (Unix seconds), ``service``, ``kind``,
 ``step``, ``version`` and ``values`` (name -> number; CleanRL-style names such as
-``charts/episodic_return`` or ``losses/entropy``). A `MetricsFile` remembers how far it has
+``charts/episodic_return`` or ``losses/entropy``; a NaN/inf value is null, its name listed in
+``nonfinite``, and shows as a mark on its chart). A `MetricsFile` remembers how far it has
 read, so each poll of the page parses only the lines appended since the last one; a line still
 being written (no newline yet) waits for the next poll. A file that shrank or was replaced is read
 again from the start under a new ``generation``, so a client holding a cursor of the old file
@@ -41,6 +42,7 @@ class Record:
     service: str
     step: int | None
     values: dict[str, float]
+    nonfinite: tuple[str, ...] = ()  # names whose value was NaN/inf (null in the file)
 
 
 def parse_record(line: str) -> Record:
@@ -58,12 +60,15 @@ def parse_record(line: str) -> Record:
     if not isinstance(values, dict):
         raise ValueError("no 'values' object")
     step = raw.get("step")
+    flagged = raw.get("nonfinite")
+    nonfinite = tuple(str(k) for k in flagged) if isinstance(flagged, list) else ()
     return Record(
         time=float(t),
         service=str(raw.get("service") or ""),
         step=int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None,
         # Only finite numbers make points: a string, a bool or a NaN has no place on a curve.
         values={str(k): float(v) for k, v in values.items() if _number(v) and math.isfinite(v)},
+        nonfinite=nonfinite,
     )
 
 
@@ -144,13 +149,18 @@ class MetricsFile:
 
 
 def series(records: list[Record]) -> list[dict[str, Any]]:
-    """One series per (metric name, service): ``points`` are ``[time, value]`` pairs."""
+    """One series per (metric name, service): ``points`` are ``[time, value]`` pairs,
+    ``nonfinite`` the times its value was NaN/inf (no point there)."""
     out: dict[tuple[str, str], list[list[float]]] = {}
+    bad: dict[tuple[str, str], list[float]] = {}
     for r in records:
         for key, value in r.values.items():
             out.setdefault((key, r.service), []).append([r.time, value])
+        for key in r.nonfinite:
+            out.setdefault((key, r.service), [])
+            bad.setdefault((key, r.service), []).append(r.time)
     return [
-        {"key": key, "service": service, "points": points}
+        {"key": key, "service": service, "points": points, "nonfinite": bad.get((key, service), [])}
         for (key, service), points in sorted(out.items())
     ]
 

@@ -19,6 +19,7 @@ from common.policy_config import PolicyConfig
 from learner.settings import (
     DeepSpeedSettings,
     DeviceKnob,
+    NonfiniteGuard,
     OptimizerSettings,
     PrecisionKnob,
     ZeroStageKnob,
@@ -138,7 +139,7 @@ class GameTrainingKnobs(StrictModel):
         return self
 
 
-class LearnerSettings(GameTrainingKnobs):
+class LearnerSettings(GameTrainingKnobs, NonfiniteGuard):
     """The game-RL learner (PPO/A2C over rollout fragments); see docs/internals.md, "Game RL".
 
     A hand-written learner entry (no job) keeps CleanRL's PPO defaults for CartPole where the

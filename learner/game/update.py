@@ -15,7 +15,9 @@ The math is bench/game/ppo_baseline.py's (CleanRL's ``ppo.py``, time-limit boots
    ``LearnerSettings.policy_loss_kwargs``) + ``vf_coef`` x value loss (optionally clipped) -
    ``ent_coef`` x entropy,
    advantages normalised per minibatch, optional ``target_kl`` early stop; returns CleanRL-named
-   metrics.
+   metrics. NaN/inf in the batch stops the update before its first step, and a step whose loss
+   or gradients are NaN/inf is never taken (learner.engine.check_step): ``NonfiniteUpdate``,
+   naming the fragments that hold NaN/inf, if any.
 
 The consumer's bookkeeping (``AppliedWindow``, ``triage``) is shared with the LM workload and
 lives in learner.consumer; the service around this (learner.game.workload) only adapts it.
@@ -46,6 +48,7 @@ from learner.algos import (
     normalize_advantages,
     value_loss,
 )
+from learner.engine import NonfiniteUpdate, check_step
 from rlfleet.bus.v1 import trajectory_pb2
 from services.errors import InvalidArgument
 
@@ -75,7 +78,7 @@ class Fragment:
     """One decoded RolloutFragment (T steps of N envs), tensors on the CPU."""
 
     fragment_id: str
-    actor_id: str
+    actor_id: str  # an actor's name, or a game link's "<env server>/link-<id>"
     policy_version: int
     obs: Tensor  # [T, N, *obs]
     actions: Tensor  # [T, N, *act]
@@ -89,6 +92,31 @@ class Fragment:
     values: Tensor | None = None  # [T, N] behaviour V(s_t)
     bootstrap_values: Tensor | None = None  # [N] behaviour V(s_T)
     final_values: Tensor | None = None  # [K] behaviour V(final observation)
+    env_address: str = ""  # the env server(s) its envs ran on
+
+    def nonfinite(self) -> list[str]:
+        """The names of its float tensors that hold NaN/inf."""
+        named = {
+            "observations": self.obs,
+            "actions": self.actions,
+            "logprobs": self.logprobs,
+            "rewards": self.rewards,
+            "next_observations": self.next_obs,
+            "final_observations": self.final_obs,
+            "values": self.values,
+            "bootstrap_values": self.bootstrap_values,
+            "final_values": self.final_values,
+        }
+        return [
+            name
+            for name, t in named.items()
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
+
+    def source(self) -> str:
+        """Who made it, for a line about its data."""
+        where = f" over {self.env_address}" if self.env_address else ""
+        return f"{self.actor_id}{where} (fragment {self.fragment_id})"
 
     @property
     def num_steps(self) -> int:
@@ -175,6 +203,7 @@ def decode_fragment(
         next_obs=_tree(msg.next_observations, "next_observations", [N, *obs]),
         final_indices=final_indices,
         final_obs=_tree(msg.final_observations, "final_observations", [K, *obs]) if K else None,
+        env_address=msg.env_address,
     )
     if has_values:
         fragment.values = _array(msg.values, "values", [T, N], "float32")
@@ -278,6 +307,21 @@ class Rollout:
     @property
     def size(self) -> int:
         return int(self.logprobs.shape[0])
+
+    def nonfinite(self) -> list[str]:
+        """The names of its float rows that hold NaN/inf (from the fragments or the critic)."""
+        named = {
+            "observations": self.obs,
+            "logprobs": self.logprobs,
+            "values": self.values,
+            "advantages": self.advantages,
+            "returns": self.returns,
+        }
+        return [
+            name
+            for name, t in named.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
 
 
 @torch.no_grad()
@@ -414,6 +458,11 @@ def update(
             return module.evaluate(obs.to(engine.device), actions.to(engine.device))[1]
 
     rollout = prepare(batch, cfg, value_fn, engine.device, logp_fn)
+    bad = rollout.nonfinite()
+    if bad:  # before any step: no part of such an update is applied
+        exc = NonfiniteUpdate(f"NaN/inf in the batch's {', '.join(bad)}; no step taken")
+        exc.sources = _nonfinite_sources(batch)
+        raise exc
     policy_loss = POLICY_LOSSES.get(cfg.game_preset.policy_loss)
     kwargs = cfg.policy_loss_kwargs()
     clip = cfg.clip_coef if cfg.clip_vloss else None
@@ -445,6 +494,18 @@ def update(
             if world > 1:  # DeepSpeed averages the ranks' gradients: weigh by shard size
                 loss = loss * share
             engine.backward(loss)
+            try:
+                check_step(engine, loss)
+            except NonfiniteUpdate as exc:
+                exc.metrics.update(
+                    {
+                        "losses/policy_loss": float(pg_loss.detach()),
+                        "losses/value_loss": float(v_loss.detach()),
+                        "losses/loss": float(loss.detach()),
+                    }
+                )
+                exc.sources = _nonfinite_sources(batch)
+                raise
             if clip_here:
                 clip_grad_norm(module.parameters(), cfg.max_grad_norm)  # type: ignore[arg-type]
             engine.step()
@@ -464,6 +525,15 @@ def update(
     metrics["losses/epochs"] = float(epochs)
     metrics["charts/learning_rate"] = engine.lr
     return metrics
+
+
+def _nonfinite_sources(batch: FragmentBatch) -> list[str]:
+    """The fragments holding NaN/inf, with their tensors: where a non-finite loss came from."""
+    return [
+        f"{f.source()}: NaN/inf in {', '.join(bad)}"
+        for f in batch.fragments
+        if (bad := f.nonfinite())
+    ]
 
 
 def clip_grad_norm(parameters: Any, max_norm: float) -> Tensor:

@@ -14,7 +14,13 @@ from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from learner.settings import DeviceKnob, PrecisionKnob, ZeroStageKnob, check_precision
+from learner.settings import (
+    DeviceKnob,
+    NonfiniteGuard,
+    PrecisionKnob,
+    ZeroStageKnob,
+    check_precision,
+)
 from services.config import ServiceRef, StrictModel, unknown_key
 
 __all__ = [
@@ -228,7 +234,7 @@ class LMTrainingKnobs(StrictModel):
         return self
 
 
-class LMLearnerSettings(LMTrainingKnobs):
+class LMLearnerSettings(LMTrainingKnobs, NonfiniteGuard):
     """The language-model learner (GRPO family); see docs/internals.md, "Language-model RL"."""
 
     max_grad_norm: float | None = Field(default=1.0, gt=0)

@@ -42,6 +42,7 @@ from learner.algos import (
 )
 from learner.algos.losses import chord_mix
 from learner.algos.presets import Preset
+from learner.engine import check_step
 from learner.lm.batch import Batch, Sample, collate
 from learner.lm.model import sequence_logprobs
 
@@ -310,21 +311,24 @@ def _train_minibatch(
     if micro_batch_size is None or micro_batch_size >= len(rows):
         loss, metrics, chord = minibatch_loss(engine, prep, rows, preset, step)
         engine.backward(loss)
+        check_step(engine, loss)  # never a NaN/inf step (NonfiniteUpdate)
         engine.step()
         return metrics, chord
     entropy_grad = preset.entropy_coef != 0
     parts = rows.split(micro_batch_size)
-    logps, entropies = [], []
+    logps, entropies, losses = [], [], []
     try:
         for i, part in enumerate(parts):
             logp, entropy = _forward_logp(engine, prep.batch, part, entropy_grad)  # [b, L-1]
             loss, _, _ = _objective(prep, part, logp, entropy, preset, step, rows)
             engine.accumulation_boundary(last=i == len(parts) - 1)
             engine.backward(loss)
+            losses.append(loss.detach())
             logps.append(logp.detach())
             entropies.append(entropy.detach())
     finally:  # every later backward ends its step again (SFT, a failed update's retry)
         engine.accumulation_boundary(last=True)
+    check_step(engine, torch.stack(losses).sum())  # any micro-batch's NaN/inf stops the step
     engine.step()
     # The metrics of the whole minibatch, as without micro-batches: from the same log-probs
     # (element-wise work on [b, L-1] tensors, no forward pass).

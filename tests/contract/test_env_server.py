@@ -41,6 +41,7 @@ MAX_SESSIONS = 3
 MAX_ENVS = 32
 RAISING_ID = "RlfleetTest/Raising-v0"
 NESTED_ID = "RlfleetTest/Nested-v0"
+NAN_ID = "RlfleetTest/NaN-v0"
 
 
 class RaisingEnv(gym.Env):
@@ -88,11 +89,34 @@ class NestedEnv(gym.Env):
         return obs, float(choice), False, self.t >= 3, {"t": self.t}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def address() -> AsyncIterator[str]:
-    for env_id, entry_point in ((RAISING_ID, RaisingEnv), (NESTED_ID, NestedEnv)):
+class NanEnv(gym.Env):
+    """A buggy simulation: action 1 makes its observation NaN at [2], action 2 +inf at [0]."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        obs = np.zeros(3, np.float32)
+        if action == 1:
+            obs[2] = np.nan
+        elif action == 2:
+            obs[0] = np.inf
+        return obs, 1.0, False, False, {}
+
+
+def register_test_envs() -> None:
+    for env_id, entry_point in ((RAISING_ID, RaisingEnv), (NESTED_ID, NestedEnv), (NAN_ID, NanEnv)):
         if env_id not in gym.registry:
             gym.register(env_id, entry_point=entry_point)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def address() -> AsyncIterator[str]:
+    register_test_envs()
     settings = EnvServerSettings(
         max_sessions=MAX_SESSIONS, max_envs_per_session=MAX_ENVS, preload=["CartPole-v1"]
     )
@@ -597,6 +621,26 @@ async def test_bad_create_requests_are_invalid_argument_naming_the_field(address
     await wait_active(0)
 
 
+async def test_kwargs_the_env_rejects_are_invalid_argument_naming_them(address: str) -> None:
+    """The env's own constructor refusing the client's kwargs used to be INTERNAL ("ValueError:
+    Expect the `max_episode_steps` to be positive")."""
+    bad = [
+        ("CartPole-v1", {"max_episode_steps": -5}, "max_episode_steps=-5"),
+        ("Snake-v0", {"size": 640}, "size=640"),
+    ]
+    requests = [with_struct(create(env_id=env_id), "kwargs", kw) for env_id, kw, _ in bad]
+    answers = await exchange(address, [*requests, create(), reset()])
+    for (env_id, kwargs, shown), answer in zip(bad, answers, strict=False):
+        assert answer.error.code == INVALID, answer.error.message
+        assert violated_field(answer.error) == f"create.kwargs.{next(iter(kwargs))}"
+        assert answer.error.message.startswith(f"{env_id}: argument {shown} rejected: ValueError")
+    assert answers[-1].error.code == 0  # still serving
+    async with session(address) as s:
+        with pytest.raises(InvalidArgument, match=r"Snake-v0: argument size=640 rejected"):
+            await s.create("Snake-v0", 1, kwargs={"size": 640})
+    await wait_active(0)
+
+
 async def test_bad_resets_are_invalid_argument_and_the_pool_keeps_serving(address: str) -> None:
     bad = [
         (reset(seed=-1), "reset.seed"),
@@ -752,3 +796,50 @@ async def test_float64_rewards_render_metadata_and_per_env_seeds(address: str) -
         await s.create("Pendulum-v1", 2)
         await s.reset(seed=0)
         assert (await s.step(np.zeros((2, 1), np.float32))).rewards.dtype == np.float32
+
+
+# ---------------------------------------------------------------------- non-finite observations
+
+
+async def test_nan_observation_from_the_env_is_refused_in_band_naming_env_and_field(
+    address: str,
+) -> None:
+    answers = await exchange(
+        address,
+        [
+            create(env_id=NAN_ID, num_envs=3),
+            reset(),
+            step(np.array([0, 1, 0])),
+            step(np.array([0, 0, 0])),
+            reset(),
+            step(np.array([0, 0, 0])),
+        ],
+    )
+    refused = answers[2].error
+    assert refused.code == INVALID and answers[2].WhichOneof("result") is None
+    assert violated_field(refused) == "step.observations"
+    assert "env 1 (row 1): nan at [2] is not finite" in refused.message
+    # As after an env raising: the pool stepped, so it must be reset before the next step.
+    assert answers[3].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert answers[5].error.code == 0
+    assert tensor.decode_tree(answers[5].step.observations).tolist() == [[0.0] * 3] * 3
+    async with session(address) as s:  # the client's error: the env's fault, not the actions'
+        await s.create(NAN_ID, 2)
+        await s.reset()
+        with pytest.raises(InvalidArgument, match=r"env 0 \(row 0\): inf at \[0\]") as err:
+            await s.step(np.array([2, 0]))
+        assert type(err.value) is InvalidArgument and err.value.field == "step.observations"
+
+
+async def test_nonfinite_observations_clip_setting_replaces_them() -> None:
+    register_test_envs()
+    async with (
+        env_server("env-clip", nonfinite_observations="clip") as address,
+        session(address) as s,
+    ):
+        await s.create(NAN_ID, 3)
+        await s.reset()
+        result = await s.step(np.array([2, 1, 0]))
+    # inf becomes the space's high bound, NaN becomes 0.
+    assert result.observations.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert result.rewards.tolist() == [1.0, 1.0, 1.0]

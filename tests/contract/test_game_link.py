@@ -55,7 +55,9 @@ WINDOW_S = 1.5
 class Server:
     """An env server with game links in this process, and the fragments it publishes."""
 
-    def __init__(self, nats_url: str, **game_link: Any) -> None:
+    def __init__(
+        self, nats_url: str, *, server: dict[str, Any] | None = None, **game_link: Any
+    ) -> None:
         self.run = f"gl-{uuid.uuid4().hex[:8]}"
         settings = {
             "enabled": True,
@@ -70,7 +72,7 @@ class Server:
         self.ctx = ServiceContext(
             name="env-gl",
             kind="env_server",
-            settings=EnvServerSettings(game_link=GameLinkSettings(**settings)),
+            settings=EnvServerSettings(game_link=GameLinkSettings(**settings), **(server or {})),
             port=free_port(),
             run_name=self.run,
             nats_url=nats_url,
@@ -118,8 +120,10 @@ async def server(nats_url: str) -> AsyncIterator[Server]:
 
 
 @contextlib.asynccontextmanager
-async def own_server(nats_url: str, **game_link: Any) -> AsyncIterator[Server]:
-    srv = Server(nats_url, **game_link)
+async def own_server(
+    nats_url: str, *, server: dict[str, Any] | None = None, **game_link: Any
+) -> AsyncIterator[Server]:
+    srv = Server(nats_url, server=server, **game_link)
     await srv.start()
     try:
         yield srv
@@ -563,6 +567,47 @@ async def test_a_bad_client_does_not_disturb_another_link(server: Server) -> Non
         assert (await good.ask(observations=batch(t))).actions.tick == t
     await good.close()
     await bad.close()
+
+
+def nan_obs() -> np.ndarray:
+    """Tick 1's observations with agent 1's NaN at [2]."""
+    obs = obs_at(1)
+    obs[1, 2] = np.nan
+    return obs
+
+
+async def test_nan_observations_are_refused_in_band_naming_agent_row_and_field(
+    server: Server,
+) -> None:
+    stream = Stream(server.address)
+    await stream.ask(hello=hello())
+    refused = await stream.ask(observations=batch(1, obs=nan_obs()))
+    assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert field_of(refused.error) == "observations.observations"
+    assert "agent 1 (row 1): nan at [2] is not finite" in refused.error.message
+    infinite = obs_at(1)
+    infinite[0, 0] = -np.inf
+    refused = await stream.ask(observations=batch(1, obs=infinite))
+    assert "agent 0 (row 0): -inf at [0]" in refused.error.message
+    # The stream survives and the refused tick was not taken: the same tick, fixed, is answered.
+    assert (await stream.ask(observations=batch(1, obs=obs_at(1)))).actions.tick == 1
+    await stream.close()
+
+
+async def test_nonfinite_observations_clip_setting_replaces_them(nats_url: str) -> None:
+    async with own_server(nats_url, server={"nonfinite_observations": "clip"}) as srv:
+        stream = Stream(srv.address)
+        link = (await stream.ask(hello=hello())).welcome.link_id
+        for t in range(1, T + 2):
+            obs = nan_obs() if t == 1 else obs_at(t)
+            if t == 1:
+                obs[0, 0] = np.inf
+            assert (await stream.ask(observations=batch(t, obs=obs))).actions.tick == t
+        (fragment,) = await srv.wait_fragments(link, 1)
+        await stream.close()
+    first = tensor.decode_tree(fragment.observations)[0]
+    # inf becomes the space's bound (1.0), NaN becomes 0: the fragment holds no NaN.
+    assert first.tolist() == [[1.0, 0.0, 0.0], pytest.approx([0.01, 0.01, 0.0])]
 
 
 async def test_undecodable_bytes_end_only_their_stream(server: Server) -> None:

@@ -232,3 +232,88 @@ async def test_learner_crash_and_restart_applies_every_fragment_once(
     policy.load_state_dict(torch.load(run_dir / "final/policy.pt"))
     assert (run_dir / "checkpoints/latest").read_text().strip() == f"update-{FRAGMENTS // 2:08d}"
     assert list((run_dir / "tensorboard").iterdir())
+
+
+async def test_nan_fragments_never_train_and_a_few_updates_of_them_fail_the_run(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """The probe's case: an actor's fragments turn NaN. Their updates are skipped (counted, NaN
+    losses reported, no version, messages dropped), the weights stay finite, and the second in
+    a row (max_nonfinite_updates: 2) fails the learner permanently, in one line naming them."""
+    run = f"itest-nan-{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    settings = {
+        "env_id": "CartPole-v1",
+        "policy": {"hidden_sizes": [16, 16]},
+        "total_timesteps": 100 * T * N,
+        "fragments_per_update": 2,
+        "update_epochs": 1,
+        "minibatch_size": 32,
+        "max_policy_lag": 1000,
+        "max_nonfinite_updates": 2,
+        "device": "cpu",
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": run, "dir": str(run_dir)},
+                "services": [{"name": "learner", "service": "learner", "settings": settings}],
+            }
+        )
+    )
+
+    def poisoned(seq: int) -> trajectory_pb2.RolloutFragment:
+        msg = fragment(run, seq, 0)
+        obs = tensor.decode_tree(msg.observations).copy()
+        obs[3, 1, 2] = np.nan
+        msg.observations.CopyFrom(_tree(obs))
+        return msg
+
+    watcher = Watcher()
+    async with Bus.connect(nats_url, name="test-learner-nan") as bus:
+        await bus.ensure_stream(stream_name(run), [traj_subject(run)])
+        tasks = await watcher.watch(bus, run)
+        learner = await start_learner(config, run, run_dir, nats_url, free_port())
+        try:
+            await until(lambda: watcher.weights)  # version 0
+            for seq, msg in enumerate(
+                [fragment(run, 0, 0), fragment(run, 1, 0), fragment(run, 2, 0), poisoned(3)]
+            ):
+                await bus.publish(traj_subject(run), msg, msg_id=f"{run}/{seq}")
+            skipped = "losses/nonfinite_updates"
+            # The update of fragments 2 and 3 is skipped, and reported.
+            await until(lambda: any(m.scalars.get(skipped) == 1 for m in watcher.metrics))
+            await bus.publish(traj_subject(run), poisoned(4), msg_id=f"{run}/4")
+            await bus.publish(traj_subject(run), fragment(run, 5, 0), msg_id=f"{run}/5")
+            assert await asyncio.wait_for(learner.wait(), 120) == 3  # EXIT_PERMANENT
+        finally:
+            if learner.returncode is None:
+                learner.kill()
+                await learner.wait()
+            await asyncio.sleep(0.2)  # the last events reach the subscriptions
+            for task in tasks:
+                task.cancel()
+
+    # Update 1 (fragments 0, 1) was applied and published; none after it.
+    assert [w.version for w in watcher.weights] == [0, 1]
+    first, nan_update = watcher.metrics[0], watcher.metrics[1]
+    assert first.scalars["losses/nonfinite_updates"] == 0
+    assert nan_update.scalars["losses/nonfinite_updates"] == 1 and nan_update.step == 1
+    ledger = [
+        json.loads(line) for line in (run_dir / "learner/applied.jsonl").read_text().splitlines()
+    ]
+    assert [(e["id"].rsplit("/", 1)[1], e["status"]) for e in ledger] == [
+        ("0", "applied"), ("1", "applied"),
+        ("2", "nonfinite"), ("3", "nonfinite"), ("4", "nonfinite"), ("5", "nonfinite"),
+    ]  # fmt: skip
+    lines = (run_dir / "learner.log").read_text().splitlines()
+    [reason] = [line for line in lines if "permanent failure" in line]
+    assert reason.startswith("rlfleet: permanent failure: learner (learner): NonfiniteUpdate: 2 ")
+    assert f"actor-0 (fragment {run}/actor-0/inc/4): NaN/inf in observations" in reason
+    # What the learner checkpointed on its way out is update 1's weights: finite.
+    states = torch.load(
+        run_dir / "checkpoints/update-00000001/mp_rank_00_model_states.pt", weights_only=False
+    )
+    assert all(torch.isfinite(v).all() for v in states["module"].values())

@@ -239,3 +239,19 @@ def test_a_finished_phase_s_last_line_goes_out_before_the_next_phase() -> None:
     lines = out.getvalue().splitlines()
     assert [line.split("  ")[1] for line in lines[::2]] == ["step 1k/300k", "step 300k/300k"]
     assert lines[1::2] == ["sampler-0: warming up", "learner: SFT done in 50.7 s"]
+
+
+def test_non_finite_metrics_are_null_and_flagged_in_metrics_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    console = Console(io.StringIO(), "r", metrics_path=path)
+    scalars = {"losses/pg_loss": float("nan"), "losses/kl": float("inf"), "charts/SPS": 900.0}
+    metrics = events_pb2.Metrics(source="learner", step=14, scalars=scalars)
+    console.event("metrics", "rlfleet.bus.v1.Metrics", metrics, lambda: None)
+    console.close()
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    (row,) = [json.loads(line, parse_constant=strict) for line in path.read_text().splitlines()]
+    assert row["values"] == {"losses/pg_loss": None, "losses/kl": None, "charts/SPS": 900.0}
+    assert row["nonfinite"] == ["losses/kl", "losses/pg_loss"]

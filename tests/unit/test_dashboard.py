@@ -213,3 +213,19 @@ def test_settings_from_the_environment() -> None:
             dashboard_port_from_env({"RLFLEET_DASHBOARD_PORT": bad})
     assert tensorboard_from_env({"RLFLEET_TENSORBOARD": "1"})
     assert not tensorboard_from_env({"RLFLEET_TENSORBOARD": "0"}) and not tensorboard_from_env({})
+
+
+def test_non_finite_values_flagged_in_the_file_are_marked_on_their_series(
+    runs_root: Path,
+) -> None:
+    nan_loss = json.loads(record(2, **{"losses/pg_loss": None, "charts/SPS": 5.0}))
+    write(
+        runs_root / "now" / "metrics.jsonl",
+        record(1, **{"charts/SPS": 4.0}),
+        json.dumps({**nan_loss, "nonfinite": ["losses/pg_loss"]}),
+    )
+    reply = client(runs_root).get("/api/runs/now/metrics").json()
+    marks = {(s["key"], s["service"]): s["nonfinite"] for s in reply["series"]}
+    # The loss has no point, yet its series is there, saying when it was NaN/inf.
+    assert marks == {("charts/SPS", "learner"): [], ("losses/pg_loss", "learner"): [2.0]}
+    assert points(reply)[("losses/pg_loss", "learner")] == []

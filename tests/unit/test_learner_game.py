@@ -13,7 +13,7 @@ import torch
 
 from common import tensor
 from common.policies import PolicyConfig, build_policy
-from learner.engine import Engine, build_engine
+from learner.engine import Engine, NonfiniteUpdate, build_engine, check_step
 from learner.game.settings import LearnerSettings
 from learner.game.update import FragmentBatch, decode_fragment, prepare, update
 from learner.game.workload import build_game_engine
@@ -388,3 +388,53 @@ def test_direct_calls_train_the_same_bits_as_deepspeeds() -> None:
 def test_an_engine_with_deepspeed_clipping_keeps_deepspeeds_calls(engine: Engine) -> None:
     assert engine.settings.gradient_clipping  # max_grad_norm's default, clipped by DeepSpeed
     assert not engine.direct
+
+
+# ---------------------------------------------------------------------------- non-finite data
+
+
+def _weights(engine: Engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+@pytest.mark.slow  # a DeepSpeed engine (JIT-builds its comm op on a fresh machine)
+@pytest.mark.parametrize("direct", [False, True], ids=["deepspeed-clipping", "direct"])
+def test_a_nan_fragment_stops_the_update_before_any_step(engine: Engine, direct: bool) -> None:
+    cfg = settings(learning_rate=1e-2, minibatch_size=32, update_epochs=2)
+    if direct:  # the engine a single fp32 rank gets (build_game_engine): no DeepSpeed step
+        space = gym.spaces.Box(-np.inf, np.inf, (OBS_DIM,), np.float32)
+        policy = build_policy(space, gym.spaces.Discrete(2), PolicyConfig(hidden_sizes=(16, 16)))
+        policy.forward = policy.evaluate  # type: ignore[method-assign]
+        engine.close()
+        engine = build_game_engine(policy, cfg)
+        assert engine.direct
+    batch = synthetic_batch(engine)
+    batch.fragments[1].obs[3, 2, 1] = math.nan
+    before, steps = _weights(engine), engine.ds.global_steps
+    with pytest.raises(NonfiniteUpdate, match="NaN/inf in the batch's observations") as err:
+        update(engine, batch, cfg, clip_grad=direct, generator=torch.Generator().manual_seed(0))
+    assert err.value.sources == ["actor-0 (fragment f1): NaN/inf in observations"]
+    after = _weights(engine)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # not one step applied
+    assert engine.ds.global_steps == steps
+    # The next, clean batch trains as usual.
+    metrics = update(engine, synthetic_batch(engine), cfg, clip_grad=direct)
+    assert math.isfinite(metrics["losses/loss"])
+    assert all(torch.isfinite(v).all() for v in _weights(engine).values())
+    engine.close()
+
+
+@pytest.mark.slow  # a DeepSpeed engine (JIT-builds its comm op on a fresh machine)
+def test_a_nan_loss_or_gradient_is_never_stepped(engine: Engine) -> None:
+    """Finite data, a diverged step: check_step drops its gradients before the optimizer."""
+    batch = synthetic_batch(engine)
+    obs = batch.fragments[0].obs.reshape(-1, OBS_DIM)
+    before, steps = _weights(engine), engine.ds.global_steps
+    _, logp, _, value = engine(obs, batch.fragments[0].actions.reshape(-1))
+    loss = (logp.mean() + value.mean()) * math.inf  # an overflow: the gradients are inf/NaN
+    engine.backward(loss)
+    with pytest.raises(NonfiniteUpdate, match=r"loss (-?inf|nan)"):
+        check_step(engine, loss)
+    assert all(p.grad is None for p in engine.module.parameters())
+    assert engine.ds.global_steps == steps
+    assert all(torch.equal(before[k], v) for k, v in _weights(engine).items())

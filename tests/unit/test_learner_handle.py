@@ -1,9 +1,10 @@
 """learner.workload.RunHandle, what a workload sees of the run: reports go to TensorBoard (finite
-values, at the workload's step) and to the bus (Metrics, progress records) best effort, and the
-folders are the run directory's."""
+values, at the workload's step) and to the bus (Metrics, NaN/inf included, and progress records)
+best effort, and the folders are the run directory's."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ def handle(tmp_path: Path, bus: Bus, writer: Writer) -> RunHandle:
     )
 
 
-async def test_report_writes_finite_scalars_at_the_workloads_step_and_publishes_metrics(
+async def test_report_writes_finite_scalars_at_the_workloads_step_and_publishes_all_metrics(
     tmp_path: Path,
 ) -> None:
     bus, writer = Bus(), Writer()
@@ -57,7 +58,8 @@ async def test_report_writes_finite_scalars_at_the_workloads_step_and_publishes_
     assert subject == "rlfleet.v1.events.r.metrics"
     assert isinstance(message, events_pb2.Metrics)
     assert (message.step, message.policy_version, message.source) == (3, 4, "learner")
-    assert dict(message.scalars) == {"losses/loss": 0.5}
+    # A NaN loss is news, not noise: it goes out (metrics.jsonl writes it as null, flagged).
+    assert message.scalars["losses/loss"] == 0.5 and math.isnan(message.scalars["charts/nan"])
 
 
 async def test_progress_record_names_the_headline_values_found(tmp_path: Path) -> None:

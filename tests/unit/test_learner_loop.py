@@ -5,12 +5,17 @@ over a stand-in workload (what is dropped, held, ledgered and counted)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from learner.consumer import AppliedWindow, TakenSequences, triage
+from learner.engine import NonfiniteUpdate
 from learner.loop import LearnerLoop
 from learner.workload import Envelope, Progress
 from services.errors import InvalidArgument
@@ -107,6 +112,11 @@ class Inbox:
 
     def applied(self) -> None:
         self.unacked += self.gathering
+        self.gathering = []
+
+    async def drop_gathered(self) -> None:
+        for delivery in self.gathering:
+            await delivery.term()
         self.gathering = []
 
 
@@ -222,3 +232,71 @@ async def test_gather_notes_every_message_it_takes_applied_or_dropped(tmp_path: 
     assert gathered is not None and gathered[0] == ["ok", "ok"]
     assert loop.taken.snapshot() == {"run/actor-0/x": 3}
     loop.ledger.close()
+
+
+class Diverging(TwoPerUpdate):
+    """Its update stops before a NaN step whenever a message says "nan" (as check_step does)."""
+
+    settings = SimpleNamespace(**vars(TwoPerUpdate.settings), max_nonfinite_updates=2)
+
+    def envelope(self, message: Message) -> Envelope:
+        return Envelope(message.id, message.version, producer=f"run/{message.id[0]}/x")
+
+    def train(self, items: list[str], progress: Progress, generator: Any) -> dict[str, float]:
+        if "nan" in items:
+            exc = NonfiniteUpdate("loss nan", metrics={"losses/loss": math.nan})
+            exc.sources = ["actor-b (fragment b1): NaN/inf in observations"]
+            raise exc
+        return super().train(items, progress, generator)
+
+
+async def test_nonfinite_updates_are_skipped_counted_and_fail_the_run_in_a_row(
+    tmp_path: Path,
+) -> None:
+    ctx = SimpleNamespace(
+        run_name="t", run_dir=tmp_path, name="learner", stop_event=asyncio.Event()
+    )
+    loop = LearnerLoop(ctx, Diverging())  # type: ignore[arg-type]
+    published: list[int] = []
+    reports: list[dict[str, float]] = []
+
+    async def publish() -> None:
+        published.append(loop.progress.version)
+
+    async def report(metrics: dict[str, float]) -> None:
+        reports.append(metrics)
+
+    loop._publish_weights = publish  # type: ignore[method-assign]
+    loop.handle = SimpleNamespace(report=report)  # type: ignore[assignment]
+
+    ids = itertools.count()
+
+    async def update(*payloads: str) -> bool:
+        deliveries = [
+            Settled(Message(id=f"{p[0]}{next(ids)}", version=0, payload=p)) for p in payloads
+        ]
+        loop.consumer = Inbox(deliveries)  # type: ignore[assignment]
+        gathered = await loop._gather()
+        assert gathered is not None
+        trained = await loop._train(gathered)
+        assert [d.how for d in deliveries] == [None if trained else "term"] * len(deliveries)
+        return trained
+
+    assert not await update("ok", "nan")  # skipped: nothing published, nothing applied
+    assert (loop.progress.updates, published, loop.nonfinite_updates) == (0, [], 1)
+    assert reports[-1]["losses/nonfinite_updates"] == 1 and math.isnan(reports[-1]["losses/loss"])
+    assert await update("ok", "ok")  # a good update ends the run of skipped ones
+    assert reports[-1]["losses/nonfinite_updates"] == 1 and loop.nonfinite_in_a_row == 0
+    assert not await update("nan", "ok")
+    with pytest.raises(NonfiniteUpdate) as err:
+        await update("ok", "nan")
+    loop.ledger.close()
+    assert str(err.value) == (
+        "2 updates in a row stopped before a NaN/inf step (max_nonfinite_updates=2), none "
+        "applied; last: loss nan; data from actor-b (fragment b1): NaN/inf in observations"
+    )
+    assert (loop.progress.updates, published, loop.nonfinite_updates) == (1, [0], 3)
+    ledger = [
+        json.loads(line) for line in (tmp_path / "learner/applied.jsonl").read_text().splitlines()
+    ]
+    assert [e["status"] for e in ledger] == ["nonfinite"] * 2 + ["applied"] * 2 + ["nonfinite"] * 4

@@ -216,3 +216,22 @@ def test_bad_space_messages_are_invalid_argument(msg, field: str, match: str) ->
         wire.from_proto(msg)
     assert err.value.field == field
     assert wire.from_proto(_box([3])) == spaces.Box(0.0, 1.0, (3,), np.float32)
+
+
+def test_finite_observations_name_the_leaf_row_and_element_or_clip_to_the_bounds() -> None:
+    space = spaces.Dict(
+        {
+            "pos": spaces.Box(np.array([-1.0, -np.inf]), np.array([2.0, np.inf]), dtype=np.float32),
+            "cell": spaces.Discrete(3),
+        }
+    )
+    pos = np.zeros((3, 2), np.float32)
+    pos[2, 1] = np.nan
+    batch = {"pos": pos, "cell": np.zeros(3, np.int64)}
+    with pytest.raises(InvalidArgument, match=r"env 2 \(row 2\): nan at \[1\]") as err:
+        wire.finite_observations(space, batch, name="step.observations")
+    assert err.value.field == "step.observations.pos"
+    pos[0] = [np.inf, -np.inf]
+    clipped = wire.finite_observations(space, batch, name="x", who="agent", clip=True)
+    biggest = float(np.finfo(np.float32).max)
+    assert clipped["pos"].tolist() == [[2.0, -biggest], [0.0, 0.0], [0.0, 0.0]]

@@ -16,7 +16,7 @@ const view = {
   current: null, // the run `rlfleet up` is running
   generation: null,
   cursor: 0,
-  charts: new Map(), // metric name -> {box, plot, lines: Map(service -> {t: [], v: []})}
+  charts: new Map(), // metric name -> {box, plot, lines: Map(service -> {t: [], v: []}), nonfinite}
   polls: 0,
 };
 
@@ -83,6 +83,7 @@ async function pollMetrics() {
       line.t.push(t);
       line.v.push(v);
     }
+    if (s.nonfinite && s.nonfinite.length) markNonfinite(view.charts.get(s.key), s.nonfinite);
     touched.add(s.key);
   }
   for (const key of touched) draw(key);
@@ -109,6 +110,19 @@ function lineOf(key, service) {
     chart.plot = null;
   }
   return line;
+}
+
+// NaN/inf values (null in metrics.jsonl) make no point: the chart's title says how many and when.
+function markNonfinite(chart, times) {
+  chart.nonfinite = (chart.nonfinite || 0) + times.length;
+  let note = chart.box.querySelector(".nonfinite");
+  if (!note) {
+    note = document.createElement("span");
+    note.className = "nonfinite";
+    chart.box.querySelector("h3").append(note);
+  }
+  const last = new Date(times[times.length - 1] * 1000).toLocaleTimeString();
+  note.textContent = ` ⚠ ${chart.nonfinite} NaN/inf (last ${last})`;
 }
 
 function groupOf(key) {
