@@ -79,7 +79,7 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         else None
     )
     service = EnvService(
-        name=ctx.name,
+        name=ctx.replica,  # this replica's own name: metric labels, session ids (replica_name)
         max_sessions=settings.max_sessions,
         max_envs_per_session=settings.max_envs_per_session,
         max_message_bytes=settings.max_message_bytes,

@@ -39,24 +39,29 @@ from pathlib import Path
 from typing import IO, Any
 
 import yaml
+from google.protobuf import json_format, struct_pb2
 
 from launch.console import (
     Console,
     ServiceLine,
+    compact,
     describe_start,
     direct_needs,
     progress_interval_from_env,
     verbose_from_env,
 )
 from launch.dashboard.live import LiveView
+from launch.producers import ProducerWatch
 from launch.run_security import LAUNCHER, RunSecurity
+from rlfleet.bus.v1 import events_pb2
 from services import registry as reg
-from services.bus import Bus, EmbeddedNats, events_wildcard
+from services.bus import RUN_OVER, TYPE_HEADER, Bus, EmbeddedNats, events_wildcard
 from services.bus.nats_server import parent_death_signal
 from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError
 from services.placement import ENV_CPUS, format_cpus
 from services.ports import free_ports
+from services.producers import PRODUCER_EVENTS, ProducerReport
 from services.registry import ServiceSpec, get_job, get_service
 from services.serve import ENV_EXIT_REASON
 from services.server import wait_for_health
@@ -73,6 +78,7 @@ BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service,
 MAX_BACKOFF_S = 10.0
 NATS_POLL_S = 0.2  # how often the embedded nats-server is checked (and reaped once it exits)
 TICK_S = 0.25  # how often a progress line held back by the interval is looked at
+PRODUCERS_POLL_S = 0.5  # how often the launcher looks whether any producer is left
 
 
 # --- one supervised service --------------------------------------------------------------------
@@ -212,8 +218,10 @@ class Launcher:
 
     0: the main service exited 0 (or, with no main service, the run was stopped by a signal or
     every service exited 0); 1: a service (or the embedded nats-server) failed after its
-    restarts, failed permanently (``EXIT_PERMANENT``: not restarted) or never became healthy;
-    130: stopped by a signal before the main service finished.
+    restarts, failed permanently (``EXIT_PERMANENT``: not restarted) or never became healthy,
+    or nothing can feed the main service any more (launch/producers.py; unless
+    ``run.when_producers_gone`` is ``wait``); 130: stopped by a signal before the main service
+    finished.
     """
 
     def __init__(
@@ -262,6 +270,7 @@ class Launcher:
         self._force = asyncio.Event()
         self._stopping = False
         self._outcome: asyncio.Future[int] | None = None
+        self._producers: ProducerWatch | None = None  # None: nothing to watch (launch/producers.py)
         # The dashboard (dashboard_port; None: off, 0: a free port) and TensorBoard.
         self.live = LiveView(
             self.run_dir,
@@ -343,6 +352,7 @@ class Launcher:
                 url = nats.url
                 supervisors.append(asyncio.create_task(self._supervise_nats(nats)))
             self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}")
+            await self._security.create_streams(url)  # services may not, under NATS auth
             await self.live.start()
             await self._prepare_job()
             ports = free_ports(2 * len(self.config.services))
@@ -356,7 +366,10 @@ class Launcher:
                 self._services.append(svc)
                 self._by_name[svc.name] = svc
             env = self._child_env(url, config_copy)
+            self._producers = self._producer_watch()
             monitor = asyncio.create_task(self._monitor(url))
+            if self._producers is not None:
+                supervisors.append(asyncio.create_task(self._watch_producers(self._producers)))
             # The start plan and each held-back start, when they say more than "in order" (the
             # healthy/started lines already show a plain config-order start).
             self._say_starts = not in_config_order(self.config)
@@ -614,6 +627,9 @@ class Launcher:
                 continue
             again = " again" if svc.starts > 1 else ""
             self.say(f"{svc.name} ({svc.entry.service}) healthy{again} at {svc.address}")
+            announce = svc.spec.announce(svc.entry.settings) if not again else None
+            if announce:  # what a user reaches it by (the gateway's OpenAI base URL)
+                self.say(announce)
             svc.healthy_start = svc.starts
             svc.ready.set()
             return True
@@ -650,6 +666,65 @@ class Launcher:
                 svc.exit_codes.append(process.returncode)  # type: ignore[arg-type]
         _kill_group(process, signal.SIGKILL)  # leftovers of its process group
 
+    # --- producers ----------------------------------------------------------------------------
+
+    def _producer_watch(self) -> ProducerWatch | None:
+        """What feeds the main service, when the run has both (launch/producers.py)."""
+        main = next((s for s in self._services if s.entry.main), None)
+        producers = {
+            s.name: noun for s in self._services if (noun := s.spec.produces(s.entry.settings))
+        }
+        if main is None or not producers:
+            return None
+        return ProducerWatch(producers, main.name)
+
+    async def _watch_producers(self, watch: ProducerWatch) -> None:
+        """Say when nothing can feed the main service any more; end the run or wait for a
+        producer to come back, as run.when_producers_gone says."""
+        policy = self.config.run.when_producers_gone
+        while not self._run_ending():
+            await asyncio.sleep(PRODUCERS_POLL_S)
+            states = {s["name"]: s["state"] for s in self.service_status()}
+            p = self.console.latest.get(watch.consumer)
+            progress = f"{p.unit} {compact(p.done)}/{compact(p.total)}".strip() if p else None
+            line = watch.check(states, progress, time.monotonic())
+            if line is None:
+                continue
+            if policy == "wait":
+                self.say(f"{line}; waiting for one to come back (run.when_producers_gone: wait)")
+                continue
+            self.say(line)
+            self._finish(
+                1,
+                f"ending the run: {watch.consumer} cannot finish without a producer "
+                "(run.when_producers_gone: stop; 'wait' keeps the run up)",
+            )
+            return
+
+    def _on_status(self, data: bytes, headers: Mapping[str, str] | None) -> None:
+        """The run is over (DONE/FAILED): its producers stop as the learner finishes."""
+        full_name = (headers or {}).get(TYPE_HEADER)
+        if self._producers is None or full_name != events_pb2.RunStatus.DESCRIPTOR.full_name:
+            return
+        try:
+            status = events_pb2.RunStatus.FromString(data)
+        except Exception:
+            return
+        if status.state in RUN_OVER:
+            self._producers.run_over = True
+
+    def _on_producer_record(self, data: bytes) -> None:
+        if self._producers is None:
+            return
+        try:
+            fields = json_format.MessageToDict(struct_pb2.Struct.FromString(data))
+        except Exception:
+            return
+        record = ProducerReport.from_fields(fields)
+        line = self._producers.report(record) if record is not None else None
+        if line is not None:
+            self.say(line)
+
     # --- monitor and summary -------------------------------------------------------------------
 
     async def _monitor(self, url: str) -> None:
@@ -662,6 +737,12 @@ class Launcher:
         console = self.console
 
         async def on_message(msg: Any) -> None:
+            kind = msg.subject.rsplit(".", 1)[-1]
+            if kind == PRODUCER_EVENTS:
+                self._on_producer_record(msg.data)
+                return
+            if kind == "status":
+                self._on_status(msg.data, msg.headers)
             console.bus_message(msg.subject, msg.data, msg.headers)
 
         try:

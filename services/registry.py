@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import os
+import socket
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -27,6 +28,7 @@ __all__ = [
     "ENV_LAUNCHER_PID",
     "ENV_METRICS_PORT",
     "ENV_NATS_URL",
+    "ENV_REPLICA_NAME",
     "ENV_RUN_CONFIG",
     "ENV_RUN_DIR",
     "ENV_RUN_NAME",
@@ -39,6 +41,7 @@ __all__ = [
     "entry_point_registry",
     "get_job",
     "get_service",
+    "replica_name",
     "service_kinds",
 ]
 
@@ -53,6 +56,7 @@ ENV_ENDPOINTS = "RLFLEET_ENDPOINTS"
 ENV_METRICS_PORT = "RLFLEET_METRICS_PORT"
 ENV_LAUNCHER_PID = "RLFLEET_LAUNCHER_PID"  # serve stops when this parent is gone
 ENV_CONFIG_DIR = "RLFLEET_CONFIG_DIR"  # the run file's folder (relative paths in settings)
+ENV_REPLICA_NAME = "RLFLEET_REPLICA_NAME"  # this process among replicas of one instance
 
 # The settings model of one service (or job) kind. Specs and contexts are generic over it, so a
 # service entry written ``async def main(ctx: ServiceContext[MySettings])`` gets a typed
@@ -84,6 +88,14 @@ class ServiceSpec(Generic[SettingsT]):
     # starts: `rlfleet up` runs this while the services it needs come up
     # (services/start_gate.py). The spec's own module stays light: the launcher imports it.
     preload: Callable[[SettingsT], None] = lambda settings: None
+    # What training data an instance with these settings feeds the learner ("rollout
+    # fragments"), None: none. `rlfleet up` says (and by run.when_producers_gone ends the run)
+    # when every producer is gone (launch/producers.py).
+    produces: Callable[[SettingsT], str | None] = lambda settings: None
+    # What a user of the run needs to reach an instance with these settings once it is healthy
+    # (the gateway: its OpenAI base URL and where the API key comes from), None: nothing;
+    # `rlfleet up` prints it, as its own internal addresses are of no use outside the run.
+    announce: Callable[[SettingsT], str | None] = lambda settings: None
 
 
 def _entry_points(group: str) -> list[metadata.EntryPoint]:
@@ -217,6 +229,12 @@ class ServiceContext(Generic[SettingsT]):
     endpoints: dict[str, str] = field(default_factory=dict)  # instance name -> "host:port"
     config_dir: Path = field(default_factory=Path.cwd)  # the run file's folder
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)  # set on SIGTERM/SIGINT
+    # This process's own identity among replicas of the instance `name` (metric labels, session
+    # ids); "": `name` itself, as `rlfleet up` runs one process per instance (replica_name).
+    replica: str = ""
+
+    def __post_init__(self) -> None:
+        self.replica = self.replica or self.name
 
     def resolve(self, name_or_address: str) -> str:
         """The address of a service instance name, or ``host:port`` unchanged, so settings can
@@ -266,4 +284,21 @@ class ServiceContext(Generic[SettingsT]):
             nats_url=env.get(ENV_NATS_URL) or None,
             endpoints=endpoints,
             config_dir=Path(env.get(ENV_CONFIG_DIR) or Path.cwd()),
+            replica=replica_name(name or kind, env),
         )
+
+
+def replica_name(name: str, environ: Mapping[str, str], hostname: str | None = None) -> str:
+    """The identity of this process among the replicas of instance ``name``.
+
+    Replicas scaled from one spec (``docker compose --scale``, a Deployment) share the spec's
+    environment and ``--name``, which picks their settings in the run file; their metrics and
+    session ids still need to tell them apart. ``RLFLEET_REPLICA_NAME`` unset or empty: ``name``
+    (one process per instance, as ``rlfleet up`` runs them); else its value, with ``{name}``
+    replaced by the instance name and ``{hostname}`` by this host's name (a container's own:
+    its id in compose, the pod name in Kubernetes), e.g. ``{name}@{hostname}``."""
+    template = environ.get(ENV_REPLICA_NAME, "").strip()
+    if not template:
+        return name
+    host = hostname if hostname is not None else socket.gethostname()
+    return template.replace("{name}", name).replace("{hostname}", host)

@@ -29,8 +29,9 @@ from env_server.game_link.hub import PolicyHub
 from env_server.game_link.protocol import LinkSpec, Tick, TickCursor
 from env_server.game_link.recorder import EpisodeEnd, LinkRecorder
 from env_server.game_link.settings import GameLinkSettings
-from services.bus import Bus, traj_subject
+from services.bus import Bus, events_subject, traj_subject
 from services.errors import ResourceExhausted, RlfleetError
+from services.producers import PRODUCER_EVENTS, producer_record
 
 __all__ = ["Link", "LinkRegistry", "Owner"]
 
@@ -96,6 +97,7 @@ class LinkRegistry:
         self._outbox: asyncio.Queue[Callable[[], Awaitable[None]] | None] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self.published = 0  # fragments
+        self.linked = asyncio.Event()  # set once a first game has linked
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._work(), name="game-link-outbox")
@@ -157,6 +159,8 @@ class LinkRegistry:
         self.links[link_id] = link
         if spec.session_key:
             self.by_key[spec.session_key] = link
+        self.linked.set()
+        self._report(f"game {spec.game} linked ({spec.env_id}, link {link_id})")
         log.info(
             "link %s: %s (%s), %d agents, key %s",
             link_id,
@@ -237,9 +241,15 @@ class LinkRegistry:
             link.paced_base, link.paced_count, link.wanted = self.hub.version, 0, None
 
     def _episodes(self, link: Link, ended: list[EpisodeEnd], version: int) -> None:
-        rows = [e.as_tuple() for e in ended]
+        """Episode statistics; those the server cut off (a break, takeover, Goodbye, the link's
+        end, an episode id changed without an end) go out `partial`: out of the mean return."""
         stats = link.stats
-        self._post(lambda: stats.episodes_ended(rows, version))
+        whole = [e.as_tuple() for e in ended if not e.partial]
+        cut = [e.as_tuple() for e in ended if e.partial]
+        if whole:
+            self._post(lambda: stats.episodes_ended(whole, version))
+        if cut:
+            self._post(lambda: stats.episodes_ended(cut, version, partial=True))
 
     def _fragment(self, link: Link, arrays: FragmentArrays, version: int) -> None:
         sequence, link.sequence = link.sequence, link.sequence + 1
@@ -256,6 +266,17 @@ class LinkRegistry:
             self.published += 1
 
         self._post(send)
+
+    def _report(self, change: str) -> None:
+        """Tell the run how many links feed it now (services/producers.py): `rlfleet up` says
+        when the last one has gone and nothing feeds the learner any more."""
+        if self.bus is None or not self.settings.publishes:
+            return
+        bus, subject = self.bus, events_subject(self.run, PRODUCER_EVENTS)
+        record = producer_record(
+            self.server, live=len(self.links), what="game links", change=change
+        )
+        self._post(lambda: bus.publish_event(subject, record))
 
     def _post(self, job: Callable[[], Awaitable[Any]]) -> None:
         self._outbox.put_nowait(job)  # type: ignore[arg-type]
@@ -316,6 +337,7 @@ class LinkRegistry:
             recorder.episodes,
             link.sequence,
         )
+        self._report(f"link {link.link_id} ({link.spec.game}) ended")
 
     async def close(self) -> None:
         """End every link and publish what is queued (the server stops)."""

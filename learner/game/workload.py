@@ -51,6 +51,7 @@ from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
 from services.errors import InvalidArgument, RlfleetError, Unavailable
 from services.registry import ServiceContext
+from services.waits import waiting
 
 __all__ = ["GameWorkload", "build_game_engine", "engine_settings"]
 
@@ -103,8 +104,11 @@ class GameWorkload:
             self.spaces = await asyncio.to_thread(_local_spaces, s.env_id, s.env_kwargs)
         else:
             addresses = [self.ctx.resolve(name) for name in s.env_servers]
-            self.spaces = await _remote_spaces(
-                addresses, s.env_id, s.env_kwargs, s.spaces_timeout_s
+            # Logged only (no bus yet): a game-link server says on the console that it waits
+            # for its first game, which is what its spaces wait for.
+            self.spaces = await waiting(
+                f"the spaces of {s.env_id} from {', '.join(addresses)}",
+                _remote_spaces(addresses, s.env_id, s.env_kwargs, s.spaces_timeout_s),
             )
 
     def build(self) -> Engine:
@@ -175,6 +179,8 @@ class GameWorkload:
         async with sub:
             async for delivery in sub:
                 episode = delivery.message
+                if episode.partial:
+                    continue  # cut off by its producer: a part's return would skew the mean
                 self.returns.append(float(episode.episode_return))
                 self.lengths.append(float(episode.length))
                 self.episodes += 1

@@ -32,6 +32,7 @@ from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
 from services.errors import ConfigError
 from services.placement import pin_to_assigned_cpus
 from services.registry import ServiceContext
+from services.waits import bus_say, waiting
 
 __all__ = ["GameActor"]
 
@@ -108,7 +109,11 @@ class GameActor:
             seed=seed,
         )
         assert self.follower is not None
-        first = await self.follower.first(self.stop, settings.weights_timeout_s)
+        first = await waiting(
+            f"the first weights from {self.follower.address}",
+            self.follower.first(self.stop, settings.weights_timeout_s),
+            say=bus_say(self.bus, self.ctx.run_name, self.ctx.name),
+        )
         if first is None:
             return None
         policy.load(first[1], first[0])

@@ -22,5 +22,10 @@ def _preload(settings: GameActorSettings) -> None:
 
 
 SPEC = ServiceSpec(
-    kind="game_actor", settings=GameActorSettings, main=main, grpc=False, preload=_preload
+    kind="game_actor",
+    settings=GameActorSettings,
+    main=main,
+    grpc=False,
+    preload=_preload,
+    produces=lambda s: "rollout fragments" if s.publishes else None,
 )

@@ -48,6 +48,7 @@ from services.bus import Bus, Delivery, stop_when_run_over, stream_name, traj_su
 from services.calls import call_with_retry, wait_healthy
 from services.errors import ConfigError, InvalidArgument
 from services.registry import ServiceContext
+from services.waits import bus_say, waiting
 
 __all__ = ["RolloutDriver"]
 
@@ -107,10 +108,13 @@ class RolloutDriver:
         assert bus is not None
         peers = [("sampler", a, SAMPLER_SERVICE) for a in self.samplers.addresses]
         peers.append(("reward service", self.rewards.address, REWARD_SERVICE))
+        say = bus_say(bus, run, self.ctx.name)
         for what, address, service in peers:
             log.info("waiting for %s at %s", what, address)
-            if not await wait_healthy(
-                what, address, service, self.stop, settings.startup_timeout_s
+            if not await waiting(
+                f"{what} at {address} to become healthy",
+                wait_healthy(what, address, service, self.stop, settings.startup_timeout_s),
+                say=say,
             ):
                 return False
         info = await self.samplers.info()

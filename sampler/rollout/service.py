@@ -23,5 +23,10 @@ async def main(ctx: ServiceContext[RolloutSettings]) -> None:
 # Starts at once: the driver waits for each sampler and its reward service to report healthy
 # (RolloutDriver, startup_timeout_s), so its own start overlaps theirs.
 SPEC = ServiceSpec(
-    kind="rollout", settings=RolloutSettings, main=main, grpc=False, needs=needs_nothing
+    kind="rollout",
+    settings=RolloutSettings,
+    main=main,
+    grpc=False,
+    needs=needs_nothing,
+    produces=lambda s: "trajectory groups",
 )
