@@ -18,7 +18,7 @@ from gateway.settings import GatewaySettings
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 
-__all__ = ["SPEC", "main"]
+__all__ = ["SPEC", "announce", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -62,4 +62,33 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-SPEC = ServiceSpec(kind="gateway", settings=GatewaySettings, main=main, uses_bus=lambda s: False)
+def announce(settings: GatewaySettings) -> str:
+    """The line `rlfleet up` prints once the gateway is healthy: the base URL an OpenAI client
+    takes (loopback for a wildcard bind) and where its API key comes from."""
+    host = settings.http_host
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    host = f"[{host}]" if ":" in host else host
+    port = str(settings.http_port) if settings.http_port else "<port>"
+    url = f"http://{host}:{port}/v1"
+    if not settings.api_keys:
+        key = "none needed: no api_keys"
+    else:
+        sources = [
+            f"${k.key_env}" if k.key_env else f"api_keys[{i}].key of the run file"
+            for i, k in enumerate(settings.api_keys)
+        ]
+        key = " or ".join(sources)
+    where = "" if settings.http_port else "; http_port 0: the port is in the gateway's log"
+    return f"OpenAI API at {url} (api key: {key}{where})"
+
+
+SPEC = ServiceSpec(
+    kind="gateway",
+    settings=GatewaySettings,
+    main=main,
+    uses_bus=lambda s: False,
+    announce=announce,
+)

@@ -10,12 +10,23 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "ROOT", "WORK_DIR", "machine", "median", "versions", "write_results"]
+__all__ = [
+    "RESULTS_DIR",
+    "ROOT",
+    "WORK_DIR",
+    "machine",
+    "median",
+    "portable_paths",
+    "results_json",
+    "versions",
+    "write_results",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -43,10 +54,55 @@ def machine(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
+def _prefixes() -> list[tuple[str, str]]:
+    """(absolute prefix, what replaces it), longest first: the checkout, the temp dir, home."""
+    pairs = [(str(ROOT), "."), (tempfile.gettempdir(), "$TMPDIR"), (str(Path.home()), "~")]
+    return sorted(
+        ((prefix.rstrip("/"), to) for prefix, to in pairs if prefix.rstrip("/")),
+        key=lambda pair: -len(pair[0]),
+    )
+
+
+def _portable(text: str, prefixes: list[tuple[str, str]]) -> str:
+    for prefix, to in prefixes:
+        # A path under the prefix, anywhere in the string (a command line holds several);
+        # "./x" is written "x". The prefix alone (a path equal to it) becomes `to`.
+        text = text.replace(prefix + "/", "" if to == "." else to + "/")
+        if text == prefix:
+            text = to
+    return text
+
+
+def portable_paths(value: Any) -> Any:
+    """`value` (a JSON-like tree) with every absolute path of this machine made portable:
+    paths in the checkout relative to the repository root, the temp dir as `$TMPDIR`, the home
+    folder as `~`; keys and every other value unchanged. Results are committed: they must not
+    record where one machine keeps its checkout."""
+    prefixes = _prefixes()
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, str):
+            return _portable(node, prefixes)
+        if isinstance(node, Path):
+            return _portable(str(node), prefixes)
+        if isinstance(node, Mapping):
+            return {key: walk(item) for key, item in node.items()}
+        if isinstance(node, list | tuple):
+            return [walk(item) for item in node]
+        return node
+
+    return walk(value)
+
+
+def results_json(payload: Any) -> str:
+    """The text of a result file: `payload` with portable paths, indented, newline-ended."""
+    return json.dumps(portable_paths(payload), indent=2, default=str) + "\n"
+
+
 def write_results(path: Path, payload: dict[str, Any]) -> None:
     payload.setdefault("machine", {})["loadavg_end"] = list(os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(results_json(payload))
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     print(f"wrote {shown}")
 

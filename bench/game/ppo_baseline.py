@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import time
 from collections import deque
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
+from bench._shared.results import results_json
 from learner.algos import (
     aggregate,
     entropy_loss,
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        out.write_text(results_json(results))
         print(f"wrote {out}")
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from bench._shared.job_overrides import apply_overrides, parse_overrides
-from bench._shared.results import RESULTS_DIR, ROOT
+from bench._shared.results import RESULTS_DIR, ROOT, results_json
 from bench.game import ppo_cartpole_runs as runs
 from bench.game.ppo_cartpole_report import print_report, summarize
 
@@ -114,7 +114,7 @@ class Bench:
         self.result["summary"] = summarize(self.result)
         self.result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.result, indent=2, default=str) + "\n")
+        self.out.write_text(results_json(self.result))
 
 
 def _budget(config: dict[str, Any], steps: int | None) -> dict[str, Any]:

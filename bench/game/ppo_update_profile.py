@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 import yaml
 
-from bench._shared.results import RESULTS_DIR, ROOT
+from bench._shared.results import RESULTS_DIR, ROOT, results_json
 from common import tensor
 from common.policies import build_policy
 from learner.consumer import Ledger, seed_everything
@@ -294,7 +293,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlfleet-profile-") as tmp:
         result = profile(args.config, args.updates, Path(tmp))
     out = RESULTS_DIR / "ppo_update_profile.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(results_json(result))
     print_profile(result)
     print(f"wrote {out.relative_to(ROOT)}")
     return 0 if result["bit_identical_weights"] else 1

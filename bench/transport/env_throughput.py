@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import subprocess
@@ -47,7 +46,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from bench._shared.results import RESULTS_DIR, ROOT
+from bench._shared.results import RESULTS_DIR, ROOT, results_json
 from bench.transport.grpc_echo import round_trip_us
 from clients.env import EnvSession
 from sampler.actors.settings import GameActorSettings
@@ -342,7 +341,7 @@ def run_facts(load_before: tuple[float, ...], packages: tuple[str, ...]) -> dict
 
 def write_result(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(results_json(result))
     print(f"wrote {out}")
 
 

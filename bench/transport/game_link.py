@@ -48,7 +48,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from bench._shared.results import RESULTS_DIR, ROOT
+from bench._shared.results import RESULTS_DIR, ROOT, results_json
 from services.bus.nats_server import parent_death_signal
 
 RESULTS = RESULTS_DIR / "game_link.json"
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(results_json(result))
     print(f"wrote {args.out}")
     return 0
 

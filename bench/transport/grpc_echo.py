@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import queue
 import struct
@@ -36,7 +35,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench._shared.results import RESULTS_DIR, ROOT
+from bench._shared.results import RESULTS_DIR, ROOT, results_json
 
 _METHOD = "/rlfleet.bench.Echo/Stream"
 _UNARY = "/rlfleet.bench.Echo/Call"
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpus=os.cpu_count())
         result["grpcio"] = grpc.__version__
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(results_json(result))
         print(f"wrote {args.out}")
     return 0
 

@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench._shared.results import RESULTS_DIR, ROOT
+from bench._shared.results import RESULTS_DIR, ROOT, results_json
 from clients.learner import fetch_weights
 from common.weights import chunk_spans
 from learner.weights import SERVICE_NAME, WeightServicer, WeightStore, add_weight_service
@@ -287,7 +287,7 @@ def main() -> None:
     results = {name: run_set(name, args.repeats) for name in args.sets}
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "sets": results}, indent=2) + "\n")
+    args.out.write_text(results_json({"machine": machine(), "sets": results}))
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 

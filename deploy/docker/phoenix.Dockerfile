@@ -11,6 +11,10 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+# Labelled so deploy/scripts/build-images.sh prunes this stage once the image is built
+# (untagged, it would stay behind as a dangling image of up to several GB).
+ARG RLFLEET_STAGE_KEY=""
+LABEL org.rlfleet.stage=build org.rlfleet.stage-key="${RLFLEET_STAGE_KEY}"
 COPY wheels/ /wheels/
 RUN python3 -m venv /opt/phoenix \
     && /opt/phoenix/bin/pip install --no-cache-dir --no-index --find-links /wheels arize-phoenix

@@ -9,6 +9,10 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+# Labelled so deploy/scripts/build-images.sh prunes this stage once the image is built
+# (untagged, it would stay behind as a dangling image of up to several GB).
+ARG RLFLEET_STAGE_KEY=""
+LABEL org.rlfleet.stage=build org.rlfleet.stage-key="${RLFLEET_STAGE_KEY}"
 RUN python3 -m venv /opt/rlfleet
 # The wheels stay in this stage; the final image gets only the installed venv.
 COPY slim.txt /tmp/pins.txt

