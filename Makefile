@@ -45,9 +45,9 @@ demo: venv
 	$(VENV)/bin/rlfleet up $(DEMO_CONFIG)
 
 # Everything: lint, generated code, headless Chromium, the SDKs' own builds and tests (TypeScript;
-# C++ through ctest in sdk-cpp), then pytest. The deploy tests need a Docker engine: .ci/run
+# C++ through ctest in sdk-cpp; Go in sdk-go), then pytest. The deploy tests need a Docker engine: .ci/run
 # starts one (`make docker-engine` for a developer); with CI=true they fail without it.
-test: venv lint buf-lint protos-check browser-deps sdk-ts sdk-cpp
+test: venv lint buf-lint protos-check browser-deps sdk-ts sdk-cpp sdk-go
 	cd sdk/typescript && npm run --silent lint && npm test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -112,6 +112,15 @@ sdk-cpp:
 	cmake -S sdk/cpp -B sdk/cpp/build -DRLFLEET_CLI=$(abspath $(VENV))/bin/rlfleet
 	cmake --build sdk/cpp/build -j2
 	cd sdk/cpp/build && ctest --output-on-failure
+
+# The Go GameLink SDK and its contract case runner (sdk/go/build/bin/gamelink-cases): Debian's Go
+# toolchain and libraries when missing, then sdk/go/build.sh generates the Go code from protos/
+# alone into sdk/go/build (the recipe of docs/game_link.md) and runs gofmt, go vet, go test and
+# go build offline (GOPATH mode). tests/contract/test_game_link_go.py runs the cases with it.
+.PHONY: sdk-go
+sdk-go:
+	bash sdk/go/install-deps.sh
+	bash sdk/go/build.sh
 
 # A private Docker engine (Debian docker.io; data, socket and pidfile under ~/.cache/rlfleet/docker)
 # for the images and tests/deploy: `make docker-engine`, then

@@ -11,8 +11,10 @@
 with `submit(tick, ...)` and `receive() -> (tick, actions, policy_version)`, up to
 `max_in_flight` (as granted by the server) submitted and not yet received. Per-tick arrays have a
 leading dimension N = num_agents: observations shaped like the observation space, rewards float32,
-terminated/truncated bool, episode_ids int64 (a new id per agent and episode, never reused within
-a link: a game that restarts with the same session key should not restart its counter at 0).
+terminated/truncated bool, episode_ids int64 (a new id per agent and episode; the server refuses
+only the ended id in the row right after its end, but a resume tells a continuing episode by its
+id, so keep ids unique within a link: a game that restarts with the same session key should not
+restart its counter at 0).
 
 Reconnects are automatic: when the stream breaks (UNAVAILABLE, a transport error) the link
 reconnects with its session key (a fresh UUID unless given) for up to the server's

@@ -47,14 +47,21 @@ class ActorStats:
         self._metrics_subject = events_subject(run, "metrics")
 
     async def episodes_ended(
-        self, ended: Iterable[tuple[int, float, int, bool]], policy_version: int
+        self,
+        ended: Iterable[tuple[int, float, int, bool]],
+        policy_version: int,
+        *,
+        partial: bool = False,
     ) -> None:
-        """Publish one EpisodeStats per (env, return, length, truncated)."""
+        """Publish one EpisodeStats per (env, return, length, truncated). `partial`: episodes
+        the environment did not end (a game link cut them off): published marked so, and left
+        out of the return and length means here and in the learner's."""
         now = _now()
         for _, episode_return, length, truncated in ended:
             self.episodes += 1
-            self.returns.append(episode_return)
-            self.lengths.append(length)
+            if not partial:
+                self.returns.append(episode_return)
+                self.lengths.append(length)
             if self.bus is None:
                 continue
             await self.bus.publish_event(
@@ -69,6 +76,7 @@ class ActorStats:
                     policy_version=policy_version,
                     truncated=truncated,
                     time=now,
+                    partial=partial,
                 ),
             )
 

@@ -21,17 +21,17 @@ from google.protobuf import descriptor_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
+GOOGLEAPIS = PROTO_ROOT / "third_party" / "googleapis"  # vendored google/rpc/*.proto
 PACKAGE = "rlfleet"
 HEADER = "# Generated from protos/ by scripts/gen_protos.py. Do not edit.\n"
 
 
 def _include_dirs() -> list[Path]:
-    # googleapis-common-protos ships google/rpc/*.proto beside its modules.
-    from google.rpc import status_pb2
-
+    # protos/ alone: the google/rpc files it imports are vendored under
+    # protos/third_party/googleapis (the same as googleapis-common-protos ships, whose
+    # status_pb2 the generated code imports); grpcio-tools brings the well-known types.
     grpc_tools_protos = Path(str(importlib.resources.files("grpc_tools") / "_proto"))
-    googleapis = Path(status_pb2.__file__).resolve().parent.parent.parent
-    return [PROTO_ROOT, grpc_tools_protos, googleapis]
+    return [PROTO_ROOT, GOOGLEAPIS, grpc_tools_protos]
 
 
 def proto_sources() -> list[str]:

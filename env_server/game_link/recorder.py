@@ -15,9 +15,11 @@ any tick, not between fragments). Episode ids in fragments are numbered by the s
 (unique across its agents), not the client's.
 
 `end_episodes` ends every open episode as truncated at its last complete transition (a link that
-broke and did not continue, or said Goodbye); `drain` then turns everything buffered into
-fragments: repeatedly the columns that still hold transitions, cut at the shortest one, so no
-complete transition is lost (those fragments are shorter and narrower than T x N).
+broke and did not continue, or said Goodbye), and so does a change of episode id without an end:
+those episodes are `partial` (their statistics stay out of the run's mean return). `drain` then
+turns everything buffered into fragments: repeatedly the columns that still hold transitions, cut
+at the shortest one, so no complete transition is lost (those fragments are shorter and narrower
+than T x N).
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ class Row:
 
 @dataclass
 class EpisodeEnd:
-    """An ended episode for the statistics: (agent, return, length, truncated)."""
+    """An ended episode for the statistics: (agent, return, length, truncated); `partial` when
+    the game did not end it (the server cut it off: `_cut`), so its return is of a part."""
 
     agent: int
     episode_return: float
     length: int
     truncated: bool
+    partial: bool = False
 
     def as_tuple(self) -> tuple[int, float, int, bool]:
         return (self.agent, self.episode_return, self.length, self.truncated)
@@ -170,7 +174,7 @@ class LinkRecorder:
         agent.in_episode = False
         if agent.length == 0:
             return None
-        return EpisodeEnd(k, agent.episode_return, agent.length, True)
+        return EpisodeEnd(k, agent.episode_return, agent.length, True, partial=True)
 
     def end_episodes(self) -> list[EpisodeEnd]:
         """End every open episode (see the module docstring)."""

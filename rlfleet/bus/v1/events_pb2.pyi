@@ -25,7 +25,7 @@ RUN_STATE_DONE: RunState
 RUN_STATE_FAILED: RunState
 
 class EpisodeStats(_message.Message):
-    __slots__ = ("run", "source", "env_id", "episode_return", "length", "env_steps", "policy_version", "truncated", "time")
+    __slots__ = ("run", "source", "env_id", "episode_return", "length", "env_steps", "policy_version", "truncated", "time", "partial")
     RUN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class EpisodeStats(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     run: str
     source: str
     env_id: str
@@ -44,7 +45,8 @@ class EpisodeStats(_message.Message):
     policy_version: int
     truncated: bool
     time: _timestamp_pb2.Timestamp
-    def __init__(self, run: _Optional[str] = ..., source: _Optional[str] = ..., env_id: _Optional[str] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., truncated: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    partial: bool
+    def __init__(self, run: _Optional[str] = ..., source: _Optional[str] = ..., env_id: _Optional[str] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., truncated: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("run", "source", "step", "time", "scalars", "policy_version")

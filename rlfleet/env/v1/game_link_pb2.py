@@ -28,13 +28,14 @@ from rlfleet.common.v1 import space_pb2 as rlfleet_dot_common_dot_v1_dot_space__
 from rlfleet.common.v1 import tensor_pb2 as rlfleet_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/env/v1/game_link.proto\x12\x0erlfleet.env.v1\x1a\x17google/rpc/status.proto\x1a\x1drlfleet/common/v1/space.proto\x1a\x1erlfleet/common/v1/tensor.proto\"\xbd\x01\n\x0e\x43onnectRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x05hello\x18\x02 \x01(\x0b\x32\x15.rlfleet.env.v1.HelloH\x00\x12\x38\n\x0cobservations\x18\x03 \x01(\x0b\x32 .rlfleet.env.v1.ObservationBatchH\x00\x12*\n\x07goodbye\x18\x04 \x01(\x0b\x32\x17.rlfleet.env.v1.GoodbyeH\x00\x42\t\n\x07request\"\xdc\x01\n\x0f\x43onnectResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.Status\x12*\n\x07welcome\x18\x03 \x01(\x0b\x32\x17.rlfleet.env.v1.WelcomeH\x00\x12.\n\x07\x61\x63tions\x18\x04 \x01(\x0b\x32\x1b.rlfleet.env.v1.ActionReplyH\x00\x12,\n\x08\x66\x61rewell\x18\x05 \x01(\x0b\x32\x18.rlfleet.env.v1.FarewellH\x00\x42\x08\n\x06result\"\xc6\x02\n\x05Hello\x12\x0c\n\x04game\x18\x01 \x01(\t\x12\x0e\n\x06\x65nv_id\x18\x02 \x01(\t\x12\x33\n\x11observation_space\x18\x03 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12.\n\x0c\x61\x63tion_space\x18\x04 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12\x12\n\nnum_agents\x18\x05 \x01(\r\x12\x18\n\x10protocol_version\x18\x06 \x01(\r\x12\x13\n\x0bsession_key\x18\x07 \x01(\t\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x31\n\x06labels\x18\t \x03(\x0b\x32!.rlfleet.env.v1.Hello.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xad\x01\n\x07Welcome\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x15\n\rmax_in_flight\x18\x03 \x01(\r\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\x12\x11\n\tlast_tick\x18\x05 \x01(\x04\x12\x17\n\x0fresume_window_s\x18\x06 \x01(\x01\x12\x0b\n\x03run\x18\x07 \x01(\t\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\"\xbc\x02\n\x10ObservationBatch\x12\x0c\n\x04tick\x18\x01 \x01(\x04\x12\x33\n\x0cobservations\x18\x02 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12*\n\x07rewards\x18\x03 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12-\n\nterminated\x18\x04 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12,\n\ttruncated\x18\x05 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12.\n\x0b\x65pisode_ids\x18\x06 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12,\n\x05infos\x18\x07 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\"c\n\x0b\x41\x63tionReply\x12\x0c\n\x04tick\x18\x01 \x01(\x04\x12.\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"+\n\x08\x46\x61rewell\x12\r\n\x05ticks\x18\x01 \x01(\x03\x12\x10\n\x08\x65pisodes\x18\x02 \x01(\x03\x32\x61\n\x0fGameLinkService\x12N\n\x07\x43onnect\x12\x1e.rlfleet.env.v1.ConnectRequest\x1a\x1f.rlfleet.env.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/env/v1/game_link.proto\x12\x0erlfleet.env.v1\x1a\x17google/rpc/status.proto\x1a\x1drlfleet/common/v1/space.proto\x1a\x1erlfleet/common/v1/tensor.proto\"\xbd\x01\n\x0e\x43onnectRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x05hello\x18\x02 \x01(\x0b\x32\x15.rlfleet.env.v1.HelloH\x00\x12\x38\n\x0cobservations\x18\x03 \x01(\x0b\x32 .rlfleet.env.v1.ObservationBatchH\x00\x12*\n\x07goodbye\x18\x04 \x01(\x0b\x32\x17.rlfleet.env.v1.GoodbyeH\x00\x42\t\n\x07request\"\xdc\x01\n\x0f\x43onnectResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.Status\x12*\n\x07welcome\x18\x03 \x01(\x0b\x32\x17.rlfleet.env.v1.WelcomeH\x00\x12.\n\x07\x61\x63tions\x18\x04 \x01(\x0b\x32\x1b.rlfleet.env.v1.ActionReplyH\x00\x12,\n\x08\x66\x61rewell\x18\x05 \x01(\x0b\x32\x18.rlfleet.env.v1.FarewellH\x00\x42\x08\n\x06result\"\xc6\x02\n\x05Hello\x12\x0c\n\x04game\x18\x01 \x01(\t\x12\x0e\n\x06\x65nv_id\x18\x02 \x01(\t\x12\x33\n\x11observation_space\x18\x03 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12.\n\x0c\x61\x63tion_space\x18\x04 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12\x12\n\nnum_agents\x18\x05 \x01(\r\x12\x18\n\x10protocol_version\x18\x06 \x01(\r\x12\x13\n\x0bsession_key\x18\x07 \x01(\t\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x31\n\x06labels\x18\t \x03(\x0b\x32!.rlfleet.env.v1.Hello.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\x07Welcome\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x15\n\rmax_in_flight\x18\x03 \x01(\r\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\x12\x11\n\tlast_tick\x18\x05 \x01(\x04\x12\x17\n\x0fresume_window_s\x18\x06 \x01(\x01\x12\x0b\n\x03run\x18\x07 \x01(\t\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x15\n\rpolicy_loaded\x18\t \x01(\x08\x12\x0e\n\x06policy\x18\n \x01(\t\"\xbc\x02\n\x10ObservationBatch\x12\x0c\n\x04tick\x18\x01 \x01(\x04\x12\x33\n\x0cobservations\x18\x02 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12*\n\x07rewards\x18\x03 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12-\n\nterminated\x18\x04 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12,\n\ttruncated\x18\x05 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12.\n\x0b\x65pisode_ids\x18\x06 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12,\n\x05infos\x18\x07 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\"c\n\x0b\x41\x63tionReply\x12\x0c\n\x04tick\x18\x01 \x01(\x04\x12.\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"+\n\x08\x46\x61rewell\x12\r\n\x05ticks\x18\x01 \x01(\x03\x12\x10\n\x08\x65pisodes\x18\x02 \x01(\x03\x32\x61\n\x0fGameLinkService\x12N\n\x07\x43onnect\x12\x1e.rlfleet.env.v1.ConnectRequest\x1a\x1f.rlfleet.env.v1.ConnectResponse(\x01\x30\x01\x42H\n\x0erlfleet.env.v1P\x01Z#rlfleet/gen/go/rlfleet/env/v1;envv1\xaa\x02\x0eRlfleet.Env.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.env.v1.game_link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\016rlfleet.env.v1P\001Z#rlfleet/gen/go/rlfleet/env/v1;envv1\252\002\016Rlfleet.Env.V1'
   _globals['_HELLO_LABELSENTRY']._loaded_options = None
   _globals['_HELLO_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_CONNECTREQUEST']._serialized_start=139
@@ -46,15 +47,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO_LABELSENTRY']._serialized_start=835
   _globals['_HELLO_LABELSENTRY']._serialized_end=880
   _globals['_WELCOME']._serialized_start=883
-  _globals['_WELCOME']._serialized_end=1056
-  _globals['_OBSERVATIONBATCH']._serialized_start=1059
-  _globals['_OBSERVATIONBATCH']._serialized_end=1375
-  _globals['_ACTIONREPLY']._serialized_start=1377
-  _globals['_ACTIONREPLY']._serialized_end=1476
-  _globals['_GOODBYE']._serialized_start=1478
-  _globals['_GOODBYE']._serialized_end=1503
-  _globals['_FAREWELL']._serialized_start=1505
-  _globals['_FAREWELL']._serialized_end=1548
-  _globals['_GAMELINKSERVICE']._serialized_start=1550
-  _globals['_GAMELINKSERVICE']._serialized_end=1647
+  _globals['_WELCOME']._serialized_end=1095
+  _globals['_OBSERVATIONBATCH']._serialized_start=1098
+  _globals['_OBSERVATIONBATCH']._serialized_end=1414
+  _globals['_ACTIONREPLY']._serialized_start=1416
+  _globals['_ACTIONREPLY']._serialized_end=1515
+  _globals['_GOODBYE']._serialized_start=1517
+  _globals['_GOODBYE']._serialized_end=1542
+  _globals['_FAREWELL']._serialized_start=1544
+  _globals['_FAREWELL']._serialized_end=1587
+  _globals['_GAMELINKSERVICE']._serialized_start=1589
+  _globals['_GAMELINKSERVICE']._serialized_end=1686
 # @@protoc_insertion_point(module_scope)

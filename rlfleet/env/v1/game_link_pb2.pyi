@@ -66,7 +66,7 @@ class Hello(_message.Message):
     def __init__(self, game: _Optional[str] = ..., env_id: _Optional[str] = ..., observation_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., action_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., num_agents: _Optional[int] = ..., protocol_version: _Optional[int] = ..., session_key: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("link_id", "protocol_version", "max_in_flight", "resumed", "last_tick", "resume_window_s", "run", "policy_version")
+    __slots__ = ("link_id", "protocol_version", "max_in_flight", "resumed", "last_tick", "resume_window_s", "run", "policy_version", "policy_loaded", "policy")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class Welcome(_message.Message):
     RESUME_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     link_id: str
     protocol_version: int
     max_in_flight: int
@@ -83,7 +85,9 @@ class Welcome(_message.Message):
     resume_window_s: float
     run: str
     policy_version: int
-    def __init__(self, link_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., resumed: _Optional[bool] = ..., last_tick: _Optional[int] = ..., resume_window_s: _Optional[float] = ..., run: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    policy_loaded: bool
+    policy: str
+    def __init__(self, link_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., resumed: _Optional[bool] = ..., last_tick: _Optional[int] = ..., resume_window_s: _Optional[float] = ..., run: _Optional[str] = ..., policy_version: _Optional[int] = ..., policy_loaded: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class ObservationBatch(_message.Message):
     __slots__ = ("tick", "observations", "rewards", "terminated", "truncated", "episode_ids", "infos")

@@ -104,7 +104,10 @@ class GameLinkServiceServicer:
         RolloutFragments have one column per agent (N = num_agents), cut when every column has the
         server's rollout_length transitions. When a link ends (Goodbye, its window passed, the
         server stops) everything complete it recorded is published, in shorter or narrower
-        fragments where the columns are uneven; nothing is published twice.
+        fragments where the columns are uneven; nothing is published twice. Episode statistics
+        (bus EpisodeStats) go out for every ended episode; those the game did not end itself (open
+        at a break that did not continue, a takeover, Goodbye or the link's end, or cut off by a
+        change of episode id) are marked partial and left out of the run's mean return.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -26,13 +26,14 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/learner/v1/learner.proto\x12\x12rlfleet.learner.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x12\n\x10GetStatusRequest\"\x8d\x03\n\x11GetStatusResponse\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07updates\x18\x03 \x01(\x03\x12\x18\n\x10samples_consumed\x18\x04 \x01(\x03\x12\x19\n\x11messages_consumed\x18\x05 \x01(\x03\x12\x15\n\rstale_dropped\x18\x06 \x01(\x03\x12\x1a\n\x12\x64uplicates_dropped\x18\x07 \x01(\x03\x12\x17\n\x0finvalid_dropped\x18\x08 \x01(\x03\x12\x16\n\x0emax_policy_lag\x18\t \x01(\x03\x12\x34\n\x10last_update_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x43\n\x07metrics\x18\x0b \x03(\x0b\x32\x32.rlfleet.learner.v1.GetStatusResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32j\n\x0eLearnerService\x12X\n\tGetStatus\x12$.rlfleet.learner.v1.GetStatusRequest\x1a%.rlfleet.learner.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/learner/v1/learner.proto\x12\x12rlfleet.learner.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x12\n\x10GetStatusRequest\"\x8d\x03\n\x11GetStatusResponse\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07updates\x18\x03 \x01(\x03\x12\x18\n\x10samples_consumed\x18\x04 \x01(\x03\x12\x19\n\x11messages_consumed\x18\x05 \x01(\x03\x12\x15\n\rstale_dropped\x18\x06 \x01(\x03\x12\x1a\n\x12\x64uplicates_dropped\x18\x07 \x01(\x03\x12\x17\n\x0finvalid_dropped\x18\x08 \x01(\x03\x12\x16\n\x0emax_policy_lag\x18\t \x01(\x03\x12\x34\n\x10last_update_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x43\n\x07metrics\x18\x0b \x03(\x0b\x32\x32.rlfleet.learner.v1.GetStatusResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32j\n\x0eLearnerService\x12X\n\tGetStatus\x12$.rlfleet.learner.v1.GetStatusRequest\x1a%.rlfleet.learner.v1.GetStatusResponseBX\n\x12rlfleet.learner.v1P\x01Z+rlfleet/gen/go/rlfleet/learner/v1;learnerv1\xaa\x02\x12Rlfleet.Learner.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.learner.v1.learner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\022rlfleet.learner.v1P\001Z+rlfleet/gen/go/rlfleet/learner/v1;learnerv1\252\002\022Rlfleet.Learner.V1'
   _globals['_GETSTATUSRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_GETSTATUSRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATUSREQUEST']._serialized_start=89

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs what the Go GameLink SDK builds with, from Debian packages, when missing: the Go
+# toolchain, protoc, the protoc-gen-go (APIv2) and protoc-gen-go-grpc plugins, and the Go
+# libraries in /usr/share/gocode that sdk/go/build.sh compiles against offline (GOPATH mode):
+# grpc-go, protobuf-go and genproto (google.golang.org/genproto/googleapis/rpc/{status,errdetails}).
+#
+# A Debian (bookworm) trap: golang-google-grpc-dev accepts github.com/golang/protobuf 1.3
+# (golang-github-golang-protobuf-1-3-dev, pulled in by golang-goprotobuf-dev) whose marshaller
+# panics on the first Send of APIv2 messages; golang-github-golang-protobuf-1-5-dev (the v1.5
+# shim over google.golang.org/protobuf) is the one that works, and it conflicts with the 1.3
+# packages, so golang-goprotobuf-dev is not installed (protoc-gen-go is its own package).
+# Idempotent: prints "Go SDK dependencies present" and does nothing when all are installed.
+# Needs root (or sudo) only when something is missing.
+set -euo pipefail
+
+packages=(golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
+  golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev golang-google-genproto-dev)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "Go SDK dependencies present"
+  exit 0
+fi
+
+if ! command -v apt-get >/dev/null; then
+  echo "missing ${missing[*]}: install them with your system's package manager" >&2
+  exit 1
+fi
+
+sudo=()
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "missing ${missing[*]}: run as root to install" >&2; exit 1; }
+  sudo=(sudo)
+fi
+
+echo "installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+# A fresh machine may have no package lists yet; update only when the install cannot find one.
+"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" ||
+  { "${sudo[@]}" apt-get update -q && "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; }
