@@ -26,6 +26,7 @@ from learner.settings import knob
 from services.config import StrictModel, Switch, error_at
 from services.placement import own_cpu_for
 from services.registry import JobSpec, get_service
+from services.settings import address_problem
 
 __all__ = [
     "A2C_JOB",
@@ -223,6 +224,10 @@ class GameJobSettings(GameTrainingKnobs):
             bad = [v for v in value if ":" not in v]
             if bad:
                 raise ValueError(f"external env servers must be host:port, got {bad}")
+            for i, address in enumerate(value):
+                problem = address_problem(address)
+                if problem is not None:
+                    raise error_at(problem, i)
         return value
 
     def _check_env_id(self) -> None:
