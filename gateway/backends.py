@@ -189,6 +189,7 @@ class OpenedStream:
     _buffered: list[sampler_pb2.CompletionDelta] = field(default_factory=list)
     _closed: bool = False
     first_delta_at: float = 0.0  # time.monotonic() of the first delta
+    started_at: float = 0.0  # time.monotonic() of ``start`` (of the first delta without one)
 
     @property
     def prompt_tokens(self) -> int:
@@ -353,7 +354,8 @@ class BackendPool:
         if last is not None and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise last
         if last is not None:
-            raise NoBackend(f"no healthy sampler could take the request (last error: {last})")
+            # Each failure was logged above; the client gets no sampler addresses.
+            raise NoBackend("no healthy sampler could take the request")
         raise NoBackend()
 
     async def _open_on(
@@ -364,6 +366,7 @@ class BackendPool:
         try:
             iterator = backend.replica.stream(request, timeout_s=self.request_timeout_s)
             start: sampler_pb2.StreamStart | None = None
+            started_at = 0.0
             while True:
                 try:
                     message = await anext(iterator)
@@ -374,11 +377,13 @@ class BackendPool:
                 kind = message.WhichOneof("event")
                 if kind == "start":
                     start = message.start
+                    started_at = time.monotonic()
                 elif kind == "delta":
                     opened = OpenedStream(
                         backend, start or sampler_pb2.StreamStart(), iterator, [message.delta]
                     )
                     opened.first_delta_at = time.monotonic()
+                    opened.started_at = started_at or opened.first_delta_at
                     return opened
         except (asyncio.CancelledError, GeneratorExit):
             await _close_quietly(iterator)

@@ -8,7 +8,9 @@ request field ("top_p").
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from typing import Any
 
 import grpc
@@ -18,11 +20,15 @@ from services.errors import RlfleetError
 
 __all__ = [
     "ApiError",
+    "BackendUnavailable",
     "BadRequest",
     "NoBackend",
+    "context_length_exceeded",
     "from_backend",
     "sampler_param",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -140,6 +146,20 @@ class NoBackend(ApiError):
         super().__init__(message, code="no_healthy_backend", headers={"Retry-After": "1"})
 
 
+class BackendUnavailable(ApiError):
+    """The sampler serving a request went away (mid-stream, or on every retry)."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the sampler serving this request became unavailable; retry the request",
+            code="backend_unavailable",
+            headers={"Retry-After": "1"},
+        )
+
+
 class BackendError(ApiError):
     status = 502
     type = "server_error"
@@ -182,8 +202,29 @@ def sampler_param(field: str | None, *, prompt_param: str) -> str | None:
     return field
 
 
+def context_length_exceeded(context: int, tokens: int, *, param: str) -> BadRequest:
+    """OpenAI's error for a prompt (``param`` "prompt") or messages that leave no room to
+    generate in the model's context."""
+    what = "messages" if param == "messages" else "prompt"
+    return BadRequest(
+        f"This model's maximum context length is {context} tokens. However, your {what} "
+        f"resulted in {tokens} tokens, which leaves no room for the completion. Please reduce "
+        f"the length of the {what}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+# The sampler's INVALID_ARGUMENT for a prompt with no room left (sampler/lm/requests.py).
+_NO_ROOM = re.compile(r"the prompt has (\d+) tokens, leaving no room .* context of (\d+) tokens")
+
+
 def from_backend(exc: BaseException, *, prompt_param: str, top_logprobs: str) -> ApiError:
-    """The HTTP error for a failed sampler call that no other replica can fix."""
+    """The HTTP error for a failed sampler call that no other replica can fix.
+
+    A 4xx carries the sampler's explanation without its address; a 5xx carries none of the
+    sampler's message (addresses, transport details), which is logged here instead.
+    """
     if isinstance(exc, ApiError):
         return exc
     code = exc.code if isinstance(exc, RlfleetError) else grpc.StatusCode.INTERNAL
@@ -193,16 +234,24 @@ def from_backend(exc: BaseException, *, prompt_param: str, top_logprobs: str) ->
         param = sampler_param(field, prompt_param=prompt_param)
         if param == "top_logprobs":
             param = top_logprobs
-        return BadRequest(_strip_peer(message), param=param)
+        detail = _strip_peer(message)
+        if param == prompt_param:
+            no_room = _NO_ROOM.search(detail)
+            if no_room is not None:
+                return context_length_exceeded(int(no_room[2]), int(no_room[1]), param=prompt_param)
+            if field and detail.startswith(f"{field}: "):
+                detail = detail[len(field) + 2 :]  # the sampler's field name, not the client's
+        return BadRequest(detail, param=param)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Overloaded(_strip_peer(message))
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
-        return NoBackend(message)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Timeout(message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return BadRequest(_strip_peer(message))
-    return BackendError(message)
+    log.warning("sampler call failed (%s): %s", code.name, message)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
+        return BackendUnavailable()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Timeout("the sampler did not finish the request in time", code="timeout")
+    return BackendError("the sampler failed while serving the request", code="backend_error")
 
 
 def _strip_peer(message: str) -> str:

@@ -133,10 +133,8 @@ def wrap_method_handler(
                             raise
 
     elif inspect.iscoroutinefunction(behaviour):
-        # A redefinition of the same name in the other branch.
-        async def wrapped(  # type: ignore[no-redef]
-            request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> Any:
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             async with scope(context):
                 if innermost and isinstance(request, _Undecodable):
                     raise request.error()

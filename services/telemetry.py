@@ -282,6 +282,10 @@ _HANDLING_SECONDS = metrics.histogram(
 # --------------------------------------------------------------------------- gRPC hooks
 
 
+# Probed every few seconds by every pool, launcher and kubelet: a trace each would drown the rest.
+_UNTRACED_PREFIX = "/grpc.health.v1.Health/"
+
+
 def _span_name(method: str) -> str:
     # "/rlfleet.env.v1.EnvService/Step" -> "rlfleet.env.v1.EnvService/Step" (OTel RPC convention)
     return method.lstrip("/")
@@ -323,12 +327,14 @@ async def server_rpc_scope(
 
     The span continues the trace whose ``traceparent`` came in the metadata and is the current
     span while the handler runs, so its own spans and the NATS headers it injects join the trace.
-    server.py installs this on every server through an interceptor.
+    server.py installs this on every server through an interceptor, and runs a streaming
+    handler as one coroutine so that this scope is left in the context it was entered in.
+    Health checks are counted but not traced.
     """
     started = time.perf_counter()
     span: trace.Span | None = None
     token: Token[Context] | None = None
-    if _enabled:
+    if _enabled and not method.startswith(_UNTRACED_PREFIX):
         span = _tracer.start_span(
             _span_name(method),
             context=extract(_metadata_carrier(metadata)),
@@ -348,16 +354,23 @@ async def server_rpc_scope(
         _HANDLING_SECONDS.labels(method).observe(time.perf_counter() - started)
         if span is not None:
             _end_span(span, code, failure, context.details() if failure else None)
-            if token is not None:  # set together with span
-                with contextlib.suppress(ValueError):  # generator closed from another context
-                    otel_context.detach(token)
+        if token is not None:
+            otel_context.detach(token)
 
 
 def _end_span(
     span: trace.Span, code: grpc.StatusCode, exc: BaseException | None, details: str | None
 ) -> None:
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if exc is not None and not isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError):
+    if code is grpc.StatusCode.CANCELLED:
+        # The caller went away or gave up (a learner's FetchWeights when a newer version came):
+        # an outcome, not a failure, so the status stays UNSET.
+        span.add_event("cancelled", {"rpc.grpc.status_code": code.value[0]})
+        span.end()
+        return
+    if exc is not None and not isinstance(
+        exc, grpc.aio.AbortError | asyncio.CancelledError | GeneratorExit
+    ):
         span.record_exception(exc)
     if code is not grpc.StatusCode.OK:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}".rstrip(": ")))
@@ -431,6 +444,8 @@ class _ClientTracing:
 
     async def intercept(self, continuation: Any, details: Any, request: Any) -> Any:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.startswith(_UNTRACED_PREFIX):
+            return await continuation(details, request)
         span = _tracer.start_span(
             _span_name(method), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method)
         )

@@ -8,19 +8,20 @@ the JSON itself in openai/body.py, then the protocol models), model (404), then 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from gateway import metrics
-from gateway.errors import BadRequest
+from gateway.errors import ApiError, BadRequest
 from gateway.limits import KeyLimiter
 from gateway.openai.body import parse_body
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.openai.serving_engine import RequestContext
+from gateway.openai.serving_engine import RequestContext, SSEResponse
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -126,23 +127,35 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
     raise ModelNotFound(model)
 
 
+async def serve(ctx: RequestContext, stream: bool, create: Awaitable[Response]) -> Response:
+    """``create``'s response, counted in flight until it is complete: a stream's response
+    (SSEResponse) finishes ``ctx`` itself when its last byte is sent."""
+    ctx.begin(stream=stream)
+    try:
+        response = await create
+    except ApiError as exc:
+        ctx.finish(exc.type)
+        raise
+    except asyncio.CancelledError:
+        ctx.finish("client_disconnected")
+        raise
+    except BaseException:
+        ctx.finish("internal")
+        raise
+    if not isinstance(response, SSEResponse):
+        ctx.finish()
+    return response
+
+
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     ctx = admit(request, "/v1/completions")
     body = await parse(request, CompletionRequest)
-    metrics.IN_FLIGHT.inc()
-    try:
-        return await gateway_of(request).completion.create(body, ctx)
-    finally:
-        metrics.IN_FLIGHT.dec()
+    return await serve(ctx, body.stream, gateway_of(request).completion.create(body, ctx))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     ctx = admit(request, "/v1/chat/completions")
     body = await parse(request, ChatCompletionRequest)
-    metrics.IN_FLIGHT.inc()
-    try:
-        return await gateway_of(request).chat.create(body, ctx)
-    finally:
-        metrics.IN_FLIGHT.dec()
+    return await serve(ctx, body.stream, gateway_of(request).chat.create(body, ctx))

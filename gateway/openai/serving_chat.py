@@ -29,6 +29,7 @@ from gateway.openai.serving_engine import (
     OpenAIServing,
     RequestContext,
     SSEResponse,
+    TokenChunk,
     delta_logprobs,
     merge,
     sse,
@@ -154,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
             echo = prompt.chat.messages[-1].content
         if request.stream:
             streams = await self.open_all([stream_request], max_tokens, ctx)
-            return SSEResponse(self.stream(request, model, streams[0], echo, ctx))
+            return SSEResponse(self.stream(request, model, streams[0], echo, ctx), ctx)
         _, choices = await self.collect(stream_request, max_tokens, ctx)
         body = ChatCompletionResponse(
             model=model,
@@ -207,9 +208,13 @@ class OpenAIServingChat(OpenAIServing):
                 ctx.add_completion(token_count(delta))
                 lp = chat_logprobs(delta_logprobs(delta)) if request.logprobs else None
                 if delta.text or (lp is not None and lp.content):
-                    yield chunk(
-                        ChatChunkChoice(
-                            index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=lp
+                    yield TokenChunk(
+                        chunk(
+                            ChatChunkChoice(
+                                index=delta.index,
+                                delta=DeltaMessage(content=delta.text),
+                                logprobs=lp,
+                            )
                         )
                     )
                 if delta.finish_reason:
@@ -225,8 +230,6 @@ class OpenAIServingChat(OpenAIServing):
                     id=rid, created=created, model=model, choices=[], usage=ctx.usage()
                 )
                 yield sse(body)
-        except BackendLost as exc:
-            yield sse(self.api_error(exc.error).body())
-        except ApiError as exc:
-            yield sse(exc.body())
+        except (BackendLost, ApiError) as exc:
+            yield self.stream_error(exc, ctx)
         yield sse("[DONE]")

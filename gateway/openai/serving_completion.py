@@ -27,6 +27,7 @@ from gateway.openai.serving_engine import (
     OpenAIServing,
     RequestContext,
     SSEResponse,
+    TokenChunk,
     delta_logprobs,
     merge,
     sse,
@@ -107,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoes = [p.text if request.echo else "" for p in prompts]
         if request.stream:
             streams = await self.open_all(requests, max_tokens, ctx)
-            return SSEResponse(self.stream(request, model, streams, echoes, ctx))
+            return SSEResponse(self.stream(request, model, streams, echoes, ctx), ctx)
         results = await asyncio.gather(
             *(self.collect(r, max_tokens, ctx) for r in requests), return_exceptions=True
         )
@@ -186,21 +187,20 @@ class OpenAIServingCompletion(OpenAIServing):
                     part = Choice(index, logprobs=delta_logprobs(delta))
                     lp = self.logprobs_of(part, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(delta.text)
-                yield chunk(
+                out = chunk(
                     [
                         CompletionChoice(
                             index=index, text=delta.text, logprobs=lp, finish_reason=finish
                         )
                     ]
                 )
+                yield TokenChunk(out) if delta.text or (lp and lp.tokens) else out
             if include_usage:
                 yield sse(
                     CompletionChunk(
                         id=rid, created=created, model=model, choices=[], usage=ctx.usage()
                     )
                 )
-        except BackendLost as exc:
-            yield sse(self.api_error(exc.error).body())
-        except ApiError as exc:
-            yield sse(exc.body())
+        except (BackendLost, ApiError) as exc:
+            yield self.stream_error(exc, ctx)
         yield sse("[DONE]")

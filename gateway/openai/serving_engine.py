@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from common import tensor
 from gateway import metrics
@@ -27,7 +27,7 @@ from gateway.settings import Limits
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import RlfleetError
 
-__all__ = ["Choice", "OpenAIServing", "RequestContext", "SSEResponse", "sse"]
+__all__ = ["Choice", "OpenAIServing", "RequestContext", "SSEResponse", "TokenChunk", "sse"]
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +48,55 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+class TokenChunk(str):
+    """An SSE event that carries generated tokens (not the role, an echo or a bare finish):
+    the first one handed to ``send`` is the time to first token."""
+
+    __slots__ = ()
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events that stop the generation as soon as the client goes away: the body
     runs beside a watcher of ``http.disconnect`` whatever the ASGI version, and cancelling the
-    body closes the sampler streams (their ``finally``)."""
+    body closes the sampler streams (their ``finally``). The request's bookkeeping (``ctx``)
+    ends with the response: the in-flight gauge counts the stream until its last byte is sent
+    or its client went away, and token times are taken as ``send`` returns."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], ctx: RequestContext | None = None) -> None:
+        self.ctx = ctx
+        self._tokens_pending = False  # the chunk being sent is a TokenChunk
         super().__init__(
-            content,
+            self._marked(content) if ctx is not None else content,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             media_type="text/event-stream",
         )
 
+    async def _marked(self, content: AsyncIterator[str]) -> AsyncIterator[str]:
+        # StreamingResponse sends each chunk as soon as it has it, so the flag names the chunk
+        # of the next body message.
+        try:
+            async for chunk in content:
+                self._tokens_pending = isinstance(chunk, TokenChunk)
+                yield chunk
+        finally:
+            close = getattr(content, "aclose", None)
+            if close is not None:
+                await close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
+        ctx = self.ctx
+        timed_send = send
+        if ctx is not None:
+
+            async def timed_send(message: Message) -> None:
+                await send(message)
+                if self._tokens_pending and message["type"] == "http.response.body":
+                    self._tokens_pending = False
+                    ctx.token_sent(time.monotonic())
+
+        stream = asyncio.ensure_future(self.stream_response(timed_send))
         watch = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
             await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -75,6 +108,14 @@ class SSEResponse(StreamingResponse):
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
+            if ctx is not None:
+                if not stream.done() or stream.cancelled():
+                    ctx.finish("client_disconnected")
+                elif stream.exception() is not None:
+                    exc = stream.exception()
+                    ctx.finish("client_disconnected" if isinstance(exc, OSError) else "internal")
+                else:
+                    ctx.finish(ctx.error_type)
         if stream.done() and not stream.cancelled() and stream.exception() is not None:
             exc = stream.exception()
             if not isinstance(exc, OSError):
@@ -83,21 +124,62 @@ class SSEResponse(StreamingResponse):
 
 @dataclass
 class RequestContext:
-    """One HTTP request's bookkeeping."""
+    """One HTTP request's bookkeeping: its place in the in-flight gauge (``begin`` to
+    ``finish``), token times and counts, and the GenAI latency histograms."""
 
     route: str
     key: KeyLimiter
     started: float = field(default_factory=time.monotonic)
-    ttft_recorded: bool = False
+    stream: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    error_type: str | None = None  # set by a stream that ended with an error event
+    _state: str = "new"  # new -> serving -> finished
     # The route's completion-token counter, looked up once (add_completion runs per delta).
     _completion_counter: Any = field(default=None, repr=False)
 
-    def first_token(self) -> None:
-        if not self.ttft_recorded:
-            self.ttft_recorded = True
-            metrics.TTFT_SECONDS.labels(self.route).observe(time.monotonic() - self.started)
+    def begin(self, *, stream: bool) -> None:
+        self.stream = stream
+        self._state = "serving"
+        metrics.IN_FLIGHT.inc()
+
+    def finish(self, error_type: str | None = None) -> None:
+        """The response is complete (or failed, ``error_type``); the first call counts."""
+        if self._state != "serving":
+            return
+        self._state = "finished"
+        metrics.IN_FLIGHT.dec()
+        labels = (self.route, "true" if self.stream else "false")
+        metrics.REQUEST_DURATION.labels(*labels, error_type or "").observe(
+            time.monotonic() - self.started
+        )
+        if error_type is not None:
+            return
+        metrics.TOKEN_USAGE.labels(self.route, "input").observe(self.prompt_tokens)
+        metrics.TOKEN_USAGE.labels(self.route, "output").observe(self.completion_tokens)
+        first, last = self.first_token_at, self.last_token_at
+        if first is not None and last is not None and self.completion_tokens > 1:
+            metrics.TIME_PER_OUTPUT_TOKEN.labels(*labels).observe(
+                (last - first) / (self.completion_tokens - 1)
+            )
+
+    def stream_opened(self, opened: OpenedStream) -> None:
+        """A sampler started a stream for the request (queue time)."""
+        metrics.QUEUE_SECONDS.labels(self.route).observe(opened.started_at - self.started)
+
+    def token_sent(self, at: float) -> None:
+        """Tokens reached the client (a stream's chunk handed to ``send``) or, for a
+        non-streaming response, the gateway, at ``at`` (time.monotonic())."""
+        if self.first_token_at is None:
+            self.first_token_at = at
+            ttft = at - self.started
+            metrics.TTFT_SECONDS.labels(self.route).observe(ttft)
+            metrics.TIME_TO_FIRST_TOKEN.labels(
+                self.route, "true" if self.stream else "false"
+            ).observe(ttft)
+        self.last_token_at = at
 
     def add_prompt(self, count: int) -> None:
         self.prompt_tokens += count
@@ -258,6 +340,13 @@ class OpenAIServing:
             exc, prompt_param=self.prompt_param, top_logprobs=self.top_logprobs_param
         )
 
+    def stream_error(self, exc: BackendLost | ApiError, ctx: RequestContext) -> str:
+        """The SSE event that ends a stream which failed after it began: an OpenAI error object
+        without the sampler's own message (from_backend logs it: it names the sampler)."""
+        error = self.api_error(exc.error) if isinstance(exc, BackendLost) else exc
+        ctx.error_type = error.type
+        return sse(error.body())
+
     async def open_one(
         self, request: sampler_pb2.GenerateStreamRequest, max_tokens: int, ctx: RequestContext
     ) -> OpenedStream:
@@ -271,7 +360,7 @@ class OpenAIServing:
         except BaseException:
             await opened.aclose()
             raise
-        ctx.first_token()
+        ctx.stream_opened(opened)
         return opened
 
     async def open_all(
@@ -339,10 +428,12 @@ class OpenAIServing:
                 except BaseException:
                     await opened.aclose()
                     raise
-                ctx.first_token()
+            ctx.stream_opened(opened)
+            ctx.token_sent(opened.first_delta_at)
             choices = [Choice(i) for i in range(max(1, request.sampling.n))]
             try:
                 async for delta in opened:
+                    ctx.last_token_at = time.monotonic()
                     choice = choices[delta.index]
                     choice.text.append(delta.text)
                     choice.tokens += token_count(delta)

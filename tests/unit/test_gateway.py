@@ -3,11 +3,14 @@ fake replicas; tests/contract/test_gateway.py runs the same client paths against
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 
 import httpx
 import openai
+import prometheus_client
 import pytest
 
 from gateway.limits import KeyLimiter, TokenBucket
@@ -386,6 +389,64 @@ def test_stream_lost_midway_ends_with_an_error_event(
     gw.call(_wait(lambda: all(b.healthy for b in gw.gateway.pool.backends)))
 
 
+def test_stream_error_event_names_no_internal_address(
+    gw: ThreadedGateway, replicas: list[FakeReplica], caplog: pytest.LogCaptureFixture
+) -> None:
+    for r in replicas:
+        r.fail_after_tokens = 2
+    bodies = [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]
+    for path, body in bodies:
+        with httpx.stream(
+            "POST",
+            gw.url + path,
+            json={"model": MODEL, "max_tokens": 5, "stream": True, **body},
+        ) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        event = lines[-2]
+        e = json.loads(event.removeprefix("data: "))["error"]
+        assert set(e) == {"message", "type", "param", "code"}
+        assert e["type"] == "service_unavailable" and e["code"] == "backend_unavailable"
+        for internal in ("fake:", "127.0.0.1", "41234", "UNAVAILABLE", "GenerateStream"):
+            assert internal not in event, (internal, event)
+    # ... and the non-streaming request that every replica lost (a 503)
+    r = httpx.post(
+        gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5}
+    )
+    assert r.status_code == 503 and "127.0.0.1" not in r.text and "fake:" not in r.text
+    # the detail is in the gateway's log instead
+    assert any("127.0.0.1:41234" in rec.getMessage() for rec in caplog.records)
+    for r in replicas:
+        r.fail_after_tokens = None
+    gw.call(_wait(lambda: all(b.healthy for b in gw.gateway.pool.backends)))
+
+
+def test_prompt_too_long_for_the_model_is_context_length_exceeded(gw: ThreadedGateway) -> None:
+    e = error(
+        httpx.post(
+            gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 70, "max_tokens": 1}
+        ),
+        400,
+    )
+    assert e["code"] == "context_length_exceeded" and e["param"] == "prompt"
+    assert e["message"].startswith(
+        "This model's maximum context length is 64 tokens. However, your prompt resulted in 70 "
+        "tokens"
+    )
+    messages = [{"role": "user", "content": "x" * 70}]
+    e = error(
+        httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}),
+        400,
+    )
+    assert e["code"] == "context_length_exceeded" and e["param"] == "messages"
+    assert e["message"].startswith("This model's maximum context length is 64 tokens. However, ")
+    assert "your messages resulted in 76 tokens" in e["message"]  # "<user>" and the 70
+    assert "prompt." not in e["message"] and "fake:" not in e["message"]
+
+
 def test_no_healthy_backend_503(gw: ThreadedGateway, replicas: list[FakeReplica]) -> None:
     for r in replicas:
         r.serving = False
@@ -429,6 +490,155 @@ def test_metrics(gw: ThreadedGateway) -> None:
         "gateway_backend_errors_total",
     ):
         assert "rlfleet_" + name in text, name
+
+
+def sample(name: str, **labels: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def stream_body(path: str, max_tokens: int) -> dict[str, object]:
+    if path == "/v1/completions":
+        return {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "stream": True}
+    messages = [{"role": "user", "content": "x"}]
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
+
+
+def has_tokens(line: str) -> bool:
+    if not line.startswith("data: {"):
+        return False
+    choice = json.loads(line.removeprefix("data: "))["choices"][0]
+    return bool(choice.get("text") or choice.get("delta", {}).get("content"))
+
+
+async def test_in_flight_counts_streams_until_their_last_byte(
+    gw: ThreadedGateway, replicas: list[FakeReplica]
+) -> None:
+    import contextlib
+
+    for r in replicas:
+        r.delay_s = 0.05
+    gauge = "rlfleet_gateway_in_flight_requests"
+    base = sample(gauge)
+    paths = ["/v1/completions", "/v1/chat/completions"] * 2
+    async with (
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        streams = []
+        for path in paths:
+            r = await stack.enter_async_context(
+                client.stream("POST", path, json=stream_body(path, 30))
+            )
+            lines = r.aiter_lines()
+            while not has_tokens(await anext(lines)):  # streaming has begun
+                pass
+            streams.append((r, lines))
+        assert sample(gauge) == base + 4  # every open stream, past its first token
+        await streams[0][0].aclose()  # a client that goes away is no longer in flight
+        await asyncio.to_thread(gw.call, _wait(lambda: sample(gauge) == base + 3))
+        for _, lines in streams[1:]:
+            assert [line async for line in lines if line][-1] == "data: [DONE]"
+    await asyncio.to_thread(gw.call, _wait(lambda: sample(gauge) == base))
+
+
+def test_ttft_is_taken_when_the_first_token_chunk_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from tests.unit import test_gateway_fakes
+
+    delay = 0.2
+
+    def slow_sends(app):  # type: ignore[no-untyped-def]
+        """Each body chunk takes ``delay`` to reach the socket (a slow client or network)."""
+
+        async def wrapped(scope, receive, send):  # type: ignore[no-untyped-def]
+            async def late(message):  # type: ignore[no-untyped-def]
+                if message["type"] == "http.response.body" and message.get("body"):
+                    await asyncio.sleep(delay)
+                await send(message)
+
+            await app(scope, receive, late)
+
+        return wrapped
+
+    build = test_gateway_fakes.build_app
+    monkeypatch.setattr(test_gateway_fakes, "build_app", lambda g: slow_sends(build(g)))
+    g = ThreadedGateway(settings(), [FakeReplica("slow:1")])
+    try:
+        path = "/v1/chat/completions"
+        ttft = "rlfleet_gen_ai_server_time_to_first_token_seconds"
+        labels = {"route": path, "stream": "true"}
+        count, total = sample(ttft + "_count", **labels), sample(ttft + "_sum", **labels)
+        old_total = sample("rlfleet_gateway_ttft_seconds_sum", route=path)
+        began = time.monotonic()
+        with httpx.stream("POST", g.url + path, json=stream_body(path, 3)) as r:
+            lines = r.iter_lines()
+            while not has_tokens(next(lines)):  # the role chunk comes first
+                pass
+            seen = time.monotonic() - began
+            list(lines)
+        # The old name (kept) reports the same observation.
+        assert sample("rlfleet_gateway_ttft_seconds_sum", route=path) - old_total >= 2 * delay
+        assert sample(ttft + "_count", **labels) == count + 1
+        measured = sample(ttft + "_sum", **labels) - total
+        # The role chunk and the first content chunk were both sent before it was taken ...
+        assert measured >= 2 * delay
+        # ... and it is no later than the client saw that chunk.
+        assert measured <= seen + 0.1
+    finally:
+        g.close()
+
+
+def bucket_bounds(name: str) -> list[float]:
+    for family in prometheus_client.REGISTRY.collect():
+        if family.name == name:
+            bounds = {float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")}
+            return sorted(b for b in bounds if b != float("inf"))
+    raise AssertionError(f"no metric {name}")
+
+
+def test_genai_histograms_have_fine_buckets(gw: ThreadedGateway) -> None:
+    path = "/v1/completions"
+    with httpx.stream("POST", gw.url + path, json=stream_body(path, 5)) as r:
+        list(r.iter_lines())
+    httpx.post(gw.url + path, json={"model": MODEL, "prompt": "x", "max_tokens": 5})
+    text = httpx.get(gw.url + "/metrics").text
+    for name in (
+        "gen_ai_server_time_to_first_token_seconds",
+        "gen_ai_server_time_per_output_token_seconds",
+        "gen_ai_server_request_duration_seconds",
+        "gen_ai_client_token_usage",
+        "gateway_request_queue_seconds",
+    ):
+        for stream in ("true", "false"):
+            if "queue" in name or "token_usage" in name:
+                continue
+            assert f'rlfleet_{name}_bucket{{le="0.01",route="{path}",stream="{stream}"' in text or (
+                f'rlfleet_{name}_bucket{{error_type="",le="0.01",route="{path}",stream="{stream}"'
+                in text
+            ), (name, stream)
+        assert f"rlfleet_{name}_count" in text, name
+    # The OpenTelemetry GenAI advisory boundaries are all there (so the histograms aggregate
+    # down to them), with more between 0.1 s and 5 s where percentiles are read.
+    otel_ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75]
+    otel_ttft += [1, 2.5, 5, 7.5, 10]
+    otel_tpot = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5]
+    otel_duration = [0.01 * 2**k for k in range(14)]
+    otel_tokens = [4**k for k in range(14)]
+    for name, otel in (
+        ("rlfleet_gen_ai_server_time_to_first_token_seconds", otel_ttft),
+        ("rlfleet_gen_ai_server_time_per_output_token_seconds", otel_tpot),
+        ("rlfleet_gen_ai_server_request_duration_seconds", otel_duration),
+        ("rlfleet_gen_ai_client_token_usage", otel_tokens),
+    ):
+        bounds = bucket_bounds(name)
+        assert all(any(abs(b - o) < 1e-9 for b in bounds) for o in otel), name
+    ttft = bucket_bounds("rlfleet_gen_ai_server_time_to_first_token_seconds")
+    assert len([b for b in ttft if 1.0 < b < 2.5]) >= 3  # 1.2 s is read within 25%, not 2.4 s
+    duration = bucket_bounds("rlfleet_gen_ai_server_request_duration_seconds")
+    assert all(hi / lo <= 1.5 + 1e-9 for lo, hi in itertools.pairwise(duration))
+    tokens = "rlfleet_gen_ai_client_token_usage_count"
+    assert sample(tokens, route=path, token_type="output") >= 2
 
 
 async def _wait(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]

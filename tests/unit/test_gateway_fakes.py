@@ -124,8 +124,14 @@ class FakeReplica:
         if s.n > 8:
             raise InvalidArgument("sampling.n must be in [1, 8]", field="sampling.n")
         ids = self.prompt_ids(request.prompt)
+        prompt_kind = request.prompt.WhichOneof("input")
         if len(ids) >= self.MAX_CONTEXT:
-            raise InvalidArgument("prompt.text: too long", field="prompt.text")
+            field = f"prompt.{prompt_kind}"  # as sampler/lm/requests.py words it
+            raise InvalidArgument(
+                f"sampler {self.address}: GenerateStream: {field}: the prompt has {len(ids)} "
+                f"tokens, leaving no room to generate in the context of {self.MAX_CONTEXT} tokens",
+                field=field,
+            )
         self.open_streams += 1
         finished = False
         try:
@@ -145,7 +151,11 @@ class FakeReplica:
                     if i in done:
                         continue
                     if self.fail_after_tokens is not None and sent >= self.fail_after_tokens:
-                        raise Unavailable(f"sampler {self.address}: GenerateStream: lost")
+                        # What grpc reports for a broken connection, peer address included.
+                        raise Unavailable(
+                            f"sampler {self.address}: GenerateStream: Socket closed "
+                            f"(ipv4:127.0.0.1:41234: UNAVAILABLE)"
+                        )
                     if self.delay_s:
                         await asyncio.sleep(self.delay_s)
                     token = texts[i][t]

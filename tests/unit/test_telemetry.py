@@ -189,3 +189,66 @@ async def test_a_bus_message_carries_its_trace_from_publisher_to_consumer(spans,
     assert receive.parent.span_id == publish.context.span_id  # the headers named the publish span
     assert receive.attributes["messaging.destination.name"] == subject
     assert delivery.headers["traceparent"].split("-")[2] == f"{publish.context.span_id:016x}"
+
+
+async def feed(request: bytes, context: grpc.aio.ServicerContext):
+    # Large messages, no await of its own: the handler waits at its yield while grpc sends,
+    # as FetchWeights does, so a cancel lands in grpc's send and not in the handler.
+    for _ in range(10_000):
+        yield b"w" * (1 << 20)
+
+
+FEED = grpc.method_handlers_generic_handler(
+    SERVICE, {"Feed": grpc.unary_stream_rpc_method_handler(feed)}
+)
+
+
+async def test_a_cancelled_stream_is_no_error_span_and_logs_no_traceback(spans, caplog):
+    import gc
+    import logging
+
+    spans.clear()
+    caplog.set_level(logging.DEBUG)
+    server = GrpcServer("tele")
+    server.add_service(add_tele, FEED, SERVICE)
+    async with server:
+        server.set_serving()
+        async with channel(server.address) as ch:
+            call = ch.unary_stream(f"/{SERVICE}/Feed")(b"", timeout=10)
+            await call.read()
+            call.cancel()
+            name = f"{SERVICE}/Feed"
+            for _ in range(300):
+                gc.collect()
+                if by_name(spans, name, trace.SpanKind.SERVER):
+                    break
+                await asyncio.sleep(0.01)
+    (span,) = by_name(spans, name, trace.SpanKind.SERVER)
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert span.status.status_code != trace.StatusCode.ERROR
+    (client,) = by_name(spans, name, trace.SpanKind.CLIENT)
+    assert client.status.status_code != trace.StatusCode.ERROR  # the caller cancelled it
+    assert not [r for r in caplog.records if "Failed to detach context" in r.getMessage()]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+async def test_health_checks_are_not_traced(spans):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    spans.clear()
+    server = GrpcServer("tele")
+    server.add_service(add_tele, TELE, SERVICE)
+    async with server:
+        server.set_serving()
+        async with channel(server.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+            await ch.unary_unary(f"/{SERVICE}/Echo")(b"hi", timeout=2)
+    await settle(spans, 2)
+    await asyncio.sleep(0.05)
+    names = {s.name for s in spans.get_finished_spans()}
+    assert names == {f"{SERVICE}/Echo"}, names
