@@ -11,6 +11,13 @@ again from the start under a new ``generation``, so a client holding a cursor of
 starts over instead of mixing two files. Lines that are not such records are skipped and counted,
 with the first few reasons kept for the page to show.
 
+Every point also carries the run's env steps when it was recorded (``steps``, beside
+``points``), so the page can draw curves against env steps: the latest ``charts/global_step``
+(the learner's env steps trained on, CleanRL's ``global_step``) read at or before that record,
+null before the first one (and in runs that report none, such as LM runs). A series' ``role``
+says what its service is, from what it reports: ``learner`` (it reports ``charts/global_step``),
+``actor`` (it reports its own ``charts/episodes``: an actor or a game link), else empty.
+
 Earlier runs are the sibling directories of the current run (``runs/*``) that hold a
 ``metrics.jsonl``; a run is named by its directory.
 """
@@ -28,6 +35,8 @@ __all__ = ["METRICS_FILE", "MetricsFile", "Record", "RunInfo", "Runs", "UnknownR
 
 METRICS_FILE = "metrics.jsonl"
 MAX_PROBLEMS = 5  # reasons kept for skipped lines; the count goes on
+STEP_KEY = "charts/global_step"  # the run's env steps, reported by the learner
+EPISODES_KEY = "charts/episodes"  # an episode producer's own count (common.stats.ActorStats)
 
 
 class UnknownRun(LookupError):
@@ -85,6 +94,9 @@ class MetricsFile:
     generation: int = 0  # a new one whenever the file is read again from the start
     skipped: int = 0
     problems: list[str] = field(default_factory=list)
+    steps: list[float | None] = field(default_factory=list)  # the run's env steps per record
+    roles: dict[str, str] = field(default_factory=dict)  # service -> learner / actor
+    _step: float | None = None  # the latest charts/global_step read
     _offset: int = 0
     _partial: bytes = b""
     _lines: int = 0
@@ -120,14 +132,25 @@ class MetricsFile:
         if not text:
             return
         try:
-            self.records.append(parse_record(text))
+            record = parse_record(text)
         except ValueError as exc:
             self.skipped += 1
             if len(self.problems) < MAX_PROBLEMS:
                 self.problems.append(f"{self.path.name} line {self._lines}: {exc}")
+            return
+        if STEP_KEY in record.values:
+            self._step = record.values[STEP_KEY]
+            self.roles[record.service] = "learner"
+        elif EPISODES_KEY in record.values:
+            self.roles.setdefault(record.service, "actor")
+        self.records.append(record)
+        self.steps.append(self._step)
 
     def _start_over(self) -> None:
         self.records.clear()
+        self.steps.clear()
+        self.roles.clear()
+        self._step = None
         self.problems.clear()
         self.skipped = self._offset = self._lines = 0
         self._partial = b""
@@ -144,23 +167,40 @@ class MetricsFile:
             "reset": reset,
             "skipped": self.skipped,
             "problems": list(self.problems),
-            "series": series(self.records[start:]),
+            "series": series(self.records[start:], self.steps[start:], self.roles),
         }
 
 
-def series(records: list[Record]) -> list[dict[str, Any]]:
-    """One series per (metric name, service): ``points`` are ``[time, value]`` pairs,
-    ``nonfinite`` the times its value was NaN/inf (no point there)."""
+def series(
+    records: list[Record],
+    steps: list[float | None] | None = None,
+    roles: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """One series per (metric name, service): ``points`` are ``[time, value]`` pairs, ``steps``
+    the run's env steps at each point (null: not known yet), ``nonfinite`` the times its value
+    was NaN/inf (no point there), ``role`` its service's (see the module doc)."""
+    if steps is None:
+        steps = [None] * len(records)
+    roles = roles or {}
     out: dict[tuple[str, str], list[list[float]]] = {}
+    at: dict[tuple[str, str], list[float | None]] = {}
     bad: dict[tuple[str, str], list[float]] = {}
-    for r in records:
+    for r, step in zip(records, steps, strict=True):
         for key, value in r.values.items():
             out.setdefault((key, r.service), []).append([r.time, value])
+            at.setdefault((key, r.service), []).append(step)
         for key in r.nonfinite:
             out.setdefault((key, r.service), [])
             bad.setdefault((key, r.service), []).append(r.time)
     return [
-        {"key": key, "service": service, "points": points, "nonfinite": bad.get((key, service), [])}
+        {
+            "key": key,
+            "service": service,
+            "role": roles.get(service, ""),
+            "points": points,
+            "steps": at.get((key, service), []),
+            "nonfinite": bad.get((key, service), []),
+        }
         for (key, service), points in sorted(out.items())
     ]
 

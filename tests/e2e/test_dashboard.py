@@ -1,13 +1,16 @@
 """End to end: the dashboard of `rlfleet up` in headless Chromium while a short PPO run trains.
 
-`rlfleet up` on (a copy of) examples/cartpole_ppo.yaml with a 20k-step budget and
+`rlfleet up` on (a copy of) examples/cartpole_ppo.yaml with two actors, a 20k-step budget and
 RLFLEET_TENSORBOARD=1 (what `--tensorboard` sets); Debian's `chromium`, driven by Playwright's
 Python package (its bundled driver, no browser download), opens the printed URL and checks that
 the page loads, that every service shows healthy (gRPC services) or running, that an episodic
-return curve exists and gains points while the run trains, and that the losses are drawn; it
-saves a screenshot in the test's tmp dir and prints its path; the run picker then shows an earlier
-run's curve (a metrics.jsonl beside the run dir). TensorBoard answers on its printed URL, and
-when the run ends neither it nor the dashboard is left.
+return curve exists and gains points while the run trains, and that the losses are drawn; that
+the x axis counts env steps with compact tick labels and the toggle switches it to wall time,
+that the return chart's series say what they are (the learner's first), that the hard-to-read
+charts carry help text and that a run without a score metric has no score chart; it saves a
+screenshot in the test's tmp dir and prints its path; the run picker then shows an earlier
+run's curves (a metrics.jsonl beside the run dir), its score chart among them. TensorBoard
+answers on its printed URL, and when the run ends neither it nor the dashboard is left.
 
 Needs /usr/bin/chromium and the playwright package (`make browser-deps` installs both); without
 them the test is skipped with that advice, and under CI=true it fails instead.
@@ -32,7 +35,7 @@ from tests.fixtures.launch import Up, assert_nothing_left
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cartpole_ppo.yaml"
-SERVICES = ("env-0", "learner", "actor-0")  # the example: one actor
+SERVICES = ("env-0", "learner", "actor-0", "actor-1")  # the example's two-actor shape
 CHROMIUM = Path(os.environ.get("RLFLEET_CHROMIUM", "/usr/bin/chromium"))
 # Headless and quiet: nothing of the browser's own reaches the network. (Playwright's launch()
 # gives every browser a fresh temporary --user-data-dir of its own.)
@@ -49,6 +52,8 @@ CHROMIUM_ARGS = [
 RUN_TIMEOUT_S = 420.0  # a 20k-step run takes about a minute on 2 idle cores
 PAGE_TIMEOUT_MS = 240_000  # waits inside the page: the whole run's start-up on a loaded machine
 RETURN_CHART = '.chart[data-key="charts/episodic_return"]'
+SCORE_KEY = "charts/episodic_score"  # the earlier run's: a game that reports its score
+COMPACT = re.compile(r"^-?\d{1,3}(\.\d{1,3})?[kMGT]?$|^-?\d(\.\d+)?e-\d+$|^-?0\.\d{1,4}$")
 
 pytestmark = [
     pytest.mark.slow,
@@ -78,6 +83,8 @@ def write_config(tmp_path: Path) -> tuple[Path, Path]:
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"e2e-dash-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}
     config["job"].update({"total_timesteps": 20_000, "target_return": None, "seed": 1})
+    # The example's other shape (same batch): two actors, so the return chart has three lines.
+    config["job"].update({"num_actors": 2, "num_envs": 4, "fragments_per_update": 2})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, run_dir
@@ -88,13 +95,60 @@ def write_earlier_run(tmp_path: Path) -> None:
     lines = [
         {"time": 1_700_000_000.0 + i, "kind": "metrics", "type": "rlfleet.bus.v1.Metrics",
          "service": "learner", "step": i, "version": i,
-         "values": {"charts/episodic_return": 10.0 * i}}
+         "values": {"charts/episodic_return": 10.0 * i, "charts/global_step": 256.0 * i,
+                    SCORE_KEY: float(i)}}
         for i in (1, 2)
     ]  # fmt: skip
     (tmp_path / "earlier").mkdir()
     (tmp_path / "earlier" / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in lines)
     )
+
+
+def check_axes_labels_and_help(page: Any) -> None:
+    """On the live run: env steps on x (compact ticks), the toggle to wall time and back, the
+    return chart's series labels, help texts, and no score chart (CartPole reports none)."""
+    key = "charts/episodic_return"
+    assert page.evaluate("() => rlfleetDashboard.xMode()") == "steps"
+    axes = page.evaluate(f"() => rlfleetDashboard.axes('{key}')")
+    assert axes["xTime"] is False
+    # The tick labels uPlot drew on the canvas: short, no lost digits.
+    for label in axes["x"] + axes["y"]:
+        assert COMPACT.match(label), (label, axes)
+    assert any(label.endswith("k") for label in axes["x"]), axes  # thousands of env steps
+    formatted = page.evaluate(
+        """() => [[12000, 1000], [3400000, 100000], [2500, 2500], [0.25, 0.05],
+                  [0.00015, 0.00005], [0.0015, 0.0005], [475, 25], [0, 0.1], [1234567]]
+                 .map(([v, incr]) => rlfleetDashboard.formatTick(v, incr))"""
+    )
+    assert formatted == ["12k", "3.4M", "2.5k", "0.25", "1.5e-4", "0.0015", "475", "0", "1.23M"]
+
+    # The learner's line comes with its first mean return, maybe after the actors' lines.
+    page.wait_for_function(f"() => rlfleetDashboard.labels('{key}')?.length === 3")
+    labels = page.evaluate(f"() => rlfleetDashboard.labels('{key}')")
+    assert labels[0] == "learner (all actors, recent episodes)", labels
+    assert sorted(labels[1:]) == [
+        "actor-0 (its own recent episodes)",
+        "actor-1 (its own recent episodes)",
+    ], labels
+
+    for chart, words in (
+        ("charts/episodic_return", "learner"),
+        ("charts/dropped_fragments", "max_policy_lag"),
+        ("charts/update_s", "Seconds per learner update"),
+        ("losses/clipfrac", "importance ratio"),
+        ("losses/ratio_mean", "importance ratio"),
+    ):
+        help_text = page.locator(f'.chart[data-key="{chart}"] .help').inner_text()
+        assert words in help_text, (chart, help_text)
+    keys = page.eval_on_selector_all(".chart", "bs => bs.map(b => b.dataset.key)")
+    assert not [k for k in keys if k.endswith("score")], keys
+
+    page.check('input[name="x-axis"][value="time"]')
+    assert page.evaluate("() => rlfleetDashboard.xMode()") == "time"
+    assert page.evaluate(f"() => rlfleetDashboard.axes('{key}').xTime") is True
+    page.check('input[name="x-axis"][value="steps"]')
+    assert page.evaluate(f"() => rlfleetDashboard.axes('{key}').xTime") is False
 
 
 def wait_http(url: str, timeout_s: float) -> httpx.Response:
@@ -164,6 +218,7 @@ def test_dashboard_shows_the_run_live(tmp_path: Path, monkeypatch: pytest.Monkey
                 ):
                     assert page.locator(f'.chart[data-key="{key}"]').count() == 1, key
                 assert page.locator('option[value="run"]').inner_text() == "run (current)"
+                check_axes_labels_and_help(page)
 
                 screenshot = tmp_path / "dashboard.png"
                 page.screenshot(path=str(screenshot), full_page=True)
@@ -172,6 +227,14 @@ def test_dashboard_shows_the_run_live(tmp_path: Path, monkeypatch: pytest.Monkey
                 page.wait_for_function(
                     f"() => document.querySelector('{RETURN_CHART}')?.dataset.points === '2'"
                 )
+                # A run with a score metric has a score chart, next to the return's.
+                score = page.locator(f'.chart[data-key="{SCORE_KEY}"]')
+                score.wait_for(state="attached")
+                assert score.get_attribute("data-points") == "2"
+                assert "score" in score.locator(".help").inner_text()
+                keys = page.eval_on_selector_all(".chart", "bs => bs.map(b => b.dataset.key)")
+                assert keys[:2] == ["charts/episodic_return", SCORE_KEY], keys
+                assert page.evaluate(f"() => rlfleetDashboard.axes('{SCORE_KEY}').xTime") is False
                 page.locator("#services-note").wait_for(state="visible")  # no services: earlier
                 assert page.locator("#services").is_hidden()
             finally:

@@ -229,3 +229,43 @@ def test_non_finite_values_flagged_in_the_file_are_marked_on_their_series(
     # The loss has no point, yet its series is there, saying when it was NaN/inf.
     assert marks == {("charts/SPS", "learner"): [], ("losses/pg_loss", "learner"): [2.0]}
     assert points(reply)[("losses/pg_loss", "learner")] == []
+
+
+def test_points_carry_the_run_env_steps_and_series_their_role(runs_root: Path) -> None:
+    path = runs_root / "now" / "metrics.jsonl"
+    write(
+        path,
+        # An actor reports before the learner's first update: no env steps known yet.
+        record(1, "actor-0", **{"charts/episodic_return": 9.0, "charts/episodes": 1.0}),
+        record(2, **{"charts/global_step": 256.0, "charts/episodic_return": 10.0}),
+        record(3, "actor-1", **{"charts/episodic_return": 12.0, "charts/episodes": 2.0}),
+        record(4, "env-0", **{"env/steps_per_s": 5.0}),
+    )
+    api = client(runs_root)
+    first = api.get("/api/runs/now/metrics").json()
+    got = {(s["key"], s["service"]): (s["role"], s["steps"]) for s in first["series"]}
+    assert got[("charts/episodic_return", "actor-0")] == ("actor", [None])
+    assert got[("charts/episodic_return", "learner")] == ("learner", [256.0])
+    assert got[("charts/episodic_return", "actor-1")] == ("actor", [256.0])
+    assert got[("env/steps_per_s", "env-0")] == ("", [256.0])
+
+    # A later poll: the steps go on from the last global_step read, roles are remembered.
+    write(
+        path,
+        record(5, "actor-0", **{"charts/episodic_return": 20.0, "charts/episodes": 3.0}),
+        record(6, **{"charts/global_step": 512.0, "losses/entropy": 0.6}),
+    )
+    query = {"since": first["cursor"], "generation": first["generation"]}
+    second = api.get("/api/runs/now/metrics", params=query).json()
+    got = {(s["key"], s["service"]): (s["role"], s["steps"]) for s in second["series"]}
+    assert got == {
+        ("charts/episodic_return", "actor-0"): ("actor", [256.0]),
+        ("charts/episodes", "actor-0"): ("actor", [256.0]),
+        ("charts/global_step", "learner"): ("learner", [512.0]),
+        ("losses/entropy", "learner"): ("learner", [512.0]),
+    }
+
+    # A replaced file starts over: no env steps and no roles carried from the old one.
+    path.write_text(record(7, "actor-0", **{"charts/SPS": 3.0}) + "\n")
+    third = api.get("/api/runs/now/metrics", params={"since": 6, "generation": 0}).json()
+    assert [(s["role"], s["steps"]) for s in third["series"]] == [("", [None])]

@@ -2,22 +2,93 @@
 // and draws one uPlot chart per metric name, one line per service, grouped by the name's prefix
 // (CleanRL's charts/, losses/; reward/, eval/, rollout/ of LM runs). Each poll asks only for the
 // records after its cursor. Text from the run (names, states) is set as text, never as HTML.
+// The x axis counts env steps (each point's `steps`, from the learner's charts/global_step) or,
+// by the header's toggle, wall time; runs that report no env steps (LM runs) draw wall time.
 "use strict";
 
 const POLL_MS = 1000;
 const RUNS_EVERY = 5; // polls between refreshes of the run list
 const GROUP_ORDER = ["charts", "losses", "reward", "rewards", "eval", "rollout"];
-const FIRST_KEYS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS"];
-const COLORS = ["#1e88e5", "#e53935", "#43a047", "#fb8c00", "#8e24aa", "#00897b", "#6d4c41", "#546e7a"];
+// A game's own score (Snake's food eaten, Atari's unclipped score) as a metric of its own.
+const SCORE_KEY = /(^|[/_])score$/i;
+const FIRST_KEYS = ["charts/episodic_return", "score", "charts/episodic_length", "charts/SPS"];
+const FEATURED = new Set(["charts/episodic_return", "score"]);
+const LEARNER_COLOR = "#0d47a1";
+const COLORS = ["#e53935", "#43a047", "#fb8c00", "#8e24aa", "#00897b", "#6d4c41", "#546e7a", "#1e88e5"];
 const CHART_HEIGHT = 200;
+const X_MODE_STORE = "rlfleet.dashboard.x";
+
+// What a series of a chart is, by its service's role (series' `role`, launch/dashboard/metrics.py).
+const ROLE_NOTES = {
+  "charts/episodic_return": { learner: "all actors, recent episodes", actor: "its own recent episodes" },
+  "charts/episodic_length": { learner: "all actors, recent episodes", actor: "its own recent episodes" },
+  score: { learner: "all actors, recent episodes", actor: "its own recent episodes" },
+  "charts/SPS": { learner: "env steps trained on/s", actor: "its env steps/s" },
+};
+
+// One or two lines under each known chart's title: what it shows, what to do about it.
+const HELP = {
+  "charts/episodic_return":
+    "Mean return per episode. Thick line: the learner's, over the last episode_window (20) episodes of all actors: " +
+    "the run's headline, which target_return is checked against. Thin lines: each actor's mean over its own last 20 episodes.",
+  score:
+    "The game's own score per episode (e.g. food eaten in Snake, Atari's unclipped score), which the return " +
+    "(clipped or shaped rewards) may not show.",
+  "charts/episodic_length": "Mean episode length in env steps; lines as in episodic_return.",
+  "charts/SPS":
+    "Env steps per second: the learner's is the env steps it trained on per second since it started, " +
+    "an actor's its own env steps per second over its last report interval.",
+  "charts/policy_lag":
+    "How many policy versions behind the learner the trained fragments were (mean per update). " +
+    "Fragments more than max_policy_lag behind are dropped (see dropped_fragments).",
+  "charts/dropped_fragments":
+    "Fragments the learner threw away as stale (more than max_policy_lag versions old), counted since the run began. " +
+    "Flat is good; a steady climb means the actors outrun the learner: fewer actors or envs, a larger " +
+    "fragments_per_update or a higher max_policy_lag. Invalid fragments are in the learner's log and ledger, " +
+    "NaN/inf updates in losses/nonfinite_updates.",
+  "charts/update_s":
+    "Seconds per learner update (all epochs and minibatches of one batch), not counting the wait for fragments. " +
+    "Near the time the actors take to fill a batch, the learner is the bottleneck.",
+  "charts/global_step": "Env steps the learner has trained on (CleanRL's global_step): what the env-steps x axis counts.",
+  "charts/learning_rate": "The learner's learning rate (falls linearly to 0 with anneal_lr).",
+  "charts/episodes": "Episodes each actor has finished.",
+  "losses/policy_loss": "PPO's clipped surrogate loss, the policy-gradient part. Its level means little; watch for spikes.",
+  "losses/value_loss": "Mean squared error of the value function against the returns.",
+  "losses/loss": "The total loss: policy loss + vf_coef x value loss - ent_coef x entropy.",
+  "losses/entropy":
+    "Entropy of the policy's actions: falls as the policy grows sure. A collapse to 0 early means it stopped exploring.",
+  "losses/approx_kl":
+    "How far one update moved the policy (KL old to new, CleanRL's estimator). Small (about 0.02 or less) in healthy " +
+    "PPO; if large, lower learning_rate or update_epochs, or set target_kl.",
+  "losses/clipfrac":
+    "Fraction of samples whose importance ratio (new / old policy probability) left [1 - clip_coef, 1 + clip_coef] " +
+    "and was clipped: near 0, tiny updates; high, too large steps.",
+  "losses/ratio_mean":
+    "Mean importance ratio (new / old policy probability of the taken actions): 1 means the update left the policy " +
+    "where it was; far from 1, the updates are large.",
+  "losses/vtrace_rho_mean": "Mean V-trace importance weight (learner policy / acting policy) of the batch: how off-policy it was.",
+  "losses/vtrace_rho_clipfrac": "Fraction of V-trace importance weights clipped at rho_bar.",
+  "losses/explained_variance":
+    "How well the value function predicts the returns: 1 perfectly, 0 no better than a constant, below 0 worse.",
+  "losses/epochs": "Epochs run per update (fewer than update_epochs when target_kl stopped one early).",
+  "losses/nonfinite_updates":
+    "Updates skipped for a NaN/inf in the batch, loss or gradients (none applied). Any rise: the learner's log " +
+    "names the fragments' source.",
+};
+
+const isScore = (key) => SCORE_KEY.test(key);
+const kind = (key) => (isScore(key) ? "score" : key); // a score metric's notes and place
 
 const view = {
   run: null, // the run shown (its directory name)
   current: null, // the run `rlfleet up` is running
   generation: null,
   cursor: 0,
-  charts: new Map(), // metric name -> {box, plot, lines: Map(service -> {t: [], v: []}), nonfinite}
+  charts: new Map(), // metric name -> {box, plot, lines: Map(service -> {t, v, s, role}), nonfinite}
   polls: 0,
+  xWanted: localStorage.getItem(X_MODE_STORE) === "time" ? "time" : "steps", // the toggle
+  hasSteps: false, // some point of this run has env steps
+  xDrawn: null, // the x axis the charts are drawn with
 };
 
 const $ = (id) => document.getElementById(id);
@@ -64,7 +135,21 @@ function showRun(runId) {
 function clearCharts() {
   for (const chart of view.charts.values()) chart.plot?.destroy();
   view.charts.clear();
+  view.hasSteps = false;
   $("groups").replaceChildren();
+}
+
+// Env steps unless the toggle says wall time or the run reports no env steps (yet).
+function xMode() {
+  return view.xWanted === "steps" && view.hasSteps ? "steps" : "time";
+}
+
+function redrawAll() {
+  for (const [key, chart] of view.charts) {
+    chart.plot?.destroy();
+    chart.plot = null;
+    if (chart.lines.size) draw(key);
+  }
 }
 
 async function pollMetrics() {
@@ -78,15 +163,21 @@ async function pollMetrics() {
   view.cursor = reply.cursor;
   const touched = new Set();
   for (const s of reply.series) {
-    const line = lineOf(s.key, s.service);
-    for (const [t, v] of s.points) {
+    const line = lineOf(s.key, s.service, s.role || "");
+    const steps = s.steps || [];
+    for (const [i, [t, v]] of s.points.entries()) {
       line.t.push(t);
       line.v.push(v);
+      line.s.push(steps[i] ?? null);
+      if (steps[i] != null) view.hasSteps = true;
     }
     if (s.nonfinite && s.nonfinite.length) markNonfinite(view.charts.get(s.key), s.nonfinite);
     touched.add(s.key);
   }
-  for (const key of touched) draw(key);
+  showXMode();
+  if (view.xDrawn !== xMode()) redrawAll(); // the first env steps of a run, or a new run
+  else for (const key of touched) draw(key);
+  view.xDrawn = xMode();
   $("empty").hidden = view.charts.size > 0;
   const problems = $("problems");
   problems.hidden = reply.skipped === 0;
@@ -96,20 +187,30 @@ async function pollMetrics() {
   return reply;
 }
 
-function lineOf(key, service) {
+function lineOf(key, service, role) {
   let chart = view.charts.get(key);
   if (!chart) {
     chart = { box: makeBox(key), plot: null, lines: new Map() };
     view.charts.set(key, chart);
   }
   let line = chart.lines.get(service);
-  if (!line) {
-    line = { t: [], v: [] };
+  if (!line || line.role !== role) {
+    // A new line, or one whose label changes: the chart is made again with its series.
+    line = line || { t: [], v: [], s: [] };
+    line.role = role;
     chart.lines.set(service, line);
-    chart.plot?.destroy(); // a new line: the chart is made again with one more series
+    chart.plot?.destroy();
     chart.plot = null;
   }
   return line;
+}
+
+function showXMode() {
+  for (const input of document.querySelectorAll('input[name="x-axis"]')) input.checked = input.value === view.xWanted;
+  const note = $("x-note");
+  note.hidden = xMode() === view.xWanted;
+  note.textContent = note.hidden ? "" : "(no env steps reported yet: wall time)";
+  document.body.dataset.x = xMode();
 }
 
 // NaN/inf values (null in metrics.jsonl) make no point: the chart's title says how many and when.
@@ -162,8 +263,16 @@ function makeBox(key) {
   title.textContent = key.slice(key.indexOf("/") + 1) || key;
   title.title = key;
   box.append(title);
+  if (FEATURED.has(kind(key))) box.classList.add("featured");
+  const help = HELP[kind(key)];
+  if (help) {
+    const text = document.createElement("p");
+    text.className = "help";
+    text.textContent = help;
+    box.append(text);
+  }
   const grid = section.querySelector(".charts");
-  const order = (k) => [rank(FIRST_KEYS, k), k];
+  const order = (k) => [rank(FIRST_KEYS, kind(k)), k];
   const after = Array.from(grid.children).find((b) => {
     const [a, c] = [order(b.dataset.key), order(key)];
     return a[0] > c[0] || (a[0] === c[0] && a[1] > c[1]);
@@ -177,25 +286,72 @@ function chartWidth() {
   return Math.floor((document.body.clientWidth - 40) / columns) - 20;
 }
 
+// The learner first (drawn thick: its curve is the run's), then the others by name.
+function orderedServices(chart) {
+  const rankOf = (s) => (chart.lines.get(s).role === "learner" ? 0 : 1);
+  return Array.from(chart.lines.keys()).sort((a, b) => rankOf(a) - rankOf(b) || a.localeCompare(b));
+}
+
+function seriesLabel(key, service, role) {
+  const note = ROLE_NOTES[kind(key)]?.[role];
+  const name = service || "(run)";
+  return note ? `${name} (${note})` : name;
+}
+
+// Dots on a line of few points (an actor reports every few seconds), or a short run shows
+// its legend entry without a line.
+function sparse(u, seriesIdx) {
+  let n = 0;
+  for (const v of u.data[seriesIdx]) if (v != null && ++n > 30) return false;
+  return true;
+}
+
+function table(line, mode) {
+  if (mode === "time") return [line.t, line.v];
+  const xs = [];
+  const ys = [];
+  for (let i = 0; i < line.s.length; i++) {
+    if (line.s[i] == null) continue; // before the learner's first env-step count
+    xs.push(line.s[i]);
+    ys.push(line.v[i]);
+  }
+  return [xs, ys];
+}
+
 function draw(key) {
   const chart = view.charts.get(key);
-  const services = Array.from(chart.lines.keys());
-  const tables = services.map((s) => [chart.lines.get(s).t, chart.lines.get(s).v]);
-  const data = tables.length === 1 ? tables[0] : uPlot.join(tables);
+  const mode = xMode();
+  const services = orderedServices(chart);
+  const tables = services.map((s) => table(chart.lines.get(s), mode));
+  // join() sorts by x and lines up the series: env steps of different lines never coincide.
+  const data = tables.length === 1 && mode === "time" ? tables[0] : uPlot.join(tables);
   if (!chart.plot) {
-    const series = services.map((s, i) => ({
-      label: s || "(run)",
-      stroke: COLORS[i % COLORS.length],
-      width: 1.5,
-      spanGaps: true,
-      value: (u, v) => (v == null ? "–" : formatValue(v)),
-    }));
+    let other = 0;
+    const series = services.map((s) => {
+      const line = chart.lines.get(s);
+      const learner = line.role === "learner";
+      return {
+        label: seriesLabel(key, s, line.role),
+        stroke: learner ? LEARNER_COLOR : COLORS[other++ % COLORS.length],
+        width: services.length === 1 ? 1.5 : learner ? 2.5 : 1.25,
+        spanGaps: true,
+        points: { show: sparse },
+        value: (u, v) => (v == null ? "–" : formatValue(v)),
+      };
+    });
+    const steps = mode === "steps";
+    const xSeries = steps
+      ? { label: "env steps", value: (u, v) => (v == null ? "–" : formatValue(v)) }
+      : { label: "time" };
     const options = {
       width: chartWidth(),
       height: CHART_HEIGHT,
-      scales: { x: { time: true } },
-      series: [{ label: "time" }, ...series],
-      axes: [{}, { size: 60 }],
+      scales: { x: { time: !steps } },
+      series: [xSeries, ...series],
+      axes: [
+        steps ? { values: tickValues, size: 36 } : {},
+        { values: tickValues, size: axisSize },
+      ],
     };
     chart.plot = new uPlot(options, data, chart.box);
   } else {
@@ -205,12 +361,61 @@ function draw(key) {
   chart.box.dataset.points = String(points);
 }
 
-function formatValue(v) {
+// --- numbers ------------------------------------------------------------------------------------
+
+const SUFFIXES = [
+  [1e12, "T"],
+  [1e9, "G"],
+  [1e6, "M"],
+  [1e3, "k"],
+];
+
+// Digits after the point that x needs (read at 6 significant digits, so 0.1 + 0.2 is 0.3).
+function decimals(x) {
+  const text = String(Number(Math.abs(x).toPrecision(6)));
+  const e = text.indexOf("e-");
+  if (e >= 0) return Number(text.slice(e + 2)) + (text.slice(0, e).split(".")[1] || "").length;
+  return (text.split(".")[1] || "").length;
+}
+
+const trim = (text) => (text.includes(".") ? text.replace(/\.?0+$/, "") : text);
+
+// A tick label: as short as the axis allows (1.5k, 2M, 0.25, 5e-4), yet with the digits that
+// tell ticks `incr` apart. Without `incr`, three significant digits (legend values).
+function formatTick(v, incr) {
+  if (v == null || !Number.isFinite(v)) return "";
+  const exact = incr > 0;
+  if (!exact) v = Number(v.toPrecision(3)); // first, so 999999 becomes 1M, not 1000k
+  if (v === 0) return "0";
   const a = Math.abs(v);
-  if (a >= 1e4) return (v / 1e3).toFixed(a >= 1e5 ? 0 : 1) + "k";
-  if (a >= 100) return v.toFixed(0);
-  if (a >= 1 || a === 0) return v.toFixed(2);
-  return v.toPrecision(2);
+  for (const [size, suffix] of SUFFIXES) {
+    if (a >= size) {
+      const text = exact ? (v / size).toFixed(Math.min(decimals(incr / size), 6)) : (v / size).toPrecision(3);
+      return trim(text) + suffix;
+    }
+  }
+  if (exact ? incr < 1e-4 && a < 1e-2 : a < 1e-3) return Number(v.toPrecision(3)).toExponential();
+  if (exact) return trim(v.toFixed(Math.min(decimals(incr), 8)));
+  return trim(v.toPrecision(3));
+}
+
+const formatValue = (v) => formatTick(v);
+
+function tickValues(u, splits, axisIdx, space, incr) {
+  return splits.map((v) => formatTick(v, incr));
+}
+
+// Wide enough for the longest tick label, so none is cut at the chart's left edge.
+function axisSize(u, values, axisIdx, cycleNum) {
+  const axis = u.axes[axisIdx];
+  if (cycleNum > 1) return axis._size;
+  let size = axis.ticks.size + axis.gap + 4;
+  const longest = (values || []).reduce((a, v) => (v.length > a.length ? v : a), "");
+  if (longest) {
+    u.ctx.font = axis.font[0];
+    size += u.ctx.measureText(longest).width / devicePixelRatio;
+  }
+  return Math.ceil(size);
 }
 
 // --- services -----------------------------------------------------------------------------------
@@ -254,6 +459,16 @@ async function tick() {
   setTimeout(tick, POLL_MS);
 }
 
+for (const input of document.querySelectorAll('input[name="x-axis"]')) {
+  input.addEventListener("change", (event) => {
+    view.xWanted = event.target.value;
+    localStorage.setItem(X_MODE_STORE, view.xWanted);
+    showXMode();
+    view.xDrawn = xMode();
+    redrawAll();
+  });
+}
+
 $("run-picker").addEventListener("change", (event) => {
   showRun(event.target.value);
   Promise.all([pollMetrics(), pollServices()]).catch(() => {}); // now, not at the next tick
@@ -262,5 +477,16 @@ $("run-picker").addEventListener("change", (event) => {
 window.addEventListener("resize", () => {
   for (const chart of view.charts.values()) chart.plot?.setSize({ width: chartWidth(), height: CHART_HEIGHT });
 });
+
+// For tests and the console: the number formatting and what each chart's axes show.
+window.rlfleetDashboard = {
+  formatTick,
+  xMode,
+  axes: (key) => {
+    const plot = view.charts.get(key)?.plot;
+    return plot ? { x: plot.axes[0]._values, y: plot.axes[1]._values, xTime: plot.scales.x.time } : null;
+  },
+  labels: (key) => view.charts.get(key)?.plot?.series.slice(1).map((s) => s.label) ?? null,
+};
 
 tick();
