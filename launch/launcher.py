@@ -59,7 +59,7 @@ from services.bus import RUN_OVER, TYPE_HEADER, Bus, EmbeddedNats, events_wildca
 from services.bus.nats_server import parent_death_signal
 from services.config import RunConfig, ServiceEntry, validate_run_config
 from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError
-from services.placement import ENV_CPUS, format_cpus
+from services.placement import ENV_CPUS, format_cpus, replica_cpus
 from services.ports import free_ports
 from services.producers import PRODUCER_EVENTS, ProducerReport
 from services.registry import ServiceSpec, get_job, get_service
@@ -243,6 +243,21 @@ class Launcher:
         # the same before-anything-starts guarantee as a loaded file.
         self.config = validate_run_config(config, environ=environ)
         check_cpus(self.config)
+        # Replicas of an engine that binds its threads (a kind's own_cpus), each on CPUs of its
+        # own unless given `cpus` (services/placement.py replica_cpus).
+        self._replica_cpus, self._placement_warning = (
+            replica_cpus(
+                self.config.services,
+                sorted(os.sched_getaffinity(0)),
+                [
+                    e.name
+                    for e in self.config.services
+                    if get_service(e.service).own_cpus(e.settings)
+                ],
+            )
+            if hasattr(os, "sched_getaffinity")
+            else ({}, None)
+        )
         self.config_path = Path(config_path) if config_path is not None else None
         self.out = out or sys.stdout
         self.environ = dict(os.environ if environ is None else environ)
@@ -355,6 +370,13 @@ class Launcher:
             await self._security.create_streams(url)  # services may not, under NATS auth
             await self.live.start()
             await self._prepare_job()
+            if self._replica_cpus:
+                placed = ", ".join(
+                    f"{name} on CPUs {format_cpus(cpus)}"
+                    for name, cpus in self._replica_cpus.items()
+                )
+                warning = self._placement_warning
+                self.say(f"placement: {placed}" + (f" ({warning})" if warning else ""))
             ports = free_ports(2 * len(self.config.services))
             needs = start_needs(self.config)
             for i, entry in enumerate(self.config.services):
@@ -579,8 +601,9 @@ class Launcher:
         child_env.update(gate.env())
         if svc.entry.threads is not None:
             child_env["OMP_NUM_THREADS"] = str(svc.entry.threads)
-        if svc.entry.cpus:  # the service pins itself once started up (services/placement.py)
-            child_env[ENV_CPUS] = format_cpus(svc.entry.cpus)
+        cpus = svc.entry.cpus or self._replica_cpus.get(svc.name)
+        if cpus:  # the service pins itself once started up (services/placement.py)
+            child_env[ENV_CPUS] = format_cpus(cpus)
         svc.reason_path.unlink(missing_ok=True)  # a reason is about this start only
         svc.starts += 1
         with svc.log_path.open("ab") as log, contextlib.ExitStack() as on_failure:

@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 __all__ = [
     "ENV_CPUS",
+    "ENV_OMP_BIND",
     "assigned_cpus",
     "format_cpus",
     "own_cpu_for",
     "pin_to_assigned_cpus",
+    "replica_cpus",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_CPUS = "RLFLEET_CPUS"  # comma-separated CPU ids, e.g. "0,1"
+# vLLM's CPU worker: the CPUs its OpenMP threads are bound to, one thread per CPU ("0,1";
+# default "auto": vLLM's pick from the CPUs the engine process sees).
+ENV_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 _pinned = False
 
 
@@ -71,6 +76,36 @@ def own_cpu_for(
     return entries
 
 
+def replica_cpus(
+    entries: Sequence[Any], usable: Sequence[int], replicas: Collection[str]
+) -> tuple[dict[str, list[int]], str | None]:
+    """CPU sets for the service entries named in ``replicas`` that have no ``cpus`` (entries
+    with ``.name`` and ``.cpus``), when there are two or more: the ``usable`` CPUs no other
+    entry names in its ``cpus``, divided into contiguous sets of near-equal size in entry
+    order. Returns the name -> CPUs map, and a warning when there are fewer such CPUs than
+    replicas (then each gets one CPU, shared round-robin).
+
+    For engines that bind their compute threads to the CPUs they see (vLLM on CPU): each
+    instance, left to itself, picks the same cores as the others, so they time-slice those
+    while other cores idle. A single instance keeps the engine's own choice."""
+    free = [e for e in entries if e.name in replicas and not e.cpus]
+    if len(free) < 2:
+        return {}, None
+    taken = {cpu for e in entries if e.cpus for cpu in e.cpus}
+    pool = [cpu for cpu in sorted(usable) if cpu not in taken] or sorted(usable)
+    if len(pool) < len(free):
+        warning = f"{len(free)} replicas on {len(pool)} CPU(s) {format_cpus(pool)}: they share"
+        return {e.name: [pool[i % len(pool)]] for i, e in enumerate(free)}, warning
+    size, extra = divmod(len(pool), len(free))
+    sets: dict[str, list[int]] = {}
+    start = 0
+    for i, entry in enumerate(free):
+        end = start + size + (1 if i < extra else 0)
+        sets[entry.name] = pool[start:end]
+        start = end
+    return sets, None
+
+
 def pin_to_assigned_cpus() -> list[int] | None:
     """Pin every thread of this process and of the processes it has started (a vLLM engine's
     core and workers) to the assigned CPUs, once; later calls do nothing.
@@ -86,6 +121,8 @@ def pin_to_assigned_cpus() -> list[int] | None:
     for pid in [os.getpid(), *_descendants(os.getpid())]:
         for tid in _threads(pid):
             try:
+                if os.sched_getaffinity(tid) <= set(cpus):
+                    continue  # bound within them already (a vLLM worker's OpenMP threads)
                 os.sched_setaffinity(tid, cpus)
             except ProcessLookupError:
                 pass  # the thread ended meanwhile

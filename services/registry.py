@@ -96,6 +96,10 @@ class ServiceSpec(Generic[SettingsT]):
     # (the gateway: its OpenAI base URL and where the API key comes from), None: nothing;
     # `rlfleet up` prints it, as its own internal addresses are of no use outside the run.
     announce: Callable[[SettingsT], str | None] = lambda settings: None
+    # Whether an instance with these settings should get CPUs of its own when several such
+    # instances run without `cpus` (an engine that binds its threads to the CPUs it sees):
+    # `rlfleet up` divides the free CPUs among them (services/placement.py replica_cpus).
+    own_cpus: Callable[[SettingsT], bool] = lambda settings: False
 
 
 def _entry_points(group: str) -> list[metadata.EntryPoint]:

@@ -109,7 +109,9 @@ class SamplerProcess:
         weights_from: str | None = None,
         settings: Mapping[str, Any] | None = None,
         omp_threads: int | None = None,
+        cpus: list[int] | None = None,
     ) -> None:
+        from services.placement import ENV_CPUS, format_cpus
         from services.ports import free_port
 
         self.run_dir = run_dir
@@ -127,6 +129,8 @@ class SamplerProcess:
         )
         if omp_threads is not None:
             env["OMP_NUM_THREADS"] = str(omp_threads)
+        if cpus:  # as `rlfleet up` places it
+            env[ENV_CPUS] = format_cpus(cpus)
         if nats_url:
             env["RLFLEET_NATS_URL"] = nats_url
         if weights_from:

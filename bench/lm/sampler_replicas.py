@@ -17,6 +17,7 @@ both. After a warm-up call on each sampler and a warm-up round of each side, the
 
     .venv/bin/python -m bench.lm.sampler_replicas
     .venv/bin/python -m bench.lm.sampler_replicas --concurrency 4 --repeats 3
+    .venv/bin/python -m bench.lm.sampler_replicas --bind placement  # as `rlfleet up` places them
 
 Writes bench/results/sampler_replicas.json; ``two_vs_one_throughput`` is 2 replicas / 1 replica
 tokens/s at the highest concurrency (``by_concurrency`` has each level), ``calls_per_sampler``
@@ -67,6 +68,24 @@ def bind_environment(bind: str, index: int) -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = saved
+
+
+def replica_placement(bind: str) -> dict[str, list[int]]:
+    """``bind="placement"``: each sampler's CPUs as `rlfleet up` assigns them to two vLLM
+    replicas (services/placement.py replica_cpus; the sampler binds its worker to them and
+    pins itself there once serving); otherwise none."""
+    from types import SimpleNamespace
+
+    from services.placement import replica_cpus
+
+    if bind != "placement":
+        return {}
+    names = [f"sampler-{i}" for i in range(2)]
+    entries = [SimpleNamespace(name=name, cpus=None) for name in names]
+    sets, warning = replica_cpus(entries, sorted(os.sched_getaffinity(0)), names)
+    if warning:
+        print(f"placement: {warning}", flush=True)
+    return sets
 
 
 def omp_cores(proc: SamplerProcess) -> str | None:
@@ -185,11 +204,17 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     startup: dict[str, Any] = {}
     started = time.perf_counter()
     procs = []
+    placement = replica_placement(a.bind)
     for i in range(2):  # both engines start at once (Popen in the constructor)
         with bind_environment(a.bind, i):
             procs.append(
                 SamplerProcess(
-                    model, run_dir / f"s{i}", name=f"sampler-{i}", settings=settings, omp_threads=1
+                    model,
+                    run_dir / f"s{i}",
+                    name=f"sampler-{i}",
+                    settings=settings,
+                    omp_threads=1,
+                    cpus=placement.get(f"sampler-{i}"),
                 )
             )
     pools: dict[str, Any] = {}
@@ -215,7 +240,8 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             proc.stop()
 
     cpus = os.cpu_count() or 1
-    measurable = cpus >= 2 * CORES_PER_REPLICA
+    # Placed replicas each run on CPUs of their own, front end included: they add up.
+    measurable = cpus >= 2 * CORES_PER_REPLICA or bool(placement)
     top = results[str(max(a.concurrency))]
     return {
         "workload": {
@@ -236,6 +262,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         },
         "startup_s": startup,
         "bind": a.bind,
+        "placement": {name: cpus for name, cpus in placement.items()},  # RLFLEET_CPUS per sampler
         "omp_core_ids": cores,  # per sampler, from its engine's log
         "two_vs_one_throughput": top["two_vs_one_throughput"],
         "two_vs_one_completions": top["two_vs_one_completions"],
@@ -307,9 +334,10 @@ def main() -> None:
     parser.add_argument("--eos", action="store_true", help="stop at EOS (default: ignore_eos)")
     parser.add_argument(
         "--bind",
-        choices=["auto", "distinct"],
+        choices=["auto", "distinct", "placement"],
         default="auto",
-        help="vLLM worker binding: auto (vLLM's default, as a job runs) or a core per sampler",
+        help="vLLM worker binding: auto (vLLM's default), a core per sampler (worker only), or "
+        "placement (as `rlfleet up` places 2 replicas: worker and process on their CPUs)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     a = parser.parse_args()

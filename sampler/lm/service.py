@@ -39,6 +39,7 @@ from services.bus import Bus, announce
 from services.cache import user_cache_dir
 from services.errors import ConfigError
 from services.grpc_names import service_name
+from services.placement import ENV_OMP_BIND, assigned_cpus, format_cpus
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 from services.start_order import needs_nothing
@@ -103,12 +104,17 @@ def configure_environment(run_dir: Path, settings: SamplerSettings) -> None:
     Compile caches where ``settings.compile_cache`` says (compile_cache_root; VLLM_CACHE_ROOT
     or TORCHINDUCTOR_CACHE_DIR set already win), the temp folder (temp_dir), vLLM's IPC sockets
     in the run directory's ``cache/ipc`` (VLLM_RPC_BASE_PATH, when that path is short enough for
-    a socket; else they go to the temp folder); no usage stats, no hub lookups.
+    a socket; else they go to the temp folder); no usage stats, no hub lookups. With CPUs
+    assigned (RLFLEET_CPUS), vLLM's CPU worker binds its OpenMP threads to exactly those, one per
+    CPU (VLLM_CPU_OMP_THREADS_BIND; one set already wins).
     """
     compiled = compile_cache_root(run_dir, settings)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cpus = assigned_cpus()
+    if cpus is not None:  # the engine's worker computes on exactly this process's CPUs
+        os.environ.setdefault(ENV_OMP_BIND, format_cpus(cpus))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(compiled / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled / "inductor"))
     ipc = Path(run_dir).resolve() / "cache" / "ipc"
@@ -341,4 +347,12 @@ async def main(ctx: ServiceContext[SamplerSettings]) -> None:
 # Starts at once: following a learner, it waits for the first weights itself
 # (WeightFollower.first retries for weights_timeout_s), and its engine start, the slowest of an
 # LM run, overlaps the learner's own start and SFT warm start.
-SPEC = ServiceSpec(kind="sampler", settings=SamplerSettings, main=main, needs=needs_nothing)
+# vLLM's CPU worker binds its threads to cores it picks from the CPUs it sees, the same ones in
+# every engine: replicas get CPUs of their own (configure_environment binds the worker to them).
+SPEC = ServiceSpec(
+    kind="sampler",
+    settings=SamplerSettings,
+    main=main,
+    needs=needs_nothing,
+    own_cpus=lambda settings: settings.engine == "vllm",
+)

@@ -9,6 +9,7 @@ token ids.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,36 @@ async def test_get_info(client: SamplerClient, lm_stack: LmStack, tokenizer: Any
     assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
     assert info.vocab_size == len(tokenizer)
     assert info.policy_version == lm_stack.sampler.servicer.gate.version
+
+
+def test_the_engines_worker_threads_run_on_its_assigned_cpus(lm_stack: LmStack) -> None:
+    """The CPUs the fixture assigned (RLFLEET_CPUS, as `rlfleet up` places replicas) bind every
+    thread of the engine's worker process (VLLM_CPU_OMP_THREADS_BIND)."""
+    from services.placement import _descendants
+
+    workers = [p for p in _descendants(os.getpid()) if _comm(f"/proc/{p}") == "VLLM::Worker"]
+    assert workers, "no VLLM::Worker process below this one"
+    for pid in workers:
+        allowed = {
+            tid: _cpus_allowed(f"/proc/{pid}/task/{tid}") for tid in os.listdir(f"/proc/{pid}/task")
+        }
+        assert set(allowed.values()) == {frozenset(lm_stack.cpus)}, allowed
+
+
+def _comm(path: str) -> str:
+    with open(f"{path}/comm") as f:
+        return f.read().strip()
+
+
+def _cpus_allowed(path: str) -> frozenset[int]:
+    """Cpus_allowed_list of /proc/<pid>/task/<tid>/status ("0-2,5") as CPU ids."""
+    with open(f"{path}/status") as f:
+        raw = next(line for line in f if line.startswith("Cpus_allowed_list:")).split()[1]
+    cpus: set[int] = set()
+    for part in raw.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
 
 
 async def test_queue_bound_is_resource_exhausted(client: SamplerClient) -> None:
