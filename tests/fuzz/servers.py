@@ -58,7 +58,7 @@ def serve(kind: str, settings: dict[str, Any], tmp: Path) -> Iterator[Served]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services", "serve", kind, "--config", str(config),
+            [sys.executable, "-m", "services.serve", kind, "--config", str(config),
              "--name", kind, "--host", "127.0.0.1", "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
