@@ -163,11 +163,22 @@ class GameLink:
         terminated: Any,
         truncated: Any,
         episode_ids: Any,
+        *,
+        scores: Any = None,
     ) -> np.ndarray:
-        """Lock step: send this tick's observations, wait for the agents' actions."""
+        """Lock step: send this tick's observations, wait for the agents' actions. `scores`:
+        see `submit`."""
         if self._pending:
             raise FailedPrecondition("act() with submitted ticks not received: receive() first")
-        self.submit(self.last_tick + 1, observations, rewards, terminated, truncated, episode_ids)
+        self.submit(
+            self.last_tick + 1,
+            observations,
+            rewards,
+            terminated,
+            truncated,
+            episode_ids,
+            scores=scores,
+        )
         return self.receive()[1]
 
     def submit(
@@ -178,8 +189,13 @@ class GameLink:
         terminated: Any,
         truncated: Any,
         episode_ids: Any,
+        *,
+        scores: Any = None,
     ) -> None:
-        """Send one tick without waiting; at most `max_in_flight` may be unanswered."""
+        """Send one tick without waiting; at most `max_in_flight` may be unanswered.
+
+        `scores`: the game's score of each agent (NaN: none), read by the server for the agents
+        whose episode ends at this tick (their EpisodeStats.score, charts/episodic_score)."""
         if len(self._pending) >= self.max_in_flight:
             raise FailedPrecondition(
                 f"{len(self._pending)} ticks in flight, the granted max_in_flight: receive() first"
@@ -193,6 +209,10 @@ class GameLink:
             truncated=tensor.encode(_column(truncated, np.bool_, n)),
             episode_ids=tensor.encode(_column(episode_ids, np.int64, n)),
         )
+        if scores is not None:  # infos["score"] with its mask, as the protocol reads it
+            column = _column(scores, np.float64, n)
+            infos = {"score": np.nan_to_num(column), "_score": np.isfinite(column)}
+            batch.infos.CopyFrom(tensor.encode_tree(infos))
         request_id = next(self._request_ids)
         request = game_link_pb2.ConnectRequest(request_id=request_id, observations=batch)
         self._pending.append((request_id, tick, request))
@@ -326,16 +346,16 @@ class AsyncGameLink:
         """Connect and say Hello (GameLink's arguments)."""
         return cls(await asyncio.to_thread(GameLink, address, **kwargs))
 
-    async def _call(self, method: Any, *args: Any) -> Any:
+    async def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         async with self._lock:
-            return await asyncio.to_thread(method, *args)
+            return await asyncio.to_thread(method, *args, **kwargs)
 
-    async def act(self, *arrays: Any) -> np.ndarray:
-        """GameLink.act(observations, rewards, terminated, truncated, episode_ids)."""
-        return await self._call(self.link.act, *arrays)  # type: ignore[no-any-return]
+    async def act(self, *arrays: Any, scores: Any = None) -> np.ndarray:
+        """GameLink.act(observations, rewards, terminated, truncated, episode_ids, scores=)."""
+        return await self._call(self.link.act, *arrays, scores=scores)  # type: ignore[no-any-return]
 
-    async def submit(self, tick: int, *arrays: Any) -> None:
-        await self._call(self.link.submit, tick, *arrays)
+    async def submit(self, tick: int, *arrays: Any, scores: Any = None) -> None:
+        await self._call(self.link.submit, tick, *arrays, scores=scores)
 
     async def receive(self) -> tuple[int, np.ndarray, int]:
         return await self._call(self.link.receive)  # type: ignore[no-any-return]

@@ -2,7 +2,8 @@
 
 Every ended episode goes out as `bus.v1.EpisodeStats` (core NATS: only live watchers need it),
 and every `interval_s` a `bus.v1.Metrics` with the actor's env steps/s and the mean return and
-length of its last 20 episodes, CleanRL's chart names.
+length of its last 20 episodes, CleanRL's chart names (and charts/episodic_score, the mean game
+score of those of them whose game reported one).
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from google.protobuf import timestamp_pb2
 from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, events_subject
 
-__all__ = ["ActorStats"]
+__all__ = ["ActorStats", "EndedEpisode"]
 
 log = logging.getLogger(__name__)
 
-WINDOW = 20  # episodes averaged in charts/episodic_return and charts/episodic_length
+WINDOW = 20  # episodes averaged in charts/episodic_return, _length and _score
+
+# (env or agent index, return, length, truncated[, score]): score None or left out when the game
+# reports none.
+EndedEpisode = tuple[int, float, int, bool] | tuple[int, float, int, bool, float | None]
 
 
 class ActorStats:
@@ -39,6 +44,8 @@ class ActorStats:
         self.episodes = 0
         self.returns: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.lengths: collections.deque[int] = collections.deque(maxlen=WINDOW)
+        # Same window as the returns; None for episodes without a score (not averaged).
+        self.scores: collections.deque[float | None] = collections.deque(maxlen=WINDOW)
         self.started = time.monotonic()
         self._mark_time = self.started
         self._mark_steps = 0
@@ -48,20 +55,23 @@ class ActorStats:
 
     async def episodes_ended(
         self,
-        ended: Iterable[tuple[int, float, int, bool]],
+        ended: Iterable[EndedEpisode],
         policy_version: int,
         *,
         partial: bool = False,
     ) -> None:
-        """Publish one EpisodeStats per (env, return, length, truncated). `partial`: episodes
-        the environment did not end (a game link cut them off): published marked so, and left
-        out of the return and length means here and in the learner's."""
+        """Publish one EpisodeStats per (env, return, length, truncated[, score]). `partial`:
+        episodes the environment did not end (a game link cut them off): published marked so,
+        and left out of the return, length and score means here and in the learner's."""
         now = _now()
-        for _, episode_return, length, truncated in ended:
+        for row in ended:
+            _, episode_return, length, truncated = row[:4]
+            score = row[4] if len(row) == 5 else None
             self.episodes += 1
             if not partial:
                 self.returns.append(episode_return)
                 self.lengths.append(length)
+                self.scores.append(score)
             if self.bus is None:
                 continue
             await self.bus.publish_event(
@@ -77,6 +87,7 @@ class ActorStats:
                     truncated=truncated,
                     time=now,
                     partial=partial,
+                    score=score,  # None leaves it unset: no made-up 0 for scoreless games
                 ),
             )
 
@@ -90,6 +101,9 @@ class ActorStats:
         if self.returns:
             out["charts/episodic_return"] = sum(self.returns) / len(self.returns)
             out["charts/episodic_length"] = sum(self.lengths) / len(self.lengths)
+            scores = [s for s in self.scores if s is not None]
+            if scores:  # absent, not 0, when no episode of the window had a score
+                out["charts/episodic_score"] = sum(scores) / len(scores)
         return out
 
     async def report(self, policy_version: int, *, now: float | None = None) -> dict[str, float]:

@@ -245,6 +245,7 @@ class ServerRing:
             slot.episode_return[k] = ep.episode_return
             slot.episode_length[k] = ep.length
             slot.episode_truncated[k] = ep.truncated
+            slot.episode_score[k] = float("nan") if ep.score is None else ep.score  # NaN: no score
         return DONE.pack(seq, slot_index, len(result.episodes), has_final, 0)
 
     def close(self) -> None:

@@ -151,6 +151,7 @@ class EnvPool:
         stepped: list[bool] | None = None  # None: every env stepped (no NEXT_STEP resets)
         infos: dict[str, Any] = {}
         finals: dict[int, Any] = {}
+        scores: dict[int, float] = {}  # info["score"] of the envs whose episode ended
         obs, same_step = self._obs, self._same_step
         resets = self._ended.tolist() if self._next_step and self._ended.any() else None
         if resets is not None:
@@ -164,6 +165,8 @@ class EnvPool:
                 obs[i], rewards[i], term, trunc, info = env.step(action)
                 if term or trunc:
                     terminated[i], truncated[i] = term, trunc
+                    if info and (score := _score(info)) is not None:
+                        scores[i] = score
                     if same_step:
                         finals[i] = obs[i]
                         _add_info(infos, {"final_info": info}, i, n)
@@ -171,7 +174,7 @@ class EnvPool:
             if info:
                 _add_info(infos, info, i, n)
         result = self._account(
-            obs, rewards, terminated, truncated, stepped, infos, finals, observations_out
+            obs, rewards, terminated, truncated, stepped, infos, finals, observations_out, scores
         )
         self._started = True  # after the observations passed: a refused step needs a reset
         return result
@@ -186,6 +189,7 @@ class EnvPool:
         infos: dict[str, Any],
         finals: dict[int, Any],
         observations_out: np.ndarray | None = None,
+        scores: dict[int, float] | None = None,
     ) -> StepResult:
         """Batch one step's per-env results and update the episode counters
         (`stepped_list` None: every env stepped)."""
@@ -206,7 +210,8 @@ class EnvPool:
         if done.any():
             for i in np.flatnonzero(done).tolist():
                 ret, length = float(self._returns[i]), int(self._lengths[i])
-                episodes.append(EpisodeStats(i, ret, length, bool(trunc_list[i])))
+                score = scores.get(i) if scores else None
+                episodes.append(EpisodeStats(i, ret, length, bool(trunc_list[i]), score))
             self._returns[done] = 0.0
             self._lengths[done] = 0
         observations = _stack(self.observation_space, obs, out=observations_out)
@@ -380,3 +385,17 @@ def _add_info(infos: dict[str, Any], info: dict[str, Any], i: int, n: int) -> No
         if mask is None:
             mask = infos[f"_{key}"] = np.zeros(n, dtype=bool)
         mask[i] = True
+
+
+def _score(info: dict[str, Any]) -> float | None:
+    """info["score"] as a finite float; None when absent or not a finite real number (bools are
+    not scores). Called only at an episode's end: the per-step path never looks."""
+    value = info.get("score")
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, int | float | np.integer | np.floating
+    ):
+        return None
+    score = float(value)
+    return score if np.isfinite(score) else None

@@ -451,6 +451,7 @@ class _Session:
                 episode_return=ep.episode_return,
                 length=ep.length,
                 truncated=ep.truncated,
+                score=ep.score,  # None leaves the optional field unset
             )
 
     async def release(self) -> None:

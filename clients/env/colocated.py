@@ -321,10 +321,16 @@ class _AnswerViews:
                     float(slot.episode_return[k]),
                     int(slot.episode_length[k]),
                     bool(slot.episode_truncated[k]),
+                    _score(float(slot.episode_score[k])),
                 )
                 for k in range(episodes)
             ],
         )
+
+
+def _score(value: float) -> float | None:
+    """A ring row's episode score: NaN is the server's "the env reported none"."""
+    return None if np.isnan(value) else value
 
 
 def _error(payload: bytes) -> RlfleetError:

@@ -333,7 +333,13 @@ class EnvSession:
             if msg.HasField("final_observations")
             else None,
             episodes=[
-                EpisodeStats(e.env_index, e.episode_return, e.length, e.truncated)
+                EpisodeStats(
+                    e.env_index,
+                    e.episode_return,
+                    e.length,
+                    e.truncated,
+                    e.score if e.HasField("score") else None,
+                )
                 for e in msg.episodes
             ],
         )

@@ -6,7 +6,8 @@ One slot holds one step, at offsets aligned to 64 bytes (a cache line):
 ``actions [N, *act]``, ``observations [N, *obs]``, ``final_observations [N, *obs]``,
 ``rewards [N]`` (float32, or float64), ``terminated [N]``, ``truncated [N]``, and the ended
 episodes ``episode_index [N] u4``, ``episode_return [N] f8``, ``episode_length [N] i8``,
-``episode_truncated [N]`` (the first `count` rows, `count` in the reply packet).
+``episode_truncated [N]``, ``episode_score [N] f8`` (NaN: the env reported no score) (the first
+`count` rows, `count` in the reply packet).
 
 Doorbells (SOCK_SEQPACKET, so one send is one packet): the client sends ``STEP`` =
 (sequence, slot); the server answers ``DONE`` = (sequence, slot, episodes, has_final, error
@@ -115,6 +116,7 @@ class SlotViews:
     episode_return: np.ndarray
     episode_length: np.ndarray
     episode_truncated: np.ndarray
+    episode_score: np.ndarray
 
 
 def layout_for(
@@ -153,6 +155,7 @@ def layout_for(
         ("episode_return", (n,), np.dtype(np.float64)),
         ("episode_length", (n,), np.dtype(np.int64)),
         ("episode_truncated", (n,), np.dtype(bool)),
+        ("episode_score", (n,), np.dtype(np.float64)),
     ]
     fields, offset = [], 0
     for name, shape, dtype in columns:

@@ -45,6 +45,7 @@ class EpisodeStats:
     episode_return: float
     length: int
     truncated: bool
+    score: float | None = None  # the env's info["score"] at the episode's end, if numeric
 
 
 @dataclass

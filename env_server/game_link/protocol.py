@@ -130,6 +130,9 @@ class Tick:
     terminated: np.ndarray  # bool [N]
     truncated: np.ndarray  # bool [N], False where terminated (termination wins)
     episode_ids: np.ndarray  # int64 [N]
+    # float64 [N]: infos["score"] of the agents that reported one (their "_score" mask), NaN
+    # elsewhere; None when no agent did. Read by the recorder when an episode ends.
+    scores: np.ndarray | None = None
 
     @property
     def done(self) -> np.ndarray:
@@ -197,9 +200,28 @@ def check_tick(
                 "at the previous tick; its next row must carry a new episode id",
                 field="observations.episode_ids",
             )
+    scores = None
     if batch.HasField("infos"):
-        tensor.decode_tree(batch.infos, name="observations.infos")  # recorded nowhere yet
-    return Tick(int(batch.tick), obs, rewards, terminated, truncated, episode_ids)
+        infos = tensor.decode_tree(batch.infos, name="observations.infos")
+        scores = _scores(infos, n)
+    return Tick(int(batch.tick), obs, rewards, terminated, truncated, episode_ids, scores)
+
+
+def _scores(infos: Any, n: int) -> np.ndarray | None:
+    """infos["score"] as float64 [N], NaN where its "_score" mask is unset or the value is not
+    finite; None when there is none. A score that is not [N] real numbers is ignored like any
+    other info the server does not read (infos are free-form extras)."""
+    if not isinstance(infos, dict):
+        return None
+    score = infos.get("score")
+    if not isinstance(score, np.ndarray) or score.shape != (n,) or score.dtype.kind not in "iuf":
+        return None
+    out = score.astype(np.float64)
+    mask = infos.get("_score")
+    if isinstance(mask, np.ndarray) and mask.shape == (n,) and mask.dtype == np.bool_:
+        out[~mask] = np.nan
+    out[~np.isfinite(out)] = np.nan
+    return out
 
 
 def _leaf(batch: Any, name: str, dtype: Any, n: int) -> np.ndarray:

@@ -58,17 +58,19 @@ class Row:
 
 @dataclass
 class EpisodeEnd:
-    """An ended episode for the statistics: (agent, return, length, truncated); `partial` when
-    the game did not end it (the server cut it off: `_cut`), so its return is of a part."""
+    """An ended episode for the statistics: (agent, return, length, truncated, score);
+    `partial` when the game did not end it (the server cut it off: `_cut`), so its return is of
+    a part. `score`: what the game sent as infos["score"] at the end tick, None if nothing."""
 
     agent: int
     episode_return: float
     length: int
     truncated: bool
     partial: bool = False
+    score: float | None = None
 
-    def as_tuple(self) -> tuple[int, float, int, bool]:
-        return (self.agent, self.episode_return, self.length, self.truncated)
+    def as_tuple(self) -> tuple[int, float, int, bool, float | None]:
+        return (self.agent, self.episode_return, self.length, self.truncated, self.score)
 
 
 class _Agent:
@@ -128,7 +130,7 @@ class LinkRecorder:
                 agent.episode_return += row.reward
                 agent.length += 1
                 if term or trunc:
-                    ended.append(self._end(k, agent, truncated=trunc))
+                    ended.append(self._end(k, agent, truncated=trunc, score=_score(tick, k)))
                     continue
             elif agent.in_episode and eid != agent.client_episode:
                 # The episode changed without an end: the client lost track (a restart, a
@@ -158,9 +160,11 @@ class LinkRecorder:
         self.episodes += len(ended)
         return ended
 
-    def _end(self, k: int, agent: _Agent, *, truncated: bool) -> EpisodeEnd:
+    def _end(
+        self, k: int, agent: _Agent, *, truncated: bool, score: float | None = None
+    ) -> EpisodeEnd:
         agent.in_episode = False
-        return EpisodeEnd(k, agent.episode_return, agent.length, truncated)
+        return EpisodeEnd(k, agent.episode_return, agent.length, truncated, score=score)
 
     def _cut(self, k: int, agent: _Agent) -> EpisodeEnd | None:
         """End agent k's open episode as truncated at its last complete transition, whose
@@ -271,3 +275,11 @@ class LinkRecorder:
             if self.has_values:
                 arrays.final_values = np.array([f[2] for f in finals], np.float32)
         return arrays, int(version or 0)
+
+
+def _score(tick: Any, k: int) -> float | None:
+    """Agent k's score at this (end) tick, None when the game sent none (NaN in Tick.scores)."""
+    scores = tick.scores
+    if scores is None or np.isnan(scores[k]):
+        return None
+    return float(scores[k])

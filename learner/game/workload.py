@@ -83,6 +83,8 @@ class GameWorkload:
         window = settings.episode_window
         self.returns: collections.deque[float] = collections.deque(maxlen=window)
         self.lengths: collections.deque[float] = collections.deque(maxlen=window)
+        # Same window as the returns; None for episodes whose game reported no score.
+        self.scores: collections.deque[float | None] = collections.deque(maxlen=window)
         self.episodes = 0
         self._steps_this_run = 0  # env steps since this incarnation began consuming: SPS
         self._watcher: asyncio.Task[None] | None = None
@@ -122,6 +124,7 @@ class GameWorkload:
     def restore(self, state: dict[str, Any]) -> None:
         self.returns.extend(state.get("returns", ()))
         self.lengths.extend(state.get("lengths", ()))
+        self.scores.extend(state.get("scores", ()))  # (absent in older checkpoints)
         self.episodes = int(state.get("episodes", 0))
         self._resumed = True
 
@@ -129,6 +132,7 @@ class GameWorkload:
         return {
             "returns": list(self.returns),
             "lengths": list(self.lengths),
+            "scores": list(self.scores),
             "episodes": self.episodes,
             POLICY_STATE_KEY: self._policy_description(),  # the checkpoint plays on its own
         }
@@ -183,6 +187,7 @@ class GameWorkload:
                     continue  # cut off by its producer: a part's return would skew the mean
                 self.returns.append(float(episode.episode_return))
                 self.lengths.append(float(episode.length))
+                self.scores.append(float(episode.score) if episode.HasField("score") else None)
                 self.episodes += 1
 
     # ------------------------------------------------------------------ messages
@@ -250,6 +255,9 @@ class GameWorkload:
         if self.returns:
             out["charts/episodic_return"] = float(np.mean(self.returns))
             out["charts/episodic_length"] = float(np.mean(self.lengths))
+            scores = [s for s in self.scores if s is not None]
+            if scores:  # absent, not 0, when no episode of the window had a score
+                out["charts/episodic_score"] = float(np.mean(scores))
         return out
 
     def step(self, progress: Progress) -> int:

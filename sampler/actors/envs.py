@@ -97,8 +97,8 @@ class StepOut:
 class TickEvents:
     """What happened at one tick besides the rows: ended episodes and truncation finals."""
 
-    # (global env index, return, length, truncated) of episodes the servers saw end
-    episodes: list[tuple[int, float, int, bool]] = field(default_factory=list)
+    # (global env index, return, length, truncated, score or None) of episodes the servers saw end
+    episodes: list[tuple[int, float, int, bool, float | None]] = field(default_factory=list)
     # global env indices [K] truncated at this tick, and their last observations [K, ...]
     final_indices: list[np.ndarray] = field(default_factory=list)
     final_obs: list[np.ndarray] = field(default_factory=list)
@@ -346,5 +346,6 @@ def _write(link: Link, result: StepResult, out: StepOut, events: TickEvents) -> 
     if result.episodes:
         base = link.start
         events.episodes.extend(
-            (base + e.env_index, e.episode_return, e.length, e.truncated) for e in result.episodes
+            (base + e.env_index, e.episode_return, e.length, e.truncated, e.score)
+            for e in result.episodes
         )

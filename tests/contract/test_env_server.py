@@ -250,6 +250,33 @@ async def test_episode_returns_and_lengths(address: str) -> None:
                 lengths[e.env_index] = 0
 
 
+async def test_snake_episodes_carry_their_score_and_cartpoles_none(address: str) -> None:
+    # Snake's info["score"] is the food eaten: the +1 rewards of the episode.
+    rng = np.random.default_rng(0)
+    async with session(address) as s:
+        await s.create("Snake-v0", 4, seed=1, kwargs={"size": 5})
+        await s.reset()
+        eaten = np.zeros(4, int)
+        seen: list[float] = []
+        for _ in range(2000):
+            r = await s.step(rng.integers(0, 3, 4))
+            eaten += np.asarray(r.rewards) > 0
+            for e in r.episodes:
+                assert e.score is not None and e.score == eaten[e.env_index], e
+                seen.append(e.score)
+                eaten[e.env_index] = 0
+            if len(seen) >= 20 and max(seen) > 0:
+                break
+        assert len(seen) >= 20 and max(seen) > 0  # some food eaten: not a made-up 0
+    async with session(address) as s:
+        await s.create("CartPole-v1", 2, seed=3)
+        await s.reset()
+        ended = []
+        while len(ended) < 2:
+            ended += (await s.step(np.ones(2, np.int64))).episodes
+        assert all(e.score is None for e in ended)  # no info["score"]: no score
+
+
 async def test_bad_actions_get_invalid_argument_and_the_stream_keeps_serving(
     address: str,
 ) -> None:

@@ -31,9 +31,9 @@ from clients.game_link import AsyncGameLink, GameLink
 from common import spaces, tensor
 from env_server.game_link.settings import GameLinkSettings
 from env_server.service import EnvServerSettings, main
-from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc, game_link_pb2, game_link_pb2_grpc
-from services.bus import Bus, traj_subject
+from services.bus import Bus, events_subject, traj_subject
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable, from_status
 from services.ports import free_port
 from services.registry import ServiceContext
@@ -757,3 +757,31 @@ async def test_python_sdk_asyncio_pipelined(server: Server) -> None:
     assert all(actions.shape == (N,) for _, actions, _ in answered)
     farewell = await link.close("done")
     assert (farewell.ticks, farewell.episodes) == (3, 0)
+
+
+async def test_a_games_score_reaches_its_episode_stats_and_none_is_unset(server: Server) -> None:
+    sub = await server.bus.subscribe(
+        events_subject(server.run, "episodes"), events_pb2.EpisodeStats
+    )
+    link = await AsyncGameLink.open(
+        server.address,
+        game="sdk-score",
+        env_id="Scored-v0",
+        observation_space=OBS_SPACE,
+        action_space=ACT_SPACE,
+        num_agents=N,
+    )
+    zeros = np.zeros((N, 3), np.float32)
+    await link.act(zeros, 0.0, False, False, [1, 2], scores=[-1.0, -1.0])  # not an end: unread
+    await link.act(zeros, 1.0, True, False, [1, 2], scores=[7.0, math.nan])  # agent 1: none
+    await link.close("done")
+    received: list[events_pb2.EpisodeStats] = []
+    async with asyncio.timeout(10), sub:
+        async for delivery in sub:
+            if delivery.message.env_id == "Scored-v0":
+                received.append(delivery.message)
+            if len(received) == 2:
+                break
+    scores = [e.score if e.HasField("score") else None for e in received]
+    assert sorted(scores, key=lambda s: s is None) == [7.0, None]  # no made-up 0 for agent 1
+    assert all(not e.partial and e.length == 1 for e in received)

@@ -188,6 +188,7 @@ async def test_random_actor_publishes_fragments_and_episodes(
     assert len(episodes) == int(done.sum()) > 0
     assert all(e.source == "actor-0" and e.env_id == "CartPole-v1" for e in episodes)
     assert all(e.episode_return == e.length for e in episodes)
+    assert not any(e.HasField("score") for e in episodes)  # CartPole reports no score
     steps = [e.env_steps for e in episodes]
     assert steps == sorted(steps) and steps[-1] <= total
     # Completed episodes cover each env's steps up to its last end.
@@ -201,6 +202,37 @@ async def test_random_actor_publishes_fragments_and_episodes(
     last = events.metrics[-1].scalars
     assert last["charts/SPS"] > 0
     assert last["charts/episodic_return"] == last["charts/episodic_length"] > 0
+    assert "charts/episodic_score" not in last
+
+
+async def test_a_snake_actor_publishes_episode_scores_and_their_mean(
+    nats_url: str, env_servers: dict[str, str]
+) -> None:
+    run = _run_name()
+    ctx = _context(
+        run,
+        nats_url,
+        env_servers,
+        env_id="Snake-v0",
+        env_kwargs={"size": 5},
+        num_envs=4,
+        rollout_length=10,
+        total_steps=1200,
+        stats_interval_s=60.0,  # only the final report: it covers every episode below
+    )
+    events = Events()
+    async with Bus.connect(nats_url, name="test-reader") as bus:
+        await events.start(bus, run)
+        await asyncio.wait_for(GameActor(ctx, ctx.settings).run(), 60)
+        await events.stop(bus)
+    episodes = events.episodes
+    assert episodes and all(e.HasField("score") for e in episodes)
+    # Snake: +1 per food, -1 for a crash: the score is the return plus one for crashed episodes.
+    assert all(e.score == e.episode_return + (0 if e.truncated else 1) for e in episodes)
+    assert any(e.score > 0 for e in episodes)
+    last = events.metrics[-1].scalars
+    recent = [e.score for e in episodes[-20:]]  # common.stats.WINDOW
+    assert last["charts/episodic_score"] == pytest.approx(sum(recent) / len(recent))
 
 
 async def test_actor_stops_when_the_run_is_done(nats_url: str, env_servers: dict[str, str]) -> None:

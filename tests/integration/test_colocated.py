@@ -148,6 +148,30 @@ async def test_ring_and_grpc_steps_agree(servers: dict[str, str]) -> None:
     assert runs[0][1] == runs[1][1] and runs[0][1]
 
 
+async def test_ring_and_grpc_carry_the_same_episode_scores(servers: dict[str, str]) -> None:
+    # Snake reports info["score"] (the ring's NaN-for-none column); CartPole reports none.
+    actions = np.random.default_rng(2).integers(0, 3, size=(400, 4))
+    runs = []
+    for env_id in ("Snake-v0", "CartPole-v1"):
+        for colocated in (False, True):
+            async with EnvSession(servers[AUTO]) as session:
+                await session.create(
+                    env_id, 4, seed=5, kwargs={"size": 5} if "Snake" in env_id else None
+                )
+                if colocated:
+                    assert await session.colocate(slots=2), session.colocate_reason
+                await session.reset()
+                scores = []
+                for a in actions:
+                    result = await session.step(a % 2 if env_id == "CartPole-v1" else a)
+                    scores += [(e.env_index, e.score) for e in result.episodes]
+                runs.append(scores)
+    snake_grpc, snake_ring, cartpole_grpc, cartpole_ring = runs
+    assert snake_grpc == snake_ring and any(score for _, score in snake_grpc)
+    assert cartpole_grpc == cartpole_ring and cartpole_grpc
+    assert all(score is None for _, score in cartpole_ring)
+
+
 async def test_bad_offers_and_packets_get_clear_errors(servers: dict[str, str]) -> None:
     async with EnvSession(servers[AUTO]) as session:
         await session.create("CartPole-v1", 4, seed=0)

@@ -123,6 +123,7 @@ def test_learner_leaves_partial_episodes_out_of_return_and_target() -> None:
     )
     workload.returns = collections.deque(maxlen=2)
     workload.lengths = collections.deque(maxlen=2)
+    workload.scores = collections.deque(maxlen=2)
     workload.episodes = 0
     episodes = [
         events_pb2.EpisodeStats(episode_return=150.0, length=150),

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/bus/v1/events.proto\x12\x0erlfleet.bus.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdc\x01\n\x0c\x45pisodeStats\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x65nv_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65pisode_return\x18\x04 \x01(\x01\x12\x0e\n\x06length\x18\x05 \x01(\x03\x12\x11\n\tenv_steps\x18\x06 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x11\n\ttruncated\x18\x08 \x01(\x08\x12(\n\x04time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07partial\x18\n \x01(\x08\"\xdd\x01\n\x07Metrics\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12(\n\x04time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x07scalars\x18\x05 \x03(\x0b\x32$.rlfleet.bus.v1.Metrics.ScalarsEntry\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x02\n\x10WeightsPublished\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x10\n\x08\x65ndpoint\x18\x05 \x01(\t\x12(\n\x04time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bnum_tensors\x18\x07 \x01(\r\x12M\n\x0ftaken_sequences\x18\x08 \x03(\x0b\x32\x34.rlfleet.bus.v1.WeightsPublished.TakenSequencesEntry\x1a\x35\n\x13TakenSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x8c\x01\n\tRunStatus\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.rlfleet.bus.v1.RunState\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xab\x01\n\rGroupsDropped\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08producer\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tgroup_ids\x18\x06 \x03(\t\x12\x0f\n\x07version\x18\x07 \x01(\x03\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*~\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x12\n\x0eRUN_STATE_DONE\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x42H\n\x0erlfleet.bus.v1P\x01Z#rlfleet/gen/go/rlfleet/bus/v1;busv1\xaa\x02\x0eRlfleet.Bus.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/bus/v1/events.proto\x12\x0erlfleet.bus.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xfa\x01\n\x0c\x45pisodeStats\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x65nv_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65pisode_return\x18\x04 \x01(\x01\x12\x0e\n\x06length\x18\x05 \x01(\x03\x12\x11\n\tenv_steps\x18\x06 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x11\n\ttruncated\x18\x08 \x01(\x08\x12(\n\x04time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07partial\x18\n \x01(\x08\x12\x12\n\x05score\x18\x0b \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_score\"\xdd\x01\n\x07Metrics\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12(\n\x04time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x07scalars\x18\x05 \x03(\x0b\x32$.rlfleet.bus.v1.Metrics.ScalarsEntry\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x02\n\x10WeightsPublished\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x10\n\x08\x65ndpoint\x18\x05 \x01(\t\x12(\n\x04time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bnum_tensors\x18\x07 \x01(\r\x12M\n\x0ftaken_sequences\x18\x08 \x03(\x0b\x32\x34.rlfleet.bus.v1.WeightsPublished.TakenSequencesEntry\x1a\x35\n\x13TakenSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x8c\x01\n\tRunStatus\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.rlfleet.bus.v1.RunState\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xab\x01\n\rGroupsDropped\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08producer\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tgroup_ids\x18\x06 \x03(\t\x12\x0f\n\x07version\x18\x07 \x01(\x03\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*~\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x12\n\x0eRUN_STATE_DONE\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x42H\n\x0erlfleet.bus.v1P\x01Z#rlfleet/gen/go/rlfleet/bus/v1;busv1\xaa\x02\x0eRlfleet.Bus.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,20 +38,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METRICS_SCALARSENTRY']._serialized_options = b'8\001'
   _globals['_WEIGHTSPUBLISHED_TAKENSEQUENCESENTRY']._loaded_options = None
   _globals['_WEIGHTSPUBLISHED_TAKENSEQUENCESENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=1156
-  _globals['_RUNSTATE']._serialized_end=1282
+  _globals['_RUNSTATE']._serialized_start=1186
+  _globals['_RUNSTATE']._serialized_end=1312
   _globals['_EPISODESTATS']._serialized_start=81
-  _globals['_EPISODESTATS']._serialized_end=301
-  _globals['_METRICS']._serialized_start=304
-  _globals['_METRICS']._serialized_end=525
-  _globals['_METRICS_SCALARSENTRY']._serialized_start=479
-  _globals['_METRICS_SCALARSENTRY']._serialized_end=525
-  _globals['_WEIGHTSPUBLISHED']._serialized_start=528
-  _globals['_WEIGHTSPUBLISHED']._serialized_end=837
-  _globals['_WEIGHTSPUBLISHED_TAKENSEQUENCESENTRY']._serialized_start=784
-  _globals['_WEIGHTSPUBLISHED_TAKENSEQUENCESENTRY']._serialized_end=837
-  _globals['_RUNSTATUS']._serialized_start=840
-  _globals['_RUNSTATUS']._serialized_end=980
-  _globals['_GROUPSDROPPED']._serialized_start=983
-  _globals['_GROUPSDROPPED']._serialized_end=1154
+  _globals['_EPISODESTATS']._serialized_end=331
+  _globals['_METRICS']._serialized_start=334
+  _globals['_METRICS']._serialized_end=555
+  _globals['_METRICS_SCALARSENTRY']._serialized_start=509
+  _globals['_METRICS_SCALARSENTRY']._serialized_end=555
+  _globals['_WEIGHTSPUBLISHED']._serialized_start=558
+  _globals['_WEIGHTSPUBLISHED']._serialized_end=867
+  _globals['_WEIGHTSPUBLISHED_TAKENSEQUENCESENTRY']._serialized_start=814
+  _globals['_WEIGHTSPUBLISHED_TAKENSEQUENCESENTRY']._serialized_end=867
+  _globals['_RUNSTATUS']._serialized_start=870
+  _globals['_RUNSTATUS']._serialized_end=1010
+  _globals['_GROUPSDROPPED']._serialized_start=1013
+  _globals['_GROUPSDROPPED']._serialized_end=1184
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ RUN_STATE_DONE: RunState
 RUN_STATE_FAILED: RunState
 
 class EpisodeStats(_message.Message):
-    __slots__ = ("run", "source", "env_id", "episode_return", "length", "env_steps", "policy_version", "truncated", "time", "partial")
+    __slots__ = ("run", "source", "env_id", "episode_return", "length", "env_steps", "policy_version", "truncated", "time", "partial", "score")
     RUN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class EpisodeStats(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     run: str
     source: str
     env_id: str
@@ -46,7 +47,8 @@ class EpisodeStats(_message.Message):
     truncated: bool
     time: _timestamp_pb2.Timestamp
     partial: bool
-    def __init__(self, run: _Optional[str] = ..., source: _Optional[str] = ..., env_id: _Optional[str] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., truncated: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., partial: _Optional[bool] = ...) -> None: ...
+    score: float
+    def __init__(self, run: _Optional[str] = ..., source: _Optional[str] = ..., env_id: _Optional[str] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., truncated: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., partial: _Optional[bool] = ..., score: _Optional[float] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("run", "source", "step", "time", "scalars", "policy_version")

@@ -168,16 +168,18 @@ class StepResponse(_message.Message):
     def __init__(self, observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., infos: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., episodes: _Optional[_Iterable[_Union[EpisodeEnd, _Mapping]]] = ...) -> None: ...
 
 class EpisodeEnd(_message.Message):
-    __slots__ = ("env_index", "episode_return", "length", "truncated")
+    __slots__ = ("env_index", "episode_return", "length", "truncated", "score")
     ENV_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPISODE_RETURN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     env_index: int
     episode_return: float
     length: int
     truncated: bool
-    def __init__(self, env_index: _Optional[int] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    score: float
+    def __init__(self, env_index: _Optional[int] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., truncated: _Optional[bool] = ..., score: _Optional[float] = ...) -> None: ...
 
 class RenderRequest(_message.Message):
     __slots__ = ("env_indices",)
