@@ -264,17 +264,25 @@ class TrajectoryConsumer:
         self.gathering: list[Delivery[Any]] = []  # held for the batch being gathered
         self.inbox: collections.deque[Delivery[Any]] = collections.deque()  # pulled, not taken
         self._arrived = asyncio.Event()
+        # Ends the pull between fetches (the service's stop, or close): a cancellation that a
+        # fetch swallows (asyncio.wait_for racing a message on Python 3.11) cannot keep it alive.
+        self._halted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._pull(), name="pull"),
             asyncio.create_task(self._keep_alive(), name="in-progress"),
+            asyncio.create_task(self._halt_on_stop(), name="halt-on-stop"),
         ]
+
+    async def _halt_on_stop(self) -> None:
+        await self.stop_event.wait()
+        self._halted.set()
 
     async def _pull(self) -> None:
         """Move deliveries from the durable consumer into the inbox until stopped."""
-        while not self.stop_event.is_set():
+        while not self._halted.is_set():
             deliveries: AsyncIterator[Delivery[Any]] = self.bus.pull(
                 self.stream,
                 self.durable,
@@ -283,7 +291,7 @@ class TrajectoryConsumer:
                 batch=self.batch,
                 ack_wait_s=self.ack_wait_s,
                 max_ack_pending=self.max_ack_pending,
-                stop_event=self.stop_event,
+                stop_event=self._halted,
             )
             try:
                 async for delivery in deliveries:
@@ -343,6 +351,7 @@ class TrajectoryConsumer:
 
     async def close(self) -> None:
         """Stop pulling; nak what was not applied so it comes back at once."""
+        self._halted.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -478,10 +478,24 @@ class LearnerLoop:
 
 async def _bounded(step: Awaitable[Any], what: str, timeout_s: float = SHUTDOWN_STEP_S) -> None:
     """One step of the shutdown, given up (and logged) after ``timeout_s``: a client that
-    hangs while closing must not keep a finished learner, and so the whole run, from ending."""
+    hangs while closing must not keep a finished learner, and so the whole run, from ending.
+    The step is cancelled but not waited for: asyncio.wait_for would wait for the cancellation
+    to land, forever when the step swallows it."""
+    task = asyncio.ensure_future(step)
     try:
-        await asyncio.wait_for(step, timeout_s)
-    except TimeoutError:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
         log.error("%s took over %gs: going on without it", what, timeout_s)
-    except Exception as exc:
+        return
+    if task.cancelled():
+        log.warning("%s was cancelled", what)
+        return
+    exc = task.exception()
+    if isinstance(exc, Exception):
         log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+    elif exc is not None:
+        raise exc

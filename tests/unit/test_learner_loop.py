@@ -300,3 +300,30 @@ async def test_nonfinite_updates_are_skipped_counted_and_fail_the_run_in_a_row(
         json.loads(line) for line in (tmp_path / "learner/applied.jsonl").read_text().splitlines()
     ]
     assert [e["status"] for e in ledger] == ["nonfinite"] * 2 + ["applied"] * 2 + ["nonfinite"] * 4
+
+
+async def test_a_shutdown_step_that_swallows_its_cancellation_is_left_behind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from learner.loop import _bounded
+
+    released = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not released.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                continue  # as a library that loses a cancellation does
+
+    started = asyncio.get_running_loop().time()
+    await _bounded(stubborn(), "closing something", timeout_s=0.2)
+    assert asyncio.get_running_loop().time() - started < 2.0
+    assert "closing something took over 0.2s" in caplog.text
+    released.set()
+
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    await _bounded(fails(), "closing another", timeout_s=1.0)
+    assert "closing another failed: RuntimeError: boom" in caplog.text
