@@ -16,31 +16,4 @@ set -euo pipefail
 packages=(golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
   golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev golang-google-genproto-dev)
 
-missing=()
-for package in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$package")
-  fi
-done
-
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "Go SDK dependencies present"
-  exit 0
-fi
-
-if ! command -v apt-get >/dev/null; then
-  echo "missing ${missing[*]}: install them with your system's package manager" >&2
-  exit 1
-fi
-
-sudo=()
-if [ "$(id -u)" -ne 0 ]; then
-  command -v sudo >/dev/null || { echo "missing ${missing[*]}: run as root to install" >&2; exit 1; }
-  sudo=(sudo)
-fi
-
-echo "installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-# A fresh machine may have no package lists yet; update only when the install cannot find one.
-"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" ||
-  { "${sudo[@]}" apt-get update -q && "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; }
+exec "$(dirname "$0")/../../scripts/debian-packages.sh" "Go SDK" "${packages[@]}"
