@@ -31,24 +31,15 @@ from clients.env import (
     ResetNeededError,
 )
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.ports import free_port
-from services.server import wait_for_health
+from tests.fixtures.env_server import served_env_server
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def address() -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--port", str(port)]
-    server = subprocess.Popen(cmd, cwd=REPO, env=env)
-    try:
-        wait_for_health(f"127.0.0.1:{port}", timeout_s=60)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        assert server.wait(timeout=30) == 0
+    with served_env_server() as served:
+        yield served
 
 
 def _check_env_warnings(env: gym.Env) -> set[str]:

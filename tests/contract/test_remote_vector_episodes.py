@@ -10,11 +10,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -24,24 +20,13 @@ from gymnasium.vector import AutoresetMode
 
 from clients.env import RemoteVectorEnv
 from services.errors import InvalidArgument, NotFound
-from services.ports import free_port
-from services.server import wait_for_health
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.fixtures.env_server import served_env_server
 
 
 @pytest.fixture(scope="module")
 def address() -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFLEET_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "env_server", "--port", str(port)]
-    server = subprocess.Popen(cmd, cwd=REPO, env=env)
-    try:
-        wait_for_health(f"127.0.0.1:{port}", timeout_s=60)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        assert server.wait(timeout=30) == 0
+    with served_env_server() as served:
+        yield served
 
 
 def _local(n: int, mode: AutoresetMode) -> gym.vector.SyncVectorEnv:
