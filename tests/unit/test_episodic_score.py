@@ -6,7 +6,6 @@ had one, and are absent when none did (no made-up 0)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,9 +19,9 @@ from common.stats import WINDOW, ActorStats
 from env_server.game_link.protocol import LinkSpec, TickCursor, check_tick
 from env_server.game_link.recorder import LinkRecorder
 from env_server.pool import EnvPool, _score
-from learner.game.workload import GameWorkload
 from rlfleet.bus.v1 import events_pb2
 from rlfleet.env.v1 import game_link_pb2
+from tests.fixtures.episodes import EpisodeFeed, RecordingBus, bare_game_workload
 
 
 class ScoredEnv(gym.Env[np.ndarray, np.int64]):
@@ -82,7 +81,7 @@ def test_pool_episodes_carry_the_final_infos_score_and_none_without_one(mode: st
 
 
 def test_actor_stats_average_scores_over_the_window_and_publish_them() -> None:
-    bus = FakeBus()
+    bus = RecordingBus()
     stats = ActorStats(bus, "run", "actor-0", "Snake-v0", 5.0)  # type: ignore[arg-type]
     asyncio.run(stats.episodes_ended([(0, 1.0, 5, False, None), (1, 2.0, 6, False)], 0))
     assert "charts/episodic_score" not in stats.scalars(stats.started + 1.0)
@@ -100,7 +99,7 @@ def test_actor_stats_average_scores_over_the_window_and_publish_them() -> None:
 def test_learner_reports_episodic_score_only_when_episodes_had_one() -> None:
     workload = learner(window=3)
     scoreless = [events_pb2.EpisodeStats(episode_return=1.0, length=10) for _ in range(2)]
-    asyncio.run(workload._watch_episodes(FakeSubscription(scoreless)))
+    asyncio.run(workload._watch_episodes(EpisodeFeed(scoreless)))
     metrics = report(workload)
     assert metrics["charts/episodic_return"] == 1.0
     assert "charts/episodic_score" not in metrics
@@ -109,7 +108,7 @@ def test_learner_reports_episodic_score_only_when_episodes_had_one() -> None:
         events_pb2.EpisodeStats(episode_return=0.0, length=10, score=0.0),  # a real 0 counts
         events_pb2.EpisodeStats(episode_return=5.0, length=5, score=50.0, partial=True),
     ]
-    asyncio.run(workload._watch_episodes(FakeSubscription(scored)))
+    asyncio.run(workload._watch_episodes(EpisodeFeed(scored)))
     metrics = report(workload)
     # Window 3: one scoreless and two scored episodes; the partial one is left out.
     assert metrics["charts/episodic_return"] == 0.0
@@ -173,42 +172,8 @@ def check_tick_scores(infos: dict[str, np.ndarray], spec: LinkSpec) -> Any:
 # ---------------------------------------------------------------------------- helpers
 
 
-class FakeBus:
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    async def publish_event(self, subject: str, message: Any) -> None:
-        self.events.append(message)
-
-
-class FakeSubscription:
-    def __init__(self, messages: list[events_pb2.EpisodeStats]) -> None:
-        self.messages = messages
-
-    async def __aenter__(self) -> FakeSubscription:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    def __aiter__(self) -> Any:
-        return self._iterate()
-
-    async def _iterate(self) -> Any:
-        for message in self.messages:
-            yield SimpleNamespace(message=message)
-
-
 def learner(window: int) -> Any:
-    workload = GameWorkload.__new__(GameWorkload)
-    workload.settings = SimpleNamespace(episode_window=window)  # type: ignore[assignment]
-    workload.returns = collections.deque(maxlen=window)
-    workload.lengths = collections.deque(maxlen=window)
-    workload.scores = collections.deque(maxlen=window)
-    workload.episodes = 0
-    workload._steps_this_run = 0
-    workload._description = {}  # state() needs no spaces then
-    return workload
+    return bare_game_workload(episode_window=window)
 
 
 def report(workload: Any) -> dict[str, float]:

@@ -6,9 +6,6 @@ target_return), so a cut-off episode can neither trigger nor delay `target_retur
 from __future__ import annotations
 
 import asyncio
-import collections
-from types import SimpleNamespace
-from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -17,8 +14,8 @@ from common.behaviour import Decision
 from common.stats import ActorStats
 from env_server.game_link.protocol import Tick
 from env_server.game_link.recorder import LinkRecorder
-from learner.game.workload import GameWorkload
 from rlfleet.bus.v1 import events_pb2
+from tests.fixtures.episodes import EpisodeFeed, RecordingBus, bare_game_workload
 
 N = 2
 
@@ -75,16 +72,8 @@ def test_a_reused_episode_id_starts_a_new_episode() -> None:
     assert r.agents[0].episode == 3
 
 
-class FakeBus:
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    async def publish_event(self, subject: str, message: Any) -> None:
-        self.events.append(message)
-
-
 def test_actor_stats_publish_partial_episodes_marked_and_out_of_the_mean() -> None:
-    bus = FakeBus()
+    bus = RecordingBus()
     stats = ActorStats(bus, "run", "env-0/link-1", "Game-v0", 5.0)  # type: ignore[arg-type]
     asyncio.run(stats.episodes_ended([(0, 10.0, 10, False)], 3))
     asyncio.run(stats.episodes_ended([(1, 500.0, 50, True)], 3, partial=True))
@@ -98,33 +87,8 @@ def test_actor_stats_publish_partial_episodes_marked_and_out_of_the_mean() -> No
     assert scalars["charts/episodes"] == 2.0
 
 
-class FakeSubscription:
-    def __init__(self, messages: list[events_pb2.EpisodeStats]) -> None:
-        self.messages = messages
-
-    async def __aenter__(self) -> FakeSubscription:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    def __aiter__(self) -> Any:
-        return self._iterate()
-
-    async def _iterate(self) -> Any:
-        for message in self.messages:
-            yield SimpleNamespace(message=message)
-
-
 def test_learner_leaves_partial_episodes_out_of_return_and_target() -> None:
-    workload = GameWorkload.__new__(GameWorkload)
-    workload.settings = SimpleNamespace(  # type: ignore[assignment]
-        total_timesteps=10**9, episode_window=2, target_return=100.0
-    )
-    workload.returns = collections.deque(maxlen=2)
-    workload.lengths = collections.deque(maxlen=2)
-    workload.scores = collections.deque(maxlen=2)
-    workload.episodes = 0
+    workload = bare_game_workload(total_timesteps=10**9, episode_window=2, target_return=100.0)
     episodes = [
         events_pb2.EpisodeStats(episode_return=150.0, length=150),
         events_pb2.EpisodeStats(episode_return=150.0, length=150),
@@ -132,7 +96,7 @@ def test_learner_leaves_partial_episodes_out_of_return_and_target() -> None:
         events_pb2.EpisodeStats(episode_return=3.0, length=3, truncated=True, partial=True),
         events_pb2.EpisodeStats(episode_return=2.0, length=2, truncated=True, partial=True),
     ]
-    asyncio.run(workload._watch_episodes(FakeSubscription(episodes)))
+    asyncio.run(workload._watch_episodes(EpisodeFeed(episodes)))
     assert list(workload.returns) == [150.0, 150.0]
     assert workload.episodes == 2
     assert workload._end_reason(0, workload.returns) is not None  # the target is reached
@@ -143,6 +107,6 @@ def test_learner_leaves_partial_episodes_out_of_return_and_target() -> None:
         events_pb2.EpisodeStats(episode_return=900.0, length=900, truncated=True, partial=True),
         events_pb2.EpisodeStats(episode_return=900.0, length=900, truncated=True, partial=True),
     ]
-    asyncio.run(workload._watch_episodes(FakeSubscription(partial_high)))
+    asyncio.run(workload._watch_episodes(EpisodeFeed(partial_high)))
     assert list(workload.returns) == [10.0]
     assert workload._end_reason(0, workload.returns) is None  # partial ones cannot trigger it
