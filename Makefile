@@ -97,6 +97,11 @@ buf-lint: venv
 bench: venv
 	$(PY) -m bench.transport.env_throughput
 
+# The chaos test over 20 random seeds (bench/results/chaos_soak.json); not part of `make test`.
+.PHONY: soak
+soak: venv
+	$(PY) -m bench.game.chaos_soak --seeds 20
+
 # The TypeScript GameLink SDK and its Snake game (sdk/typescript/dist): npm ci when package-lock.json
 # is newer than the installed node_modules, then generate the message types and compile.
 .PHONY: sdk-ts

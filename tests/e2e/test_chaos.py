@@ -13,6 +13,7 @@ The order and moments come from a seed printed with the result (RLFLEET_CHAOS_SE
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -92,6 +93,11 @@ def test_random_kills_lose_and_double_nothing(tmp_path: Path) -> None:
         assert up.wait() == STOPPED_BY_SIGNAL, "the run did not stop in order"
         audit = audit_ledger(run_dir)
         print(f"chaos seed {seed}: killed {'; '.join(faults)}; {audit}")
+        if report := os.environ.get("RLFLEET_CHAOS_REPORT"):  # `make soak` collects these
+            record = {"seed": seed, "faults": faults, "applied": audit.applied,
+                      "lost": audit.lost, "doubled": audit.doubled}  # fmt: skip
+            with open(report, "a") as out:
+                out.write(json.dumps(record) + "\n")
         assert audit.lost == [] and audit.doubled == [], audit
         assert audit.applied > 0 and audit.incarnations >= 3  # actor-0 came back as a new one
         assert (run_dir / "final").is_dir()  # the stopped learner left its policy
