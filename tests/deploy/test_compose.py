@@ -1,11 +1,14 @@
 """deploy/: the Dockerfiles lint clean, the compose files validate, and the real stack trains.
 
 The stack test builds the images (tests/deploy/conftest.py), brings the `game` profile up with
-two env server replicas, `docker kill`s the learner once it has checkpointed, starts it again,
-and checks through the learner's volume and the containers' logs that
+one env server, scales it to three while the run trains (`up -d --scale env-server=3`, nothing
+else named: the actors find the replicas in the run's membership), `docker kill`s the learner
+once it has checkpointed, starts it again, scales the env servers down to two, and checks
+through the learner's volume and the containers' logs that
 
 1. CartPole PPO reaches a mean return >= 475 (TensorBoard `charts/episodic_return`);
-2. both env server replicas served sessions of the actors;
+2. the added replicas served sessions of both actors, the removed one drained and exited 0,
+   and no actor was recreated;
 3. the learner resumed from its checkpoint, and its ledger (learner/applied.jsonl) names every
    fragment at most once, with no gap in any actor's fragment sequence and exactly the fragments
    the final weights contain;
@@ -111,11 +114,9 @@ class Stack:
         self.override.write_text(
             "services:\n  learner:\n    environment:\n      RLFLEET_LEARNER__ACK_WAIT_S: '5'\n"
         )
-        replicas = [f"{self.project}-env-server-{i}:50051" for i in (1, 2)]
         self.env = {
             "RLFLEET_TAG": images["tag"],
             "RLFLEET_NATS_MONITOR_PORT": str(free_port()),
-            "RLFLEET_ENV_SERVERS": json.dumps(replicas),
             "COMPOSE_PROFILES": "game",
         }
 
@@ -137,6 +138,28 @@ class Stack:
     def logs(self, container: str) -> str:
         result = self.engine.run("docker", "logs", container, check=False)
         return result.stdout + result.stderr
+
+    def container_id(self, service: str) -> str:
+        return self.engine.docker("inspect", self.container(service), "--format", "{{.Id}}").strip()
+
+    @contextlib.contextmanager
+    def following_logs(self, container: str) -> Iterator[Path]:
+        """A file that gets the container's whole log, also after compose removes it."""
+        path = self.tmp_path / f"{container}.log"
+        with path.open("wb") as out:
+            follow = subprocess.Popen(
+                ["docker", "logs", "--follow", container],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.engine.env,
+            )
+            try:
+                yield path
+            finally:
+                try:
+                    follow.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    follow.kill()
 
     def learner_file(self, path: str) -> str:
         """A file of the running learner's run dir ("" while it does not exist)."""
@@ -205,8 +228,26 @@ def episodic_returns(run_dir: Path) -> list[tuple[int, float]]:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 1800)  # + a cold image build
 def test_game_stack_trains_scales_and_survives_a_learner_kill(stack: Stack) -> None:
     start = time.monotonic()
-    stack.compose("up", "-d", "--scale", "env-server=2", timeout=300)
+    stack.compose("up", "-d", timeout=300)
     up_s = time.monotonic() - start
+    actors = {name: stack.container_id(name) for name in ("actor-0", "actor-1")}
+
+    def updates() -> int:
+        entries = applied(ledger(stack.learner_file("learner/applied.jsonl")))
+        return max((e["update"] for e in entries), default=0)
+
+    def sessions(replica: int) -> int:
+        log = stack.logs(stack.container("env-server", replica))
+        return len(re.findall(r"session \S+: \d+ x CartPole-v1", log))
+
+    # Scale up while it trains: the new replicas take envs of both actors, none restarts.
+    stack.wait_until("a few updates on one env server", lambda: updates() >= 3, RUN_TIMEOUT_S)
+    stack.compose("up", "-d", "--scale", "env-server=3", timeout=300)
+    stack.wait_until(
+        "both actors' envs on the added replicas",
+        lambda: sessions(2) >= 2 and sessions(3) >= 2,
+        120,
+    )
 
     # Kill the learner once it has checkpointed and gone on past that checkpoint.
     def past_a_checkpoint() -> bool:
@@ -222,6 +263,9 @@ def test_game_stack_trains_scales_and_survives_a_learner_kill(stack: Stack) -> N
     # `docker kill` is a manual stop to Docker: the restart policy does not apply, so start it
     # again as an operator (or a crash, which the policy does restart) would.
     stack.compose("start", "learner")
+    # Scale down: the last replica drains (its sessions move to the others), then stops.
+    with stack.following_logs(stack.container("env-server", 3)) as removed_log:
+        stack.compose("up", "-d", "--scale", "env-server=2", timeout=300)
 
     stack.wait_until(
         "the learner to finish", lambda: stack.state("learner")[0] == "exited", RUN_TIMEOUT_S
@@ -238,11 +282,11 @@ def test_game_stack_trains_scales_and_survives_a_learner_kill(stack: Stack) -> N
     final = json.loads((run_dir / "final" / "policy.json").read_text())
     assert final["env_id"] == "CartPole-v1" and final["algo"] == "ppo"
 
-    # 2. Both replicas served the actors' sessions.
+    # 2. Every replica served sessions, the removed one drained first, no actor restarted.
     for i in (1, 2):
-        log = stack.logs(stack.container("env-server", i))
-        sessions = re.findall(r"session \S+: \d+ x CartPole-v1", log)
-        assert sessions, f"env-server replica {i} served no session:\n{log[-2000:]}"
+        assert sessions(i), f"env-server replica {i} served no session"
+    assert "draining:" in removed_log.read_text(), removed_log.read_text()[-3000:]
+    assert {name: stack.container_id(name) for name in actors} == actors
 
     # 3. Resumed from the checkpoint; every fragment once, none lost.
     learner_log = stack.logs(stack.container("learner"))

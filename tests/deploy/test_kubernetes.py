@@ -17,7 +17,10 @@ the same few helpers.
 
 from __future__ import annotations
 
+import atexit
+import base64
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,13 +39,21 @@ import yaml
 
 from services.config import load_run_config
 from services.registry import get_service
+from services.settings import service_refs
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 README = ROOT / "deploy" / "README.md"
 COMPOSE = ROOT / "deploy" / "compose.yaml"
-TREES = ("base", "overlays/cpu", "overlays/gpu")
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "hpa", "game", "lm", "laptop")
+TREES = ("base", *(f"overlays/{name}" for name in OVERLAYS))
+# Overlays without ReadWriteMany storage: one learner rank on its own volume.
+SINGLE_RANK = ("game", "lm", "laptop")
+KEDA_OVERLAYS = ("cpu", "gpu", "game", "lm")
+SECRETS_SCRIPT = ROOT / "deploy" / "scripts" / "kube-secrets.sh"
+KEDA_SCHEMA = Path(__file__).parent / "data" / "keda.sh_scaledobjects.v1alpha1.schema.yaml"
+# Services that advertise their pod IP for the membership registry (services/membership.py).
+ADVERTISED = {"env-server", "sampler", "reward-service"}
 K8S_VERSIONS = ("1.31.0", "1.33.0", "1.35.0")
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 GPU = "nvidia.com/gpu"
@@ -55,12 +67,29 @@ Doc = dict[str, Any]
 Pod = tuple[str, dict[str, str]]  # (namespace, labels)
 
 
-def kustomize(tree: str) -> list[Doc]:
+def render(root: Path, tree: str) -> subprocess.CompletedProcess[str]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with its built-in kustomize) is needed: install kubectl >= 1.27"
-    done = subprocess.run(
-        [kubectl, "kustomize", str(KUBE / tree)], capture_output=True, text=True, timeout=60
+    return subprocess.run(
+        [kubectl, "kustomize", str(root / tree)], capture_output=True, text=True, timeout=60
     )
+
+
+@functools.cache
+def with_secrets() -> Path:
+    """A copy of deploy/kubernetes with the secrets an operator makes first (the secrets script,
+    as deploy/README.md says), so the checkout's own secret files are never written."""
+    root = Path(tempfile.mkdtemp(prefix="rlfleet-kube-")) / "kubernetes"
+    secrets = shutil.ignore_patterns("*.env")  # only the operator's, under secrets/
+    shutil.copytree(KUBE, root, ignore=lambda d, n: secrets(d, n) if d.endswith("secrets") else [])
+    atexit.register(shutil.rmtree, root.parent, True)
+    done = subprocess.run(["bash", str(SECRETS_SCRIPT), str(root)], capture_output=True, text=True)
+    assert done.returncode == 0, f"{SECRETS_SCRIPT} failed:\n{done.stderr}"
+    return root
+
+
+def kustomize(tree: str) -> list[Doc]:
+    done = render(with_secrets(), tree)
     assert done.returncode == 0, f"kubectl kustomize {tree} failed:\n{done.stderr}"
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
@@ -112,9 +141,14 @@ def rlfleet_containers(docs: list[Doc]) -> Iterator[tuple[Doc, Doc]]:
 def env_of(docs: list[Doc], container: Doc) -> dict[str, str]:
     """The container's plain environment: its envFrom ConfigMaps, then its own values."""
     maps = by_kind(docs, "ConfigMap")
+    secrets = by_kind(docs, "Secret")
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env.update(maps[source["configMapRef"]["name"]]["data"])
+        if "secretRef" in source:
+            data = secrets[source["secretRef"]["name"]]["data"]
+            env.update({k: base64.b64decode(v).decode() for k, v in data.items()})
+        else:
+            env.update(maps[source["configMapRef"]["name"]]["data"])
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     return env
 
@@ -148,6 +182,8 @@ def test_manifests_validate_strictly(rendered: dict[str, list[Doc]], version: st
     }
     failures = []
     for doc in unique.values():
+        if doc["apiVersion"].startswith("keda.sh/"):
+            continue  # a custom resource: KEDA's own schema checks it (test_scaled_objects_...)
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -355,7 +391,14 @@ def test_run_files_validate_and_name_only_defined_peers(
                 assert owner and owner["spec"]["serviceName"] == parts[1], peer
                 assert service["spec"].get("clusterIP") == "None", peer
                 hpa = by_kind(docs, "HorizontalPodAutoscaler").get(pod)
-                most = hpa["spec"]["maxReplicas"] if hpa else owner["spec"]["replicas"]
+                scaled = by_kind(docs, "ScaledObject").get(pod)
+                most = (
+                    hpa["spec"]["maxReplicas"]
+                    if hpa
+                    else scaled["spec"]["maxReplicaCount"]
+                    if scaled
+                    else owner["spec"]["replicas"]
+                )
                 assert int(index) < most, f"{name} lists {peer}: beyond {pod}'s {most} replicas"
 
 
@@ -390,21 +433,29 @@ def test_autoscalers_use_metrics_the_services_export(rendered: dict[str, list[Do
     import prometheus_client
 
     import gateway.metrics  # noqa: F401  (registers the gateway's collectors)
+    import learner.prometheus  # noqa: F401
+    import reward_service.servicer  # noqa: F401
     import services.telemetry  # noqa: F401  (the gRPC server collectors of every service)
 
     adapter = yaml.safe_load((KUBE / "monitoring" / "prometheus-adapter-values.yaml").read_text())
     rules = {r["name"]["as"]: r for r in adapter["rules"]["custom"]}
+    external = {r["name"]["as"] for r in adapter["rules"]["external"]}
     exported = {
         sample.name for family in prometheus_client.REGISTRY.collect() for sample in family.samples
     } | {family.name for family in prometheus_client.REGISTRY.collect()}
+    hpas = by_kind(overlay(rendered, "hpa"), "HorizontalPodAutoscaler").values()
     wanted = {
-        m["pods"]["metric"]["name"]
-        for hpa in by_kind(overlay(rendered, "cpu"), "HorizontalPodAutoscaler").values()
-        for m in hpa["spec"]["metrics"]
-        if m["type"] == "Pods"
+        m["pods"]["metric"]["name"] for h in hpas for m in h["spec"]["metrics"] if "pods" in m
     }
     assert wanted, "no autoscaler uses a custom metric"
     assert wanted <= set(rules), f"no adapter rule for {wanted - set(rules)}"
+    outside = {
+        m["external"]["metric"]["name"]
+        for h in hpas
+        for m in h["spec"]["metrics"]
+        if "external" in m
+    }
+    assert outside and outside <= external, f"no adapter external rule for {outside - external}"
     for name, rule in rules.items():
         series = re.match(r"\w+", rule["seriesQuery"].strip("'")).group(0)  # type: ignore[union-attr]
         assert series in exported or series.removesuffix("_sum") in exported, (
@@ -422,8 +473,8 @@ def test_gpus_only_in_the_gpu_overlay(rendered: dict[str, list[Doc]]) -> None:
         }
 
     assert with_gpus(rendered["base"]) == set()
-    assert with_gpus(overlay(rendered, "cpu")) == set()
-    assert with_gpus(overlay(rendered, "gpu")) == GPU_WORKLOADS
+    for name in OVERLAYS:
+        assert with_gpus(overlay(rendered, name)) == (GPU_WORKLOADS if name == "gpu" else set())
 
 
 def test_every_compose_service_has_a_workload(rendered: dict[str, list[Doc]]) -> None:
@@ -540,7 +591,11 @@ def test_network_policies_allow_exactly_the_calls_the_services_make(
         _, name = serve_args(container)
         env = env_of(docs, container)
         config = load_run_config(run_file(docs, env["RLFLEET_RUN_CONFIG"], tmp_path), {})
-        for peer in peer_addresses(config.service(name).settings.model_dump()):
+        # Peers named by instance reach its replicas, and its Service before they register.
+        endpoints = json.loads(env.get("RLFLEET_ENDPOINTS", "{}"))
+        refs = [ref for _, ref in service_refs(config.service(name).settings, ())]
+        for peer in {endpoints.get(ref, ref) for ref in refs}:
+            assert ":" in peer, f"{name}: peer {peer!r} has no address in RLFLEET_ENDPOINTS"
             host, port = peer.rsplit(":", 1)
             calls.add((workload["metadata"]["name"], backing(host.split(".")[-1]), int(port)))
         calls.add((workload["metadata"]["name"], "nats", 4222))
@@ -565,12 +620,218 @@ def test_network_policies_allow_exactly_the_calls_the_services_make(
     assert all(policies.can_connect(prometheus, pods[n], 9100) for n in pods if n != "nats")
 
 
+# --------------------------------------------------------------------------- operability
+
+
+def test_rendering_without_the_secrets_names_the_file_to_make(tmp_path: Path) -> None:
+    """The gateway key and the bus password are not in git: until an operator makes them
+    (deploy/scripts/kube-secrets.sh), kustomize stops naming the file, not with an empty key."""
+    root = tmp_path / "kubernetes"
+    shutil.copytree(with_secrets(), root)
+    for name, missing in (("game", "core/secrets/nats.env"), ("lm", "lm/secrets/gateway.env")):
+        secret = root / "base" / missing
+        text = secret.read_text()
+        secret.unlink()
+        done = render(root, f"overlays/{name}")
+        assert done.returncode != 0 and f"base/{missing}" in done.stderr, done.stderr
+        secret.write_text(text)
+    (root / "base/lm/secrets/gateway.env").unlink()
+    # The script makes both again, and keeps a file it finds (a password under running pods).
+    kept = "RLFLEET_NATS_USER=me\nRLFLEET_NATS_PASSWORD=mine\n"
+    (root / "base/core/secrets/nats.env").write_text(kept)
+    subprocess.run(["bash", str(SECRETS_SCRIPT), str(root)], check=True, capture_output=True)
+    assert (root / "base/core/secrets/nats.env").read_text() == kept
+    key = (root / "base/lm/secrets/gateway.env").read_text()
+    assert re.fullmatch(r"RLFLEET_API_KEY=sk-[0-9a-f]{64}\n", key), key
+    assert render(root, "overlays/cpu").returncode == 0
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object closed to properties it does not declare: what the API
+    server's strict field validation does for a CRD (kubectl apply --validate=strict)."""
+    if isinstance(schema, dict):
+        out = {k: closed(v) for k, v in schema.items()}
+        open_ = "additionalProperties" in out or out.get("x-kubernetes-preserve-unknown-fields")
+        if "properties" in out and not open_:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def keda_validator() -> Any:
+    import jsonschema  # type: ignore[import-untyped]
+
+    schema = closed(yaml.safe_load(KEDA_SCHEMA.read_text()))
+    return jsonschema.Draft7Validator(schema)
+
+
+def test_scaled_objects_validate_against_kedas_crd(
+    rendered: dict[str, list[Doc]], keda_validator: Any
+) -> None:
+    for name in KEDA_OVERLAYS:
+        objects = by_kind(overlay(rendered, name), "ScaledObject")
+        assert objects, f"overlays/{name}: no ScaledObject"
+        for scaled in objects.values():
+            errors = [e.message for e in keda_validator.iter_errors(scaled)]
+            assert not errors, (
+                f"overlays/{name} ScaledObject/{scaled['metadata']['name']}: {errors}"
+            )
+    for name in set(OVERLAYS) - set(KEDA_OVERLAYS):
+        assert not by_kind(overlay(rendered, name), "ScaledObject"), name
+    typo = dict(by_kind(overlay(rendered, "cpu"), "ScaledObject")["env-server"])
+    typo["spec"] = {**typo["spec"], "maxReplicas": 8}  # an HPA's name for maxReplicaCount
+    assert any("maxReplicas" in e.message for e in keda_validator.iter_errors(typo))
+
+
+def test_scaled_objects_scale_what_they_say_on_rl_signals(
+    rendered: dict[str, list[Doc]], tmp_path: Path
+) -> None:
+    """Each ScaledObject targets a workload of its overlay that no HPA also scales; the
+    nats-jetstream triggers read the LM run's prompt queue (stream and durable as the bus
+    names them) from the NATS headless Service's monitoring port."""
+    from services.bus.subjects import QUEUE_DURABLE, work_queue_stream
+
+    docs = overlay(rendered, "cpu")
+    (home,) = by_kind(docs, "Namespace")
+    workloads = {(w["kind"], w["metadata"]["name"]) for w in by_kind(docs, *WORKLOADS).values()}
+    scaled = by_kind(docs, "ScaledObject")
+    assert not by_kind(docs, "HorizontalPodAutoscaler"), "an HPA beside KEDA fights it"
+    triggers: dict[str, set[str]] = {}
+    for name, obj in scaled.items():
+        ref = obj["spec"]["scaleTargetRef"]
+        assert (ref["kind"], ref["name"]) in workloads, f"{name} scales nothing: {ref}"
+        triggers[ref["name"]] = {t["type"] for t in obj["spec"]["triggers"]}
+    assert triggers["rollout-driver"] == triggers["sampler"] == {"nats-jetstream"}
+    assert triggers["env-server"] == triggers["reward-service"] == {"prometheus"}
+    rollout = by_kind(docs, "Job")["rollout"]
+    env = env_of(docs, pod_spec(rollout)["containers"][0])
+    config = load_run_config(run_file(docs, env["RLFLEET_RUN_CONFIG"], tmp_path), {})
+    queue = config.service("rollout").settings.queue
+    headless = by_kind(docs, "Service")["nats-headless"]["spec"]
+    for obj in scaled.values():
+        for trigger in obj["spec"]["triggers"]:
+            meta = trigger["metadata"]
+            if trigger["type"] == "nats-jetstream":
+                assert meta["stream"] == work_queue_stream(env["RLFLEET_RUN_NAME"], queue)
+                assert meta["consumer"] == QUEUE_DURABLE
+                host, port = meta["natsServerMonitoringEndpoint"].rsplit(":", 1)
+                assert host == f"nats-headless.{home}.svc.cluster.local", host
+                assert int(port) in {p["port"] for p in headless["ports"]}
+            elif trigger["type"] == "prometheus":
+                assert f'namespace="{home}"' in meta["query"], meta["query"]
+    # The extra drivers exist only for a backlog; the feeder is the Job.
+    assert scaled["rollout-driver"]["spec"]["minReplicaCount"] == 0
+    driver = pod_spec(by_kind(docs, "Deployment")["rollout-driver"])["containers"][0]
+    assert env_of(docs, driver)["RLFLEET_ROLLOUT__FEED"] == "false"
+    assert config.service("rollout").settings.feed
+
+
+# What a run's workers do when the run is over (services/bus/runs.py stop_when_run_over, the
+# learners' own end): exit 0. Those must be Jobs, or they are restarted against a finished run.
+ENDS_WITH_THE_RUN = {"game_actor", "learner", "lm_learner"}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_workloads_that_end_with_the_run_are_jobs(
+    rendered: dict[str, list[Doc]], name: str
+) -> None:
+    docs = overlay(rendered, name)
+    for workload, container in rlfleet_containers(docs):
+        kind, _ = serve_args(container)
+        where = f"overlays/{name} {workload['kind']}/{workload['metadata']['name']}"
+        feeds = (
+            kind == "rollout" and env_of(docs, container).get("RLFLEET_ROLLOUT__FEED") != "false"
+        )
+        if kind in ENDS_WITH_THE_RUN or feeds:
+            assert workload["kind"] == "Job", f"{where} ends with the run: a Job, not restarted"
+            assert pod_spec(workload)["restartPolicy"] == "OnFailure", where
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_replicas_spread_learners_go_first_and_servers_advertise_their_ip(
+    rendered: dict[str, list[Doc]], name: str
+) -> None:
+    docs = overlay(rendered, name)
+    classes = by_kind(docs, "PriorityClass")
+    for workload in by_kind(docs, *WORKLOADS).values():
+        spec, app = pod_spec(workload), workload["metadata"]["name"]
+        where = f"overlays/{name} {workload['kind']}/{app}"
+        if workload["kind"] != "Job" or workload["spec"].get("parallelism", 1) > 1:
+            keys = {c["topologyKey"] for c in spec.get("topologySpreadConstraints", [])}
+            assert "kubernetes.io/hostname" in keys, f"{where}: replicas not spread over nodes"
+            for c in spec["topologySpreadConstraints"]:
+                assert c["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": app}
+        if app in ("learner", "lm-learner"):
+            assert spec.get("priorityClassName") in classes, f"{where}: no PriorityClass"
+        if app in ADVERTISED:
+            env = {e["name"]: e for e in spec["containers"][0]["env"]}
+            field = env["RLFLEET_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field == "status.podIP", where
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_nats_is_a_cluster_with_auth_and_replicated_streams(
+    rendered: dict[str, list[Doc]], name: str
+) -> None:
+    """3 JetStream nodes whose routes name every node, streams of as many replicas, a PDB that
+    keeps the quorum, every service and the server reading one user from Secret nats-auth; the
+    laptop overlay's single server with single-replica streams."""
+    docs = overlay(rendered, name)
+    nats = by_kind(docs, "StatefulSet")["nats"]
+    nodes = nats["spec"]["replicas"]
+    assert nodes == (1 if name == "laptop" else 3)
+    conf = next(c for c in by_kind(docs, "ConfigMap").values() if "nats.conf" in c["data"])
+    text = conf["data"]["nats.conf"]
+    routes = re.findall(r"nats://([\w.-]+):6222", text)
+    expected = [f"nats-{i}.{nats['spec']['serviceName']}" for i in range(nodes)]
+    assert routes == (expected if nodes > 1 else []), routes
+    assert re.search(
+        r"authorization \{\s*user: \$RLFLEET_NATS_USER\s*password: \$RLFLEET_NATS_PASSWORD", text
+    )
+    secret = by_kind(docs, "Secret")
+    auth = next(n for n in secret if n.startswith("nats-auth"))
+    assert {"RLFLEET_NATS_USER", "RLFLEET_NATS_PASSWORD"} <= set(secret[auth]["data"])
+    containers = [pod_spec(nats)["containers"][0]] + [c for _, c in rlfleet_containers(docs)]
+    for container in containers:
+        env = env_of(docs, container)
+        assert env["RLFLEET_NATS_PASSWORD"] and env["RLFLEET_NATS_USER"], container["name"]
+        if container["name"] != "nats":
+            assert env["RLFLEET_NATS_REPLICAS"] == str(nodes), container["name"]
+    pdb = by_kind(docs, "PodDisruptionBudget")["nats"]["spec"]
+    if nodes > 1:
+        assert pdb["maxUnavailable"] == (nodes - 1) // 2, "a drain must keep the quorum"
+    exporter = {c["name"]: c for c in pod_spec(nats)["containers"]}["exporter"]
+    assert "http://localhost:8222" in exporter["args"] and "-jsz=all" in exporter["args"]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_read_write_many_only_with_several_learner_ranks(
+    rendered: dict[str, list[Doc]], name: str
+) -> None:
+    docs = overlay(rendered, name)
+    claims = by_kind(docs, "PersistentVolumeClaim")
+    learner = by_kind(docs, "Job").get("learner")
+    for claim_name, claim in claims.items():
+        shared = "ReadWriteMany" in claim["spec"]["accessModes"]
+        ranks = learner["spec"]["completions"] if learner else 1
+        assert shared == (claim_name == "learner-run" and ranks > 1), f"{name}: {claim_name}"
+    if learner is not None:
+        ranks = learner["spec"]["completions"]
+        assert ranks == learner["spec"]["parallelism"]
+        assert f"--nnodes={ranks}" in pod_spec(learner)["containers"][0]["args"]
+        assert (ranks == 1) == (name in SINGLE_RANK), f"{name}: {ranks} ranks"
+
+
 # --------------------------------------------------------------------------- image smoke test
 
 # The pods the smoke test starts: both images, the bus, and the multi-rank learner. The LM
 # workloads (sampler, LM learner, rollout, gateway) use the same two images but need a vLLM
 # engine and a DeepSpeed LM engine up before they are ready: minutes of CPU each here.
-SMOKE = {"nats": 1, "env-server": 1, "reward-service": 1, "learner": 2, "game-actor": 1}
+# All three bus nodes: JetStream answers only once a majority of the cluster is up.
+SMOKE = {"nats": 3, "env-server": 1, "reward-service": 1, "learner": 2, "game-actor": 1}
 SMOKE_READY_S = 240.0
 
 
@@ -603,6 +864,8 @@ class Pods:
         pod = f"{name}-{index}" if workload["kind"] != "Deployment" else f"{name}-smoke"
         env = env_of(self.docs, container)
         downward = {
+            "metadata.name": pod,
+            "status.podIP": pod,  # Docker's DNS answers the container's name
             "metadata.labels['apps.kubernetes.io/pod-index']": str(index),
             "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index),
         }
@@ -737,6 +1000,7 @@ def test_every_image_starts_and_passes_its_readiness_probe(
     workloads = by_kind(docs, *WORKLOADS)
     named = {c["image"] for w in workloads.values() for c in pod_spec(w)["containers"]}
     named |= {c["image"] for w in workloads.values() for c in pod_spec(w).get("initContainers", [])}
+    named = {i for i in named if i.startswith("rlfleet/")}  # not the NATS exporter's
     smoked = {pod_spec(workloads[n])["containers"][0]["image"] for n in SMOKE}
     assert smoked == named, f"the smoke test leaves images out: {named - smoked}"
     built = {f"rlfleet/{k}": v for k, v in images.items() if k != "tag"}

@@ -16,6 +16,8 @@ which lints every deploy/docker/*.Dockerfile.)
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import time
 import urllib.parse
@@ -85,6 +87,135 @@ def test_every_service_traces_to_phoenix_when_asked() -> None:
         env = services[name].get("environment", {})
         assert env.get("RLFLEET_TRACING") == "none", f"{name}: tracing must be off by default"
         assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == "http://phoenix:4317", name
+
+
+RULES = REPO / "deploy" / "prometheus" / "rules.yml"
+PROMETHEUS_RULE = REPO / "deploy" / "kubernetes" / "monitoring" / "prometheusrule.yaml"
+DASHBOARD = REPO / "deploy" / "grafana" / "rlfleet.json"
+KEDA = REPO / "deploy" / "kubernetes" / "autoscaling"
+# Series that other exporters serve: the NATS exporter sidecar (deploy/kubernetes/base/core) and
+# Prometheus itself.
+EXTERNAL_SERIES = {
+    "jetstream_consumer_num_pending",
+    "jetstream_consumer_num_ack_pending",
+    "up",
+}
+# PromQL words that look like series names: functions, aggregations and keywords.
+PROMQL_WORDS = {
+    "sum", "max", "min", "avg", "count", "rate", "increase", "changes", "by", "and", "or",
+    "histogram_quantile", "avg_over_time", "clamp_min", "le", "without", "on", "ignoring",
+}  # fmt: skip
+
+
+def exported_series() -> set[str]:
+    """Every series the rlfleet code registers (collectors are declared at import)."""
+    import prometheus_client
+
+    import env_server.servicer  # noqa: F401
+    import gateway.metrics  # noqa: F401
+    import learner.prometheus  # noqa: F401
+    import reward_service.servicer  # noqa: F401
+    import sampler.actors.sampling  # noqa: F401
+    import services.telemetry  # noqa: F401
+
+    # A labelled collector has no samples before its first use: its series names follow from
+    # its type, as the text format writes them.
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    return {
+        f.name + suffix
+        for f in prometheus_client.REGISTRY.collect()
+        for suffix in suffixes.get(f.type, ("",))
+    }
+
+
+def series_in(expr: str) -> set[str]:
+    """The series names a PromQL expression reads (not labels, functions or strings)."""
+    expr = re.sub(r'"[^"]*"', "", expr)  # label values
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)  # grouping labels
+    names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
+    return {n for n in names if n not in PROMQL_WORDS and not re.fullmatch(r"\d+e?", n)}
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def alert_exprs() -> list[str]:
+    rules = yaml.safe_load(RULES.read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+def keda_exprs() -> list[str]:
+    out = []
+    for path in KEDA.glob("keda/*/*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "ScaledObject":
+                for trigger in doc["spec"]["triggers"]:
+                    if trigger["type"] == "prometheus":
+                        out.append(trigger["metadata"]["query"])
+    return out
+
+
+def test_dashboard_alerts_and_autoscalers_read_series_the_code_exports() -> None:
+    exported = exported_series()
+    sources = {"dashboard": dashboard_exprs(), "alerts": alert_exprs(), "KEDA": keda_exprs()}
+    assert all(sources.values()), {k: len(v) for k, v in sources.items()}
+    for source, exprs in sources.items():
+        for expr in exprs:
+            for name in series_in(expr):
+                assert name in exported or name in EXTERNAL_SERIES, (
+                    f"{source} reads {name}, which no rlfleet service exports: {expr}"
+                )
+    # The check can fail: a renamed gauge is caught.
+    assert "rlfleet_learner_episodic_reward" not in exported
+    assert series_in('rate(rlfleet_x_total{a="b"}[5m]) / sum by (le) (y)') == {
+        "rlfleet_x_total",
+        "y",
+    }
+
+
+def test_alert_rules_are_loaded_and_the_same_for_the_operator() -> None:
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    assert config["rule_files"] == [RULES.name]
+    mounted = compose_services()["prometheus"]["volumes"]
+    assert any(v["target"] == f"/etc/prometheus/{RULES.name}" for v in mounted), mounted
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    rule = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"] == groups
+    alerts = {r["alert"]: r for g in groups for r in g["rules"]}
+    assert set(alerts) == {
+        "RlfleetTrainingNoProgress",
+        "RlfleetTrainingNonfiniteUpdates",
+        "RlfleetTrainingPolicyLagHigh",
+    }
+    for name, alert in alerts.items():
+        assert alert["labels"]["severity"] and alert["annotations"]["summary"], name
+        assert "run" in alert["annotations"]["summary"], name
+        assert expr_balanced(alert["expr"]), name
+
+
+def expr_balanced(expr: str) -> bool:
+    depth = {"(": 0, "[": 0, "{": 0}
+    pairs = {")": "(", "]": "[", "}": "{"}
+    for ch in expr:
+        if ch in depth:
+            depth[ch] += 1
+        elif ch in pairs:
+            depth[pairs[ch]] -= 1
+            if depth[pairs[ch]] < 0:
+                return False
+    return not any(depth.values())
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
+def test_promtool_accepts_the_alert_rules() -> None:
+    done = subprocess.run(
+        ["promtool", "check", "rules", str(RULES)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 class Stack:
