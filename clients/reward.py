@@ -34,9 +34,17 @@ from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
 from services.calls import rpc
 from services.errors import InvalidArgument, RlfleetError, from_status
 from services.grpc_names import service_name
+from services.membership import Balancer, PeerView
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, channel
 
-__all__ = ["SERVICE_NAME", "FunctionResult", "ItemResult", "RewardClient", "RewardInfo"]
+__all__ = [
+    "SERVICE_NAME",
+    "FunctionResult",
+    "ItemResult",
+    "RewardClient",
+    "RewardInfo",
+    "RewardPool",
+]
 
 SERVICE_NAME = service_name(reward_pb2, "RewardService")  # for health checks
 
@@ -212,3 +220,27 @@ class RewardClient:
             )
             for r in response.rewards
         ]
+
+
+class RewardPool:
+    """Score on the reward services ``peers`` names (fixed addresses, or an instance's live
+    replicas: services/membership.py), each call on the one with the fewest calls in flight."""
+
+    def __init__(self, peers: PeerView, *, timeout_s: float = 120.0) -> None:
+        self.balancer = Balancer(
+            peers, lambda a: RewardClient(a, timeout_s=timeout_s), RewardClient.close
+        )
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.balancer.addresses
+
+    async def score_request(
+        self, request: reward_pb2.ScoreRequest, *, timeout_s: float | None = None
+    ) -> reward_pb2.ScoreResponse:
+        """`RewardClient.score_request` on the least busy reward service."""
+        async with self.balancer.use() as (_, client):
+            return await client.score_request(request, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        await self.balancer.close()

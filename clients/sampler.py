@@ -8,7 +8,7 @@
 
 A prompt is a str (text), a sequence or numpy array of token ids, a list of chat messages
 ({"role", "content"} dicts), or a ready `sampler_pb2.Prompt`; `generate_request` sends a
-GenerateRequest as it is. `SamplerPool` spreads calls over replicas in turn.
+GenerateRequest as it is. `SamplerPool` spreads calls over replicas, the least busy first.
 
 Errors come back as the services.errors class the server raised (InvalidArgument with its
 field, ResourceExhausted...), the message prefixed with the sampler and the method
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -36,6 +35,7 @@ from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from services.calls import rpc
 from services.errors import RlfleetError, from_rpc_error
 from services.grpc_names import service_name
+from services.membership import Balancer, PeerView
 from services.server import channel
 
 __all__ = ["SERVICE_NAME", "PromptLike", "SamplerClient", "SamplerPool", "to_prompt"]
@@ -127,31 +127,35 @@ class SamplerClient:
 
 
 class SamplerPool:
-    """Generate on several samplers in turn (one call each), so replicas share the load."""
+    """Generate on the samplers ``peers`` names (fixed addresses, or an instance's live
+    replicas: services/membership.py), each call on the one with the fewest calls in flight."""
 
-    def __init__(self, addresses: Sequence[str], *, timeout_s: float = 600.0) -> None:
-        if not addresses:
-            raise ValueError("SamplerPool: no sampler addresses")
-        self.clients = [SamplerClient(address, timeout_s=timeout_s) for address in addresses]
-        self._turn = itertools.cycle(range(len(self.clients)))
+    def __init__(self, peers: Sequence[str] | PeerView, *, timeout_s: float = 600.0) -> None:
+        if not isinstance(peers, PeerView):
+            if not peers:
+                raise ValueError("SamplerPool: no sampler addresses")
+            peers = PeerView(list(peers), kind="sampler", resolve=str)
+        self.balancer = Balancer(
+            peers, lambda a: SamplerClient(a, timeout_s=timeout_s), SamplerClient.close
+        )
 
     @property
     def addresses(self) -> list[str]:
-        return [client.address for client in self.clients]
+        return self.balancer.addresses
 
     async def generate(
         self, request: sampler_pb2.GenerateRequest
     ) -> tuple[str, sampler_pb2.GenerateResponse]:
-        """(address that answered, response) from the next sampler in turn."""
-        client = self.clients[next(self._turn)]
-        return client.address, await client.generate_request(request)
+        """(address that answered, response) from the least busy sampler."""
+        async with self.balancer.use() as (address, client):
+            return address, await client.generate_request(request)
 
     async def info(self, index: int = 0) -> sampler_pb2.GetInfoResponse:
-        """GetInfo of the ``index``-th sampler."""
-        return await self.clients[index].info()
+        """GetInfo of the ``index``-th sampler in use."""
+        return await self.balancer.client(self.addresses[index]).info()
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        await self.balancer.close()
 
     async def __aenter__(self) -> SamplerPool:
         return self

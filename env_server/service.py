@@ -15,6 +15,7 @@ from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.config import StrictModel, Switch
 from services.errors import RlfleetError
 from services.grpc_names import service_name
+from services.membership import registered
 from services.registry import ServiceContext, ServiceSpec
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer
 
@@ -52,6 +53,9 @@ class EnvServerSettings(StrictModel):
     nonfinite_observations: Literal["refuse", "clip"] = "refuse"
     # GameLinkService on the same port: games that own their loop (env_server/game_link).
     game_link: GameLinkSettings = GameLinkSettings()
+    # On a stop, first say so in the run's membership (services/membership.py) and wait this
+    # long for the actors' sessions to move to other env servers, so none is cut mid-step.
+    drain_timeout_s: float = Field(default=8.0, ge=0, le=300)
 
     @field_validator("preload")
     @classmethod
@@ -98,11 +102,15 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         links.add_to(server)
     await server.start()
     try:
-        if links is not None:
-            await links.start(server.address)
-        server.set_serving()
-        log.info("env_server %s serving on %s", ctx.name, server.address)
-        await ctx.stop_event.wait()
+        async with registered(ctx, server.port, load=lambda: service.active_sessions) as member:
+            if links is not None:
+                await links.start(server.address)
+            server.set_serving()
+            log.info("env_server %s serving on %s", ctx.name, server.address)
+            await ctx.stop_event.wait()
+            if member is not None and service.active_sessions:
+                log.info("draining: %d sessions to move elsewhere", service.active_sessions)
+                await member.drain(lambda: not service.active_sessions, settings.drain_timeout_s)
     finally:
         if links is not None:
             await links.stop()  # streams end UNAVAILABLE, links publish what they hold
@@ -114,7 +122,6 @@ SPEC = ServiceSpec(
     kind="env_server",
     settings=EnvServerSettings,
     main=main,
-    uses_bus=lambda s: s.game_link.enabled,  # game links publish fragments; pools do not
     # While games are linked (their links report it: services/producers.py).
     produces=lambda s: (
         "rollout fragments" if s.game_link.enabled and s.game_link.publishes else None

@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from gateway.errors import ApiError, NoBackend
 from rlfleet.sampler.v1 import sampler_pb2
 from services import telemetry
 from services.errors import RlfleetError, Unavailable, from_rpc_error
+from services.membership import PeerView
 
 __all__ = [
     "Backend",
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+FOLLOW_POLL_S = 0.2  # how often the pool compares its backends with the membership
 
 # Codes worth another replica when nothing has been streamed yet.
 _FAILOVER = frozenset(
@@ -250,6 +253,7 @@ class BackendPool:
         self.request_timeout_s = request_timeout_s
         self._turn = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
+        self._watchers: dict[Backend, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
         for backend in self.backends:
             metrics.BACKEND_HEALTHY.labels(backend.address).set(0)
@@ -261,9 +265,47 @@ class BackendPool:
         """One probe round now, then probes in the background."""
         await asyncio.gather(*(self._probe(b) for b in self.backends))
         for backend in self.backends:
-            self._tasks.append(
-                asyncio.create_task(self._watch(backend), name=f"health {backend.address}")
-            )
+            self._watch_backend(backend)
+
+    def _watch_backend(self, backend: Backend) -> None:
+        task = asyncio.create_task(self._watch(backend), name=f"health {backend.address}")
+        self._watchers[backend] = task
+
+    def follow(self, peers: PeerView, connect: Callable[[str], Replica]) -> None:
+        """Keep the backends in step with ``peers`` from now on: a replica that registers is
+        probed and put in rotation, one that leaves is taken out and closed once its streams
+        have ended (services/membership.py)."""
+        self._tasks.append(asyncio.create_task(self._follow(peers, connect), name="membership"))
+
+    async def _follow(self, peers: PeerView, connect: Callable[[str], Replica]) -> None:
+        seen = peers.version
+        while True:
+            await asyncio.sleep(FOLLOW_POLL_S)
+            if peers.version == seen:
+                continue
+            seen = peers.version
+            live = peers.addresses()
+            current = {b.address: b for b in self.backends}
+            for address in live:
+                if address not in current:
+                    backend = Backend(connect(address))
+                    self.backends.append(backend)
+                    log.info("backend %s joined", address)
+                    await self._probe(backend)
+                    self._watch_backend(backend)
+            for address, backend in current.items():
+                if address not in live:
+                    self.backends.remove(backend)
+                    backend.set_healthy(False, "left the run's membership")
+                    self._watchers.pop(backend).cancel()
+                    self._tasks.append(asyncio.create_task(self._retire(backend)))
+            self._changed.set()
+
+    async def _retire(self, backend: Backend) -> None:
+        """Close a replica that left once its open streams have ended."""
+        while backend.outstanding:
+            await asyncio.sleep(FOLLOW_POLL_S)
+        await backend.replica.close()
 
     async def wait_healthy(self, timeout_s: float) -> bool:
         """True once some backend is healthy, False after ``timeout_s``."""
@@ -309,9 +351,10 @@ class BackendPool:
         return None
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._watchers.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(b.replica.close() for b in self.backends), return_exceptions=True)
 
     # ------------------------------------------------------------------ requests

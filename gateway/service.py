@@ -14,9 +14,13 @@ import gc
 import logging
 
 from gateway.app import Gateway, HttpServer, build_app
+from gateway.backends import SamplerReplica
 from gateway.settings import GatewaySettings
+from services.bus import Bus
+from services.membership import Members, PeerView
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
+from services.waits import waiting
 
 __all__ = ["SPEC", "announce", "main"]
 
@@ -25,13 +29,41 @@ log = logging.getLogger(__name__)
 
 async def main(ctx: ServiceContext[GatewaySettings]) -> None:
     settings = ctx.settings
-    addresses = [ctx.resolve(ref) for ref in settings.samplers]
+    # Instance names are every live replica of each (services/membership.py).
+    peers = PeerView(settings.samplers, kind="sampler", resolve=ctx.resolve)
+    bus = await Bus.connect(ctx.nats_url, name=f"{ctx.replica}-gateway") if ctx.nats_url else None
+    members = Members(bus, ctx.run_name) if bus is not None else None
+    try:
+        if members is not None:
+            await members.start()
+            peers.follow(members)
+        addresses = await waiting(
+            f"a live sampler ({', '.join(settings.samplers)})",
+            peers.wait(ctx.stop_event, settings.startup_timeout_s),
+        )
+        if addresses:
+            await _serve(ctx, peers, addresses)
+    finally:
+        if members is not None:
+            await members.close()
+        if bus is not None:
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
+async def _serve(
+    ctx: ServiceContext[GatewaySettings], peers: PeerView, addresses: list[str]
+) -> None:
+    settings = ctx.settings
     gateway = Gateway.create(settings, addresses=addresses)
     health = GrpcServer(ctx.name, host=ctx.host, port=ctx.port, grace_s=1.0)
     await health.start()
     http = HttpServer(build_app(gateway, cors_origins=settings.cors_origins), settings)
     try:
         await gateway.pool.start()
+        gateway.pool.follow(
+            peers, lambda a: SamplerReplica(a, timeout_s=settings.request_timeout_s)
+        )
         await http.start()
         freeze_heap()
         log.info(
@@ -89,6 +121,5 @@ SPEC = ServiceSpec(
     kind="gateway",
     settings=GatewaySettings,
     main=main,
-    uses_bus=lambda s: False,
     announce=announce,
 )

@@ -82,7 +82,8 @@ class Limits(StrictModel):
 class GatewaySettings(StrictModel):
     """OpenAI HTTP API in front of serving samplers."""
 
-    samplers: list[ServiceRef] = Field(min_length=1)  # instance names or host:port
+    # Instance names (each: every live replica of it; services/membership.py) or host:port.
+    samplers: list[ServiceRef] = Field(min_length=1)
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=DEFAULT_HTTP_PORT, ge=0, le=65535)  # 0: any free port
     served_model_name: str | None = None  # default: the samplers' GetInfo.model_name

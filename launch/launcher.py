@@ -1,21 +1,22 @@
 """``rlfleet up``: run a whole config on one machine, no Docker needed.
 
-The launcher starts an embedded nats-server (unless the config names one), then every service
-as ``python -m services.serve KIND`` in its own process group on a free
-loopback port, each process at once (its imports meanwhile) and each service's start, at its
-start gate (services/start_gate.py), as soon as the services it needs are up (healthy, for a
-gRPC service): independent services start together, and with nothing declared the start is in
+The launcher starts an embedded nats-server, or with ``nats.cluster`` a JetStream cluster of several
+(services/bus/nats_cluster.py; unless the config names a server), waits until JetStream answers (a
+cluster's meta leader), then every service as ``python -m services.serve KIND`` in its own process
+group on a free loopback port, each process at once (its imports meanwhile) and each service's
+start, at its start gate (services/start_gate.py), as soon as the services it needs are up (healthy,
+for a gRPC service): independent services start together, and with nothing declared the start is in
 config order, waiting for each gRPC service's health before the next (services/start_order.py
-decides what waits for what). It supervises them (bounded restarts with backoff on a crash;
-none for a service that exits ``EXIT_PERMANENT``, whose one-line reason fails the run),
-supervises the embedded nats-server the same way (restarted on the same port and store, so
-clients reconnect to it), ends the run when the ``main`` service exits, hands the run's events
-to the console (launch/console.py: the progress line, ``--verbose`` event lines,
-``<run dir>/metrics.jsonl``), and on exit or Ctrl-C stops everything in reverse dependency
-order (SIGTERM to the group, SIGKILL after a grace) so no process is left behind. Every child
-also gets a parent-death signal (PR_SET_PDEATHSIG: SIGTERM for services, SIGKILL for
-nats-server), so none outlives a SIGKILLed launcher. Services run exactly as a container would
-run them; only the env differs.
+decides what waits for what). It supervises them (bounded restarts with backoff on a crash; none for
+a service that exits ``EXIT_PERMANENT``, whose one-line reason fails the run), supervises each
+embedded nats-server the same way (restarted on the same ports and store, so clients reconnect to it
+and a cluster node rejoins its peers), ends the run when the ``main`` service exits, hands the run's
+events to the console (launch/console.py: the progress line, ``--verbose`` event lines, ``<run
+dir>/metrics.jsonl``), and on exit or Ctrl-C stops everything in reverse dependency order (SIGTERM
+to the group, SIGKILL after a grace) so no process is left behind. Every child also gets a
+parent-death signal (PR_SET_PDEATHSIG: SIGTERM for services, SIGKILL for nats-server), so none
+outlives a SIGKILLed launcher. Services run exactly as a container would run them; only the env
+differs.
 
 The supervisor (start gating, health waits, restarts, ordered stop) is one state machine over
 the same process table, and reads best in one place; what waits for what is
@@ -55,10 +56,19 @@ from launch.producers import ProducerWatch
 from launch.run_security import LAUNCHER, RunSecurity
 from rlfleet.bus.v1 import events_pb2
 from services import registry as reg
-from services.bus import RUN_OVER, TYPE_HEADER, Bus, EmbeddedNats, events_wildcard
+from services.bus import (
+    REPLICAS_ENV,
+    RUN_OVER,
+    TYPE_HEADER,
+    Bus,
+    EmbeddedNats,
+    NatsCluster,
+    events_wildcard,
+    stream_replicas,
+)
 from services.bus.nats_server import parent_death_signal
 from services.config import RunConfig, ServiceEntry, validate_run_config
-from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError
+from services.errors import EXIT_PERMANENT, ConfigError, RlfleetError, Unavailable
 from services.placement import ENV_CPUS, format_cpus, replica_cpus
 from services.ports import free_ports
 from services.producers import PRODUCER_EVENTS, ProducerReport
@@ -77,6 +87,9 @@ GRACE_S = 10.0
 BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
 MAX_BACKOFF_S = 10.0
 NATS_POLL_S = 0.2  # how often the embedded nats-server is checked (and reaped once it exits)
+# How long a fresh bus may take to answer JetStream requests: a cluster first elects its meta
+# leader, which on a loaded machine can take a while.
+JETSTREAM_WAIT_S = 60.0
 TICK_S = 0.25  # how often a progress line held back by the interval is looked at
 PRODUCERS_POLL_S = 0.5  # how often the launcher looks whether any producer is left
 
@@ -344,29 +357,38 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_copy = self._write_config_copy()
         self._outcome = asyncio.get_running_loop().create_future()
-        nats: EmbeddedNats | None = None
+        cluster: NatsCluster | None = None
         monitor: asyncio.Task[None] | None = None
         supervisors: list[asyncio.Task[None]] = []
         code = 1
         saved_environ = dict(os.environ)
         try:
             self._security = RunSecurity.prepare(self.config, self.run_dir)
-            # The launcher's own health checks and monitor present the launcher's identity.
+            # The launcher's own health checks and monitor present the launcher's identity,
+            # and the streams it creates are replicated like the services' (Bus.connect).
             os.environ.update(self._security.env(LAUNCHER))
+            os.environ[REPLICAS_ENV] = str(self._replicas)
             if self.config.nats.url:
                 url = self.config.nats.url
             else:
                 # Started from the loop's thread: the parent-death signal follows that thread.
-                nats = EmbeddedNats(
+                cluster = NatsCluster(
                     self.run_dir / "nats",
+                    self.config.nats.cluster,
                     die_with_parent=True,
                     tls=self._security.nats_server_tls(),
                     users=self._security.nats_users(),
                 )
-                await nats.start_async()
-                url = nats.url
-                supervisors.append(asyncio.create_task(self._supervise_nats(nats)))
-            self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}")
+                await cluster.start_async()
+                url = cluster.url
+                for node in cluster.nodes:
+                    supervisors.append(asyncio.create_task(self._supervise_nats(node)))
+            size = self.config.nats.cluster
+            shape = (
+                f" ({size}-node JetStream cluster, {self._replicas} replicas)" if size > 1 else ""
+            )
+            self.say(f"run '{self.config.run.name}' in {self.run_dir}; NATS at {url}{shape}")
+            await self._wait_for_jetstream(url, cluster)
             await self._security.create_streams(url)  # services may not, under NATS auth
             await self.live.start()
             await self._prepare_job()
@@ -416,8 +438,8 @@ class Launcher:
                 monitor.cancel()
                 await asyncio.gather(monitor, return_exceptions=True)
             self.console.close()  # the last progress line, then plain lines again
-            if nats is not None:
-                await asyncio.to_thread(nats.stop)
+            if cluster is not None:
+                await asyncio.to_thread(cluster.stop)
             os.environ.clear()
             os.environ.update(saved_environ)
             self._summary(code)
@@ -442,6 +464,7 @@ class Launcher:
         env[reg.ENV_RUN_DIR] = str(self.run_dir)
         env[reg.ENV_RUN_CONFIG] = str(config_copy)
         env[reg.ENV_NATS_URL] = nats_url
+        env[REPLICAS_ENV] = str(self._replicas)
         env[reg.ENV_ENDPOINTS] = json.dumps({s.name: s.address for s in self._services})
         env[reg.ENV_LAUNCHER_PID] = str(os.getpid())
         # Relative paths in settings (a `process` service's cwd) are relative to the run file.
@@ -449,12 +472,28 @@ class Launcher:
         env[reg.ENV_CONFIG_DIR] = str(folder)
         return env
 
+    @property
+    def _replicas(self) -> int:
+        return stream_replicas(self.config.nats.cluster)
+
+    async def _wait_for_jetstream(self, url: str, cluster: NatsCluster | None) -> None:
+        """Until JetStream answers (a cluster's meta leader is elected), before any stream is
+        made; the run fails naming the nodes' states when it does not in JETSTREAM_WAIT_S."""
+        async with Bus.connect(url, name="rlfleet-launcher") as bus:
+            try:
+                await bus.wait_for_jetstream(JETSTREAM_WAIT_S)
+            except Unavailable as exc:
+                nodes = f"; {cluster.describe()}" if cluster is not None else ""
+                raise Unavailable(f"{exc.message}{nodes}") from exc
+
     async def _supervise_nats(self, nats: EmbeddedNats) -> None:
-        """Restart the embedded nats-server when it dies, on the same port and store dir: the
-        clients (which reconnect forever) find it again with the streams and consumers of the
-        run. After ``nats.restarts`` restarts a further exit fails the run."""
+        """Restart an embedded nats-server when it dies, on the same ports and store dir: the
+        clients (which reconnect forever, to any node of a cluster) find it again with the
+        streams and consumers of the run, and a cluster node rejoins its peers. After
+        ``nats.restarts`` restarts of this server a further exit fails the run."""
         limit = self.config.nats.restarts
         restarts = 0
+        label = nats.label
         while not self._stopping:
             while nats.running:
                 await asyncio.sleep(NATS_POLL_S)
@@ -464,14 +503,14 @@ class Launcher:
             if restarts >= limit:
                 self._finish(
                     1,
-                    f"nats-server failed ({_describe(code)}) after {restarts} restart(s); "
+                    f"{label} failed ({_describe(code)}) after {restarts} restart(s); "
                     f"last lines of {nats.log_path}:\n{_tail(nats.log_path)}",
                 )
                 return
             delay = min(self.backoff_s * 2**restarts, MAX_BACKOFF_S)
             restarts += 1
             self.say(
-                f"nats-server exited ({_describe(code)}); restart {restarts}/{limit} in "
+                f"{label} exited ({_describe(code)}); restart {restarts}/{limit} in "
                 f"{delay:g}s on {nats.url} (same store)"
             )
             await asyncio.sleep(delay)
@@ -480,9 +519,9 @@ class Launcher:
             try:
                 await nats.start_async()
             except RlfleetError as exc:
-                self.say(f"nats-server restart {restarts}/{limit} failed: {exc}")
+                self.say(f"{label} restart {restarts}/{limit} failed: {exc}")
                 continue
-            self.say(f"nats-server up again at {nats.url} (pid {nats.pid})")
+            self.say(f"{label} up again at {nats.url} (pid {nats.pid})")
 
     def _finish(self, code: int, message: str) -> None:
         if self._outcome is not None and not self._outcome.done():

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from launch.certs import ensure_certs
 from services.bus import Bus, NatsUser, service_permissions, stream_name, traj_subject
-from services.bus.payloads import PayloadStore
 from services.bus.subjects import KIND_RIGHTS, work_queue_stream, work_queue_subject
 from services.config import RunConfig, ServiceEntry
+from services.membership import ensure_bucket
 from services.registry import get_service
 from services.security import LAUNCHER_KIND, Identity, NatsCredentials, TlsFiles
 
@@ -86,15 +86,16 @@ class RunSecurity:
         return users
 
     async def create_streams(self, url: str) -> None:
-        """With NATS auth: the run's trajectory stream and its payload bucket, and each prompt
-        queue with its feeder's cursor bucket, as the services would make them on first use
-        (services may use but not create them)."""
+        """With NATS auth: the run's trajectory stream and its payload bucket, its membership
+        bucket, and each prompt queue with its feeder's cursor bucket, as the services would
+        make them on first use (services may use but not create them)."""
         if not self.nats:
             return
         async with Bus.connect(url, name="rlfleet-launcher") as bus:
             traj = traj_subject(self.run)
             await bus.ensure_stream(stream_name(self.run), [traj])
-            await PayloadStore(bus.js).ensure(traj)
+            await bus.payloads.ensure(traj)
+            await ensure_bucket(bus, self.run)
             for queue in self.queues:
                 stream = work_queue_stream(self.run, queue)
                 subject = work_queue_subject(self.run, queue)

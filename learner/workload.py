@@ -22,6 +22,7 @@ import torch
 from common.artifacts import CHECKPOINTS_DIR, FINAL_DIR
 from learner.consumer import AppliedWindow, now
 from learner.engine import Engine
+from learner.prometheus import export_training_metrics
 from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, events_subject
 from services.errors import RlfleetError
@@ -153,11 +154,13 @@ class RunHandle:
                 self.writer.add_scalar(key, value, step)
 
     async def report(self, metrics: Mapping[str, float]) -> None:
-        """Log ``metrics`` at the current point: TensorBoard (finite ones), the bus (Metrics,
-        NaN/inf included: metrics.jsonl keeps them visible) and the log."""
+        """Log ``metrics`` at the current point: TensorBoard (finite ones), Prometheus (the
+        gauges learner.prometheus maps), the bus (Metrics, NaN/inf included: metrics.jsonl keeps
+        them visible) and the log."""
         p = self.progress
         values = {k: float(v) for k, v in metrics.items()}
         self.write_scalars(values, self.tensorboard_step(p))
+        export_training_metrics(self.run_name, values, updates=p.updates, version=p.version)
         message = events_pb2.Metrics(
             run=self.run_name,
             source=self.source,

@@ -16,6 +16,7 @@ from reward_service.validation import check_kwargs
 from rlfleet.reward.v1 import reward_pb2, reward_pb2_grpc
 from services.errors import ConfigError, InvalidArgument
 from services.grpc_names import service_name
+from services.membership import registered
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
 from services.start_order import needs_nothing
@@ -106,11 +107,15 @@ async def serve(
         # Health stays NOT_SERVING (and Score names the model UNAVAILABLE) until every model
         # has loaded; a model that cannot load fails the start.
         await asyncio.gather(*(asyncio.to_thread(_load, m) for m in models))
-        server.set_serving()
-        log.info(
-            "reward_service %s serving %d rewards on %s", ctx.name, len(registry), server.address
-        )
-        await ctx.stop_event.wait()
+        async with registered(ctx, server.port, load=lambda: service.active):
+            server.set_serving()
+            log.info(
+                "reward_service %s serving %d rewards on %s",
+                ctx.name,
+                len(registry),
+                server.address,
+            )
+            await ctx.stop_event.wait()
     finally:
         await server.stop()
         service.close()
@@ -126,6 +131,5 @@ SPEC = ServiceSpec(
     kind="reward_service",
     settings=RewardSettings,
     main=main,
-    uses_bus=lambda s: False,
     needs=needs_nothing,
 )

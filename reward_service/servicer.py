@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -30,6 +31,15 @@ __all__ = ["RewardService"]
 log = logging.getLogger(__name__)
 
 _ACTIVE = metrics.gauge("reward_requests_active", "Score calls being served.", ("server",))
+# Served Score calls only (a call refused at the concurrency limit is not a latency): what the
+# reward service's autoscaler targets (deploy/kubernetes). Buckets from rule rewards to model
+# rewards and sandboxed code that take seconds.
+_SCORE_SECONDS = metrics.histogram(
+    "reward_score_seconds",
+    "Time to score one Score call's whole batch, from its validation to its answer.",
+    ("server",),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
 _KINDS = {
     Kind.RULE: reward_pb2.REWARD_KIND_RULE,
     Kind.PLUGIN: reward_pb2.REWARD_KIND_PLUGIN,
@@ -55,6 +65,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         self.name = name
         self.active = 0
         self._gauge = _ACTIVE.labels(name)
+        self._latency = _SCORE_SECONDS.labels(name)
         self.runner = RewardRunner(
             worker_threads=settings.worker_threads,
             max_threads_per_function=settings.max_threads_per_function,
@@ -76,9 +87,11 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             )
         self.active += 1
         self._gauge.set(self.active)
+        started = time.perf_counter()
         try:
             return await self._score(request, context.time_remaining())
         finally:
+            self._latency.observe(time.perf_counter() - started)
             self.active -= 1
             self._gauge.set(self.active)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -34,7 +35,8 @@ from pydantic import (
     field_validator,
 )
 
-from services.errors import ConfigError
+from services.bus.nats_cluster import check_cluster_size
+from services.errors import ConfigError, InvalidArgument
 from services.registry import JOBS_GROUP, entry_point_registry, get_job, get_service
 from services.settings import (
     Loc,
@@ -105,10 +107,17 @@ class RunSection(StrictModel):
 
 
 class NatsSection(StrictModel):
-    """Where the bus is; ``url: null`` starts an embedded nats-server for the run."""
+    """Where the bus is; ``url: null`` starts an embedded nats-server for the run.
 
-    url: str | None = Field(default=None, pattern=r"^(nats|tls|ws|wss)://\S+$")
-    # Restarts of the embedded server (same port and store) before its death fails the run.
+    ``cluster``: how many nodes the bus has, 1 or an odd number from 3. With ``url: null`` the
+    launcher starts that many nats-servers as one JetStream cluster on loopback; with ``url``
+    (one URL or several, comma-separated) it is the size of the cluster the URLs point at. Either
+    way streams and buckets are kept in ``min(3, cluster)`` copies (services/bus/nats_cluster.py).
+    """
+
+    url: str | None = None
+    cluster: int = 1
+    # Restarts of each embedded server (same ports and store) before its death fails the run.
     restarts: int = Field(default=5, ge=0)
 
     @field_validator("url")
@@ -116,15 +125,26 @@ class NatsSection(StrictModel):
     def _server(cls, url: str | None) -> str | None:
         if url is None:
             return url
-        # scheme://[user[:password]@]host[:port][/path]; the port is optional (NATS's default)
-        where = url.partition("://")[2].partition("/")[0].rpartition("@")[2]
-        if where.rfind(":") > where.rfind("]"):
-            problem = address_problem(where)
-        else:
-            problem = host_problem(where[1:-1] if where.startswith("[") else where)
-        if problem is not None:
-            raise ValueError(problem)
+        for one in url.split(","):
+            if not re.fullmatch(r"(nats|tls|ws|wss)://\S+", one):
+                raise ValueError(f"{one!r} is not a nats://, tls://, ws:// or wss:// URL")
+            # scheme://[user[:password]@]host[:port][/path]; the port is optional (NATS's default)
+            where = one.partition("://")[2].partition("/")[0].rpartition("@")[2]
+            if where.rfind(":") > where.rfind("]"):
+                problem = address_problem(where)
+            else:
+                problem = host_problem(where[1:-1] if where.startswith("[") else where)
+            if problem is not None:
+                raise ValueError(problem)
         return url
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster(cls, size: int) -> int:
+        try:
+            return check_cluster_size(size)
+        except InvalidArgument as exc:
+            raise ValueError(exc.message) from None
 
 
 class SecuritySection(StrictModel):

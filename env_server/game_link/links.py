@@ -37,7 +37,6 @@ __all__ = ["Link", "LinkRegistry", "Owner"]
 
 log = logging.getLogger(__name__)
 
-PUBLISH_ATTEMPTS = 5
 TAKEOVER_WAIT_S = 10.0
 
 
@@ -260,9 +259,7 @@ class LinkRegistry:
         subject = traj_subject(self.run)
 
         async def send() -> None:
-            await bus.publish_with_retry(
-                subject, fragment, msg_id=fragment.fragment_id, attempts=PUBLISH_ATTEMPTS
-            )
+            await bus.publish_with_retry(subject, fragment, msg_id=fragment.fragment_id)
             self.published += 1
 
         self._post(send)

@@ -20,6 +20,7 @@ from google.protobuf import timestamp_pb2
 
 from learner.lm.dpo_job import DPOSettings
 from learner.lm.phases import Announcer
+from learner.prometheus import export_training_metrics
 from rlfleet.bus.v1 import events_pb2
 from services.errors import ConfigError
 from services.registry import ServiceContext, ServiceSpec
@@ -56,6 +57,7 @@ class BusReporter:
         values = self.last
         headline = [(label, values[key]) for label, key in HEADLINE if key in values]
         self.announcer.count("step", step, total, headline)
+        export_training_metrics(self.ctx.run_name, finite, updates=step)
         stamp = timestamp_pb2.Timestamp()
         stamp.GetCurrentTime()
         metrics = events_pb2.Metrics(

@@ -30,6 +30,7 @@ from sampler.actors.sampling import DoubleBuffer, fill_lock_step
 from sampler.actors.settings import GameActorSettings
 from services.bus import Bus, stop_when_run_over, stream_name, traj_subject
 from services.errors import ConfigError
+from services.membership import Members, PeerView
 from services.placement import pin_to_assigned_cpus
 from services.registry import ServiceContext
 from services.waits import bus_say, waiting
@@ -37,8 +38,6 @@ from services.waits import bus_say, waiting
 __all__ = ["GameActor"]
 
 log = logging.getLogger(__name__)
-
-PUBLISH_ATTEMPTS = 5
 
 
 class GameActor:
@@ -52,9 +51,10 @@ class GameActor:
         # Whose fragments these are, as the learner reports what it took (flow control, _pace).
         self.producer = producer_id(ctx.run_name, ctx.name, self.incarnation)
         self.bus: Bus | None = None
+        self.members: Members | None = None
         self.envs = EnvGroup(
-            [ctx.resolve(name) for name in settings.env_servers],
-            settings.env_split(),
+            PeerView(settings.env_servers, kind="env_server", resolve=ctx.resolve),
+            settings.num_envs,
             settings.env_id,
             env_kwargs=settings.env_kwargs,
             seed=settings.env_seed(),
@@ -91,6 +91,10 @@ class GameActor:
         if self.settings.publishes:
             await bus.ensure_stream(stream_name(run), [traj_subject(run)])
         self._tasks.append(await stop_when_run_over(bus, run, self.stop))
+        # Env servers named by instance are every live replica of it (services/membership.py).
+        self.members = Members(bus, run)
+        await self.members.start()
+        self.envs.peers.follow(self.members)
         if self.settings.policy == "learner":
             address = self.ctx.resolve(self.settings.learner or "")
             self.follower = WeightFollower(bus, run, address)
@@ -174,7 +178,10 @@ class GameActor:
             await fill(account)
             if rollout.full:
                 if settings.publishes:
-                    meta = dataclasses.replace(meta, env_session_id=envs.session_ids)
+                    # The servers now: membership changes move envs between fragments.
+                    meta = dataclasses.replace(
+                        meta, env_address=envs.addresses, env_session_id=envs.session_ids
+                    )
                     await self._publish(rollout.build(policy, meta))
                 rollout.restart()
                 await self._pace(policy, rollout.sequence)
@@ -282,7 +289,6 @@ class GameActor:
             traj_subject(self.ctx.run_name),
             fragment,
             msg_id=fragment.fragment_id,
-            attempts=PUBLISH_ATTEMPTS,
         )
 
     async def _shutdown(self) -> None:
@@ -295,6 +301,8 @@ class GameActor:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.envs.close()
+            if self.members is not None:
+                await self.members.close()
             if self.follower is not None:
                 await self.follower.close()
             if self.bus is not None:

@@ -1,18 +1,28 @@
-"""An actor's environments: one EnvService session per env server, stepped as one batch.
+"""An actor's environments: sessions on env servers, stepped as one batch.
 
-The actor's N envs are split over its servers in order (server j holds envs [start_j, stop_j)).
-Each tick sends every server its slice of the actions concurrently and writes the answers
-straight into the caller's preallocated rows, so nothing per env runs in Python.
+The actor's N envs are columns [0, N). Each part of them (one, or two double-buffered) is split
+over the env servers in use, contiguously and as evenly as possible (server j holds columns
+[start_j, stop_j)). Each tick sends every server its slice of the actions concurrently and
+writes the answers straight into the caller's preallocated rows, so nothing per env runs in
+Python.
 
-Double-buffered (sampler/actors/sampling.py), each server's share is split over two sessions
-and the envs form two parts: part 0 is every server's first session, part 1 every second one,
-so each part is a contiguous range of env columns. `step(..., part=p)` steps one part's
-sessions, leaving the other part free to be inferred on meanwhile.
+Double-buffered (sampler/actors/sampling.py), the envs form two parts, the first and second
+half of the columns, each with its own sessions; `step(..., part=p)` steps one part's sessions,
+leaving the other part free to be inferred on meanwhile.
+
+Which servers: the actor's `PeerView` (services/membership.py). Where an instance name follows
+the run's membership, servers that join are used and servers that leave or die are dropped
+without restarting the actor: after a tick that saw the membership change, the part is laid out
+again over the servers live now. Columns whose session moves are recorded as truncated at the
+observation the tick produced (bootstrapped from it, so no fragment is lost) and start new
+episodes on their new server; columns whose server and range stay keep their session.
 
 A server that drops its stream (restart, network fault, request timeout) must not end the run:
 its envs' step at that tick is recorded as truncated at the observation they were in (reward 0,
-bootstrapped from that observation), and the session is recreated with backoff; its envs start
-new episodes. Errors that are the request's fault (bad action, unknown env id) are raised.
+bootstrapped from that observation). Following the membership, the server is set aside for a
+while and its columns move to the others (when there are none, or with fixed addresses, the
+session is recreated on it with backoff). Errors that are the request's fault (bad action,
+unknown env id) are raised.
 
 A server on this host is offered the co-located fast path (docs/colocated.md) at every session
 (re)creation unless `colocated="off"`; each link's transport is in its `transport`, in the
@@ -25,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +44,7 @@ import numpy as np
 
 from clients.env import EnvSession, SessionInfo, StepResult
 from services.errors import InvalidArgument, RlfleetError, Unavailable, code_of
+from services.membership import EXPIRY_S, HEARTBEAT_S, PeerView
 from services.telemetry import metrics
 
 __all__ = ["EnvGroup", "Link", "StepOut", "TickEvents"]
@@ -47,6 +59,7 @@ _LINKS = metrics.gauge(
 TRANSPORTS = ("shm", "grpc")
 
 MAX_CONSECUTIVE_DROPS = 5  # a step that fails on every new session is not a hiccup
+MISCONFIGURED_SET_ASIDE_S = 60.0  # a replica that refused a session for a reason of its own
 
 # Codes after which a new session may work: the server went away, restarts, or is full for now.
 _TRANSIENT = {
@@ -106,12 +119,13 @@ class TickEvents:
 
 
 class EnvGroup:
-    """N envs of one env id over several servers, SAME_STEP autoreset, Box observations."""
+    """N envs of one env id over the env servers `peers` names, SAME_STEP autoreset, Box
+    observations."""
 
     def __init__(
         self,
-        addresses: list[str],
-        split: list[int],
+        peers: PeerView | Sequence[str],
+        num_envs: int,
         env_id: str,
         *,
         env_kwargs: dict[str, Any] | None = None,
@@ -125,42 +139,35 @@ class EnvGroup:
         double_buffer: bool = False,
         name: str = "actor",
     ) -> None:
+        if double_buffer and num_envs < 2:
+            raise InvalidArgument("double buffering needs at least 2 envs", field="num_envs")
+        if not isinstance(peers, PeerView):  # fixed host:port addresses
+            peers = PeerView(list(peers), kind="env_server", resolve=str)
+        self.peers = peers
+        self.num_envs = num_envs
         self.env_id = env_id
+        self.seed = seed
         self.colocated = colocated  # "auto" or "off"
         self.colocated_busy_poll_us = colocated_busy_poll_us
-        # Blocking waits only for a lone session: steps of several are awaited together.
-        lone = len(addresses) == 1 and not double_buffer
-        self.colocated_block_us = colocated_block_us if lone else 0
+        self._block_us = colocated_block_us
+        self.double_buffer = double_buffer
         self.name = name  # the actor's, for the metric
         self.env_kwargs = dict(env_kwargs or {})
         self.request_timeout_s = request_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.stop_event = stop_event or asyncio.Event()
-        self.links: list[Link] = []
-        self.parts: list[slice] = []  # env columns of each part
-        self.part_links: list[list[Link]] = []
-        # One part of whole shares, or two: each server's first ceil(c/2) envs, then the rest.
-        shares = [list(zip(addresses, split, strict=True))]
-        if double_buffer:
-            if min(split) < 2:
-                raise InvalidArgument(
-                    "double buffering needs at least 2 envs on every env server", field="num_envs"
-                )
-            shares = [[(a, c - c // 2) for a, c in shares[0]], [(a, c // 2) for a, c in shares[0]]]
-        start = 0
-        for part in shares:
-            first = start
-            self.part_links.append([])
-            for address, count in part:
-                link_seed = None if seed is None else seed + start
-                link = Link(address, start, start + count, link_seed)
-                self.links.append(link)
-                self.part_links[-1].append(link)
-                start += count
-            self.parts.append(slice(first, start))
-        self.num_envs = start
+        half = (num_envs + 1) // 2
+        halves = [slice(0, half), slice(half, num_envs)]
+        self.parts = halves if double_buffer else [slice(0, num_envs)]
+        self.part_links: list[list[Link]] = [[] for _ in self.parts]
+        self._layout_version = [-1 for _ in self.parts]  # peers.version each part follows
+        self._set_aside: dict[str, float] = {}  # address -> until (monotonic) after a drop
         self.observation_space: Any = None
         self.action_space: Any = None
+
+    @property
+    def links(self) -> list[Link]:
+        return [link for part in self.part_links for link in part]
 
     @property
     def addresses(self) -> str:
@@ -168,8 +175,14 @@ class EnvGroup:
 
     @property
     def transports(self) -> str:
-        """Each link's transport, in env_servers order (for logs)."""
+        """Each link's transport, in column order (for logs)."""
         return ",".join(link.transport or "-" for link in self.links)
+
+    @property
+    def colocated_block_us(self) -> int:
+        # Blocking waits only for a lone session: steps of several are awaited together.
+        lone = len(self.links) == 1 and not self.double_buffer
+        return self._block_us if lone else 0
 
     def _count_transports(self) -> None:
         for transport in TRANSPORTS:
@@ -181,15 +194,58 @@ class EnvGroup:
         return ",".join(link.info.session_id if link.info else "" for link in self.links)
 
     async def open(self) -> np.ndarray | None:
-        """Create and reset every session (retrying transient failures): the first observations
-        of all N envs, or None when told to stop meanwhile."""
-        firsts = await asyncio.gather(*(self._connect(link, seeded=True) for link in self.links))
-        if any(first is None for first in firsts):
+        """Lay every part out over the servers live now, create and reset every session
+        (retrying transient failures): the first observations of all N envs, or None when
+        told to stop meanwhile."""
+        if not await self.peers.wait(self.stop_event, self.reconnect_timeout_s):
             return None
+        for part in range(len(self.parts)):
+            self._layout_version[part] = self.peers.version
+            self.part_links[part] = self._layout(part, self._usable())
+        firsts = await asyncio.gather(*(self._connect(link, seeded=True) for link in self.links))
+        if not all(isinstance(first, np.ndarray) for first in firsts):
+            return None  # told to stop
         obs = np.empty((self.num_envs, *self.observation_space.shape), self.observation_space.dtype)
         for link, first in zip(self.links, firsts, strict=True):
             obs[link.start : link.stop] = first
         return obs
+
+    def _usable(self) -> list[str]:
+        """The servers to lay columns over now: the live ones, less those set aside after a
+        drop (all of them when that leaves none)."""
+        live = self.peers.addresses()
+        now = time.monotonic()
+        self._set_aside = {a: until for a, until in self._set_aside.items() if until > now}
+        usable = [a for a in live if a not in self._set_aside]
+        return usable or live
+
+    def _layout(self, part: int, addresses: list[str]) -> list[Link]:
+        """The part's columns over ``addresses``: servers the part uses now first, in their
+        order (so an unchanged split keeps its sessions), then new ones; at most one server
+        per column, the least loaded when there are more servers than columns."""
+        cols = self.parts[part]
+        size = cols.stop - cols.start
+        current = [link.address for link in self.part_links[part]]
+        ordered = list(dict.fromkeys(a for a in current if a in addresses))
+        ordered += [a for a in addresses if a not in current]
+        if len(ordered) > size:
+            keep = sorted(ordered, key=lambda a: (a not in current, self.peers.load(a)))[:size]
+            ordered = [a for a in ordered if a in keep]
+        share, extra = divmod(size, len(ordered))
+        links, start = [], cols.start
+        for j, address in enumerate(ordered):
+            count = share + (j < extra)
+            link_seed = None if self.seed is None else self.seed + start
+            links.append(Link(address, start, start + count, link_seed))
+            start += count
+        return links
+
+    def _needs_layout(self, part: int) -> bool:
+        if not self.peers.dynamic:
+            return False
+        if self._layout_version[part] != self.peers.version:
+            return True
+        return bool(self._set_aside) and min(self._set_aside.values()) <= time.monotonic()
 
     async def step(
         self, actions: np.ndarray, obs: np.ndarray, out: StepOut, part: int = 0
@@ -208,43 +264,133 @@ class EnvGroup:
         finally:
             for task in others:
                 task.cancel()  # only matters when cancelled half way
+        dropped: list[Link] = []
         for link, result in zip(links, results, strict=True):
             if isinstance(result, BaseException):
                 link.failures += 1
                 if not is_transient(result) or link.failures > MAX_CONSECUTIVE_DROPS:
                     raise result
-                await self._drop(link, result, obs, out, events)
+                self._truncate_dropped(link, result, obs, out, events)
+                dropped.append(link)
             else:
                 if link.failures:
                     link.failures = 0
                 _write(link, result, out, events)
+        for link in dropped:
+            link.reconnects += 1
+            if self.peers.registered(link.address):  # a replica: others may take its envs
+                self._set_aside[link.address] = time.monotonic() + EXPIRY_S + HEARTBEAT_S
+                if await self._rehome(part, link, out):
+                    continue
+            first = await self._connect(link, seeded=False)
+            if isinstance(first, np.ndarray):
+                out.next_obs[link.start : link.stop] = first
+        if self._needs_layout(part):
+            await self._relayout(part, out, events)
         return events
 
-    async def _drop(
-        self,
-        link: Link,
-        exc: BaseException,
-        obs: np.ndarray,
-        out: StepOut,
-        events: TickEvents,
+    async def _rehome(self, part: int, link: Link, out: StepOut) -> bool:
+        """Move a failed link's envs to a session on another server, the least loaded first;
+        whether one took them."""
+        others = [a for a in self._usable() if a != link.address and a not in self._set_aside]
+        for address in sorted(others, key=self.peers.load):
+            moved = Link(address, link.start, link.stop, None, reconnects=link.reconnects)
+            first = await self._connect(moved, seeded=False, once=True)
+            if first is None:
+                return True  # told to stop
+            if isinstance(first, np.ndarray):
+                await self._close_link(link)
+                links = self.part_links[part]
+                links[links.index(link)] = moved
+                out.next_obs[link.start : link.stop] = first
+                log.info(
+                    "%s: envs %d-%d moved to %s", self.name, link.start, link.stop - 1, address
+                )
+                return True
+            if isinstance(first, Exception):
+                self._set_aside_after(address, first)
+        return False
+
+    def _set_aside_after(self, address: str, exc: Exception) -> None:
+        """A server that would not take a session is left out of layouts for a while: longer
+        when the fault is its own (it does not know the env id, refuses the arguments), so a
+        misconfigured replica never takes the run down while others serve."""
+        transient = is_transient(exc)
+        hold = EXPIRY_S if transient else MISCONFIGURED_SET_ASIDE_S
+        (log.info if transient else log.error)(
+            "env server %s: no session (%s); left out for %gs", address, exc, hold
+        )
+        self._set_aside[address] = time.monotonic() + hold
+
+    def _truncate_dropped(
+        self, link: Link, exc: BaseException, obs: np.ndarray, out: StepOut, events: TickEvents
     ) -> None:
-        """Record the link's envs as truncated where they stood, then recreate its session."""
+        """Record the link's envs as truncated where they stood (its step failed)."""
         rows = slice(link.start, link.stop)
-        log.warning("env server %s: %s; recreating the session", link.address, exc)
+        log.warning("env server %s: %s; its envs start new sessions", link.address, exc)
         out.rewards[rows] = 0.0
         out.terminated[rows] = False
         out.truncated[rows] = True
+        out.next_obs[rows] = obs[rows]
         events.final_indices.append(np.arange(link.start, link.stop))
         events.final_obs.append(np.array(obs[rows]))
         events.dropped.append(link.address)
-        link.reconnects += 1
-        first = await self._connect(link, seeded=False)
-        if first is not None:
-            out.next_obs[rows] = first
 
-    async def _connect(self, link: Link, *, seeded: bool) -> np.ndarray | None:
+    async def _relayout(self, part: int, out: StepOut, events: TickEvents) -> None:
+        """Lay the part out again over the servers usable now, after its tick was written:
+        columns whose session moves end their episode there (truncated at the observation the
+        tick produced) and get the reset observations of their new session."""
+        version = self.peers.version
+        old = self.part_links[part]
+        for _ in range(len(old) + len(self.peers.addresses()) + 1):
+            new = self._layout(part, self._usable())
+            kept = {
+                (link.address, link.start, link.stop): link
+                for link in old
+                if link.session is not None
+            }
+            fresh = [link for link in new if (link.address, link.start, link.stop) not in kept]
+            firsts = await asyncio.gather(
+                *(self._connect(link, seeded=False, once=True) for link in fresh)
+            )
+            results = zip(fresh, firsts, strict=True)
+            failed = [link for link, first in results if isinstance(first, Exception)]
+            if failed:  # set those servers aside and lay the part out over the others
+                await asyncio.gather(*(self._close_link(link) for link in fresh))
+                for link, first in zip(fresh, firsts, strict=True):
+                    if isinstance(first, Exception):
+                        self._set_aside_after(link.address, first)
+                continue
+            if any(first is None for first in firsts):
+                return  # told to stop
+            new_keys = {(link.address, link.start, link.stop) for link in new}
+            moved = [link for key, link in kept.items() if key not in new_keys]
+            await asyncio.gather(*(self._close_link(link) for link in moved))
+            for link, first in zip(fresh, firsts, strict=True):
+                assert isinstance(first, np.ndarray)
+                _restart_rows(link, first, out, events)
+            self.part_links[part] = [kept.get((n.address, n.start, n.stop), n) for n in new]
+            self._layout_version[part] = version
+            self._count_transports()
+            if not fresh:
+                return
+            log.info(
+                "%s: envs %d-%d on %s",
+                self.name,
+                self.parts[part].start,
+                self.parts[part].stop - 1,
+                ", ".join(f"{link.address} ({link.num_envs})" for link in self.part_links[part]),
+            )
+            return
+        # Every server tried failed: keep the layout there is, and try again later.
+        self._layout_version[part] = version
+
+    async def _connect(
+        self, link: Link, *, seeded: bool, once: bool = False
+    ) -> np.ndarray | BaseException | None:
         """(Re)create the link's session with backoff; its reset observations, or None once
-        the actor is told to stop. Raises Unavailable after reconnect_timeout_s of failures."""
+        the actor is told to stop. Raises Unavailable after reconnect_timeout_s of failures;
+        ``once``: a single attempt, its failure (of any kind) returned rather than raised."""
         await self._close_link(link)
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay = 0.1
@@ -266,6 +412,8 @@ class EnvGroup:
             except Exception as exc:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(session.close(), 5.0)
+                if once:  # the caller sets this server aside, whatever went wrong there
+                    return exc
                 if not is_transient(exc):
                     raise
                 left = deadline - time.monotonic()
@@ -329,6 +477,21 @@ async def _step(link: Link, actions: np.ndarray) -> StepResult | Exception:
         return await link.session.step(actions[link.start : link.stop])  # type: ignore[union-attr]
     except Exception as exc:
         return exc
+
+
+def _restart_rows(link: Link, first: np.ndarray, out: StepOut, events: TickEvents) -> None:
+    """The link's columns move to its new session: an episode this tick did not end is
+    truncated at the observation the tick produced (already done for a dropped server's
+    columns, and for episodes the env itself ended), then the session's reset observations
+    are what the policy sees next."""
+    rows = slice(link.start, link.stop)
+    going = ~(out.terminated[rows] | out.truncated[rows])
+    if going.any():
+        cut = np.flatnonzero(going)
+        events.final_indices.append(cut + link.start)
+        events.final_obs.append(np.array(out.next_obs[rows][cut]))
+        out.truncated[rows] = out.truncated[rows] | going
+    out.next_obs[rows] = first
 
 
 def _write(link: Link, result: StepResult, out: StepOut, events: TickEvents) -> None:

@@ -18,6 +18,7 @@ the caller publishes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -25,11 +26,22 @@ import numpy as np
 from common.behaviour import Behaviour
 from sampler.actors.envs import EnvGroup, TickEvents
 from sampler.actors.rollout import Rollout
+from services.telemetry import metrics
 
-__all__ = ["Account", "DoubleBuffer", "fill_lock_step"]
+__all__ = ["ENV_WAIT_SECONDS", "Account", "DoubleBuffer", "fill_lock_step"]
 
 # Called after every (part) step with its events and env step count; True = stop now.
 Account = Callable[[TickEvents, int], Awaitable[bool]]
+
+# The actor's time blocked on env servers per (part) step: what is left of a step once it
+# overlapped with inference. Its rate is the share of the actor's time spent waiting, the signal
+# that more env servers would add throughput (deploy/kubernetes autoscaling). Buckets from
+# in-process envs to simulators that take seconds a step.
+ENV_WAIT_SECONDS = metrics.histogram(
+    "actor_env_wait_seconds",
+    "Time a game actor waited for its env servers' answer to one step of its envs.",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 
 # Loop turns to give a part's step before inferring on the other part, so that its requests
 # are out: the step's task runs its first link (a ring's doorbell is sent there) and starts the
@@ -45,7 +57,9 @@ async def fill_lock_step(
     while not rollout.full:
         decision = policy.act(rollout.current_obs)
         out = rollout.record(decision)
+        started = time.perf_counter()
         events = await envs.step(decision.env_actions, rollout.current_obs, out)
+        ENV_WAIT_SECONDS.observe(time.perf_counter() - started)
         rollout.finish(events)
         if await account(events, envs.num_envs):
             return
@@ -92,7 +106,9 @@ class DoubleBuffer:
                     task = pending.pop(part, None)
                     if task is None:
                         continue
+                    started = time.perf_counter()
                     events = await task
+                    ENV_WAIT_SECONDS.observe(time.perf_counter() - started)
                     rollout.finish(events, part)
                     # Once told to stop, the step in flight still lands (as a lock-step tick
                     # completes), so a fragment that fills with it is still published.

@@ -24,10 +24,12 @@ OptionalServiceRef = Annotated[str | None, *get_args(ServiceRef)[1:]]
 class GameActorSettings(StrictModel):
     """One actor: `num_envs` environments split over `env_servers`, stepped in lock step."""
 
-    env_servers: list[ServiceRef] = Field(min_length=1)  # instance names or host:port
+    # Instance names (each: every live replica of that instance, as they join and leave;
+    # services/membership.py) or host:port addresses (that server only).
+    env_servers: list[ServiceRef] = Field(min_length=1)
     env_id: str = Field(min_length=1)
     env_kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to gymnasium.make
-    num_envs: int = Field(default=8, ge=1)  # in total; server j gets an equal share (+1 for some)
+    num_envs: int = Field(default=8, ge=1)  # in total, split evenly over the servers in use
     # Env k of this actor (0 <= k < num_envs) is seeded with seed + actor_index * num_envs + k,
     # so actors of one job (same seed, actor_index 0, 1, ...) never share an env seed.
     seed: int = Field(default=0, ge=0)
@@ -79,7 +81,7 @@ class GameActorSettings(StrictModel):
                 f"num_envs={self.num_envs} is fewer than the {len(self.env_servers)} env servers: "
                 "every server needs at least one env"
             )
-        if self.double_buffer == "on" and min(self.env_split()) < 2:
+        if self.double_buffer == "on" and self.num_envs // 2 < len(self.env_servers):
             raise ValueError(
                 f"double_buffer 'on' needs at least 2 envs per env server; num_envs="
                 f"{self.num_envs} over {len(self.env_servers)} servers gives some fewer"
@@ -92,11 +94,6 @@ class GameActorSettings(StrictModel):
         if self.publish_fragments is None:
             return self.policy == "learner"
         return self.publish_fragments
-
-    def env_split(self) -> list[int]:
-        """Envs per server, in env_servers order: as even as possible, the first ones larger."""
-        share, extra = divmod(self.num_envs, len(self.env_servers))
-        return [share + (j < extra) for j in range(len(self.env_servers))]
 
     def env_seed(self) -> int:
         """Seed of this actor's env 0 (env k gets env_seed() + k)."""

@@ -39,6 +39,7 @@ from services.bus import Bus, announce
 from services.cache import user_cache_dir
 from services.errors import ConfigError
 from services.grpc_names import service_name
+from services.membership import registered
 from services.placement import ENV_OMP_BIND, assigned_cpus, format_cpus
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
@@ -330,15 +331,16 @@ async def main(ctx: ServiceContext[SamplerSettings]) -> None:
     await server.start()
     try:
         if await sampler.start():
-            server.set_serving()
-            log.info(
-                "sampler %s serving %s (%s) on %s",
-                ctx.name,
-                settings.model_path,
-                settings.engine,
-                server.address,
-            )
-            await ctx.stop_event.wait()
+            async with registered(ctx, server.port, load=lambda: sampler.servicer.queued):
+                server.set_serving()
+                log.info(
+                    "sampler %s serving %s (%s) on %s",
+                    ctx.name,
+                    settings.model_path,
+                    settings.engine,
+                    server.address,
+                )
+                await ctx.stop_event.wait()
     finally:
         await server.stop()
         await sampler.close()

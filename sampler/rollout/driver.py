@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from clients.reward import SERVICE_NAME as REWARD_SERVICE
-from clients.reward import RewardClient
+from clients.reward import RewardPool
 from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from clients.sampler import SamplerPool
 from rlfleet.bus.v1 import trajectory_pb2
@@ -47,6 +47,7 @@ from sampler.rollout.stats import RolloutStats
 from services.bus import Bus, Delivery, stop_when_run_over, stream_name, traj_subject
 from services.calls import call_with_retry, wait_healthy
 from services.errors import ConfigError, InvalidArgument
+from services.membership import Members, PeerView
 from services.registry import ServiceContext
 from services.waits import bus_say, waiting
 
@@ -56,7 +57,6 @@ log = logging.getLogger(__name__)
 
 Prompt = Delivery[trajectory_pb2.PromptTask]
 _PROMPT_FIELD = re.compile(r"^prompts\[(\d+)\]")
-PUBLISH_ATTEMPTS = 5
 STOP_GRACE_S = 5.0  # a stopping driver lets calls this close to done finish; the rest go back
 
 
@@ -69,12 +69,14 @@ class RolloutDriver:
         self.stop = ctx.stop_event
         self.run_name = ctx.run_name
         self.bus: Bus | None = None
-        self.samplers = SamplerPool(
-            [ctx.resolve(name) for name in settings.sampler], timeout_s=settings.generate_timeout_s
-        )
-        self.rewards = RewardClient(
-            ctx.resolve(settings.reward_service), timeout_s=settings.score_timeout_s
-        )
+        # Instance names are every live replica of each (services/membership.py).
+        self.peers = [
+            PeerView(settings.sampler, kind="sampler", resolve=ctx.resolve),
+            PeerView([settings.reward_service], kind="reward_service", resolve=ctx.resolve),
+        ]
+        self.members: Members | None = None
+        self.samplers = SamplerPool(self.peers[0], timeout_s=settings.generate_timeout_s)
+        self.rewards = RewardPool(self.peers[1], timeout_s=settings.score_timeout_s)
         self.watch = VersionWatch()
         self.pacer = Pacer(
             self.watch,
@@ -106,9 +108,20 @@ class RolloutDriver:
         """Wait for the peers, learn the sampler's version, set up the bus; False if stopped."""
         settings, bus, run = self.settings, self.bus, self.run_name
         assert bus is not None
-        peers = [("sampler", a, SAMPLER_SERVICE) for a in self.samplers.addresses]
-        peers.append(("reward service", self.rewards.address, REWARD_SERVICE))
         say = bus_say(bus, run, self.ctx.name)
+        self.members = Members(bus, run)
+        await self.members.start()
+        for view in self.peers:
+            view.follow(self.members)
+            named = ", ".join(view.refs)
+            if not await waiting(
+                f"a live {view.kind} ({named})",
+                view.wait(self.stop, settings.startup_timeout_s),
+                say=say,
+            ):
+                return False
+        peers = [("sampler", a, SAMPLER_SERVICE) for a in self.samplers.addresses]
+        peers += [("reward service", a, REWARD_SERVICE) for a in self.rewards.addresses]
         for what, address, service in peers:
             log.info("waiting for %s at %s", what, address)
             if not await waiting(
@@ -152,7 +165,7 @@ class RolloutDriver:
             ", ".join(self.samplers.addresses),
             info.model_name,
             info.policy_version,
-            self.rewards.address,
+            ", ".join(self.rewards.addresses),
             settings.group_size,
             settings.prompts_per_call,
             settings.concurrency,
@@ -235,6 +248,8 @@ class RolloutDriver:
                 await self.stats.report(self.watch.version)
         await self.samplers.close()
         await self.rewards.close()
+        if self.members is not None:
+            await self.members.close()
         if self.bus is not None:
             with contextlib.suppress(Exception):
                 await self.bus.close()
@@ -368,7 +383,6 @@ class RolloutDriver:
                 traj_subject(self.run_name),
                 group,
                 msg_id=group.group_id,
-                attempts=PUBLISH_ATTEMPTS,
             )
         except InvalidArgument as exc:
             log.error("dropping prompt %s: its group %s", prompt_key(prompt.message), exc)

@@ -45,9 +45,10 @@ class RolloutSettings(StrictModel):
     """One rollout driver. Several drivers of a run share one prompt queue; exactly one of them
     feeds it (`feed: true`; the job expansion sets it on driver 0)."""
 
-    # SamplerService instance names (or host:port), one or a list; calls go round-robin.
+    # SamplerService instance names (each: every live replica of it; services/membership.py) or
+    # host:port, one or a list; each call goes to the one with the fewest calls in flight.
     sampler: list[ServiceRef] = Field(min_length=1)
-    reward_service: ServiceRef  # RewardService instance name (or host:port)
+    reward_service: ServiceRef  # RewardService instance name (its live replicas) or host:port
     # Where prompts come from: {"jsonl": PATH} or {"generator": NAME, ...} (common/datasets.py).
     dataset: dict[str, Any]
     # The policy's Hugging Face folder or id, for the tokenizer that turns expert solutions into

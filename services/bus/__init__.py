@@ -3,8 +3,9 @@
 See docs/internals.md ("services/bus/") for the contract and subjects.py for the names.
 """
 
-from services.bus.client import Bus, PubAck
+from services.bus.client import REPLICAS_ENV, Bus, PubAck
 from services.bus.messages import MSG_ID_HEADER, TYPE_HEADER, Delivery, Subscription
+from services.bus.nats_cluster import NatsCluster, stream_replicas
 from services.bus.nats_server import EmbeddedNats, NatsUser, find_nats_server
 from services.bus.runs import RUN_OVER, announce, stop_when_run_over
 from services.bus.subjects import (
@@ -20,11 +21,13 @@ from services.bus.subjects import (
 
 __all__ = [
     "MSG_ID_HEADER",
+    "REPLICAS_ENV",
     "RUN_OVER",
     "TYPE_HEADER",
     "Bus",
     "Delivery",
     "EmbeddedNats",
+    "NatsCluster",
     "NatsUser",
     "PubAck",
     "Subscription",
@@ -35,6 +38,7 @@ __all__ = [
     "service_permissions",
     "stop_when_run_over",
     "stream_name",
+    "stream_replicas",
     "traj_subject",
     "validate_run_name",
     "work_queue_stream",

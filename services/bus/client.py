@@ -23,6 +23,8 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, Literal, TypeVar
@@ -38,7 +40,9 @@ from nats.js.kv import KeyValue
 from services import security
 from services.bus.messages import (
     MSG_ID_HEADER,
+    TRANSIENT_ERRORS,
     TYPE_HEADER,
+    UNAVAILABLE_ERRORS,
     Delivery,
     Subscription,
     decode,
@@ -48,6 +52,7 @@ from services.bus.messages import (
 from services.bus.payloads import PAYLOAD_HEADER, PayloadStore
 from services.bus.subjects import inbox_prefix
 from services.errors import (
+    ConfigError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -56,11 +61,20 @@ from services.errors import (
     Unavailable,
 )
 
-__all__ = ["Bus", "PubAck"]
+__all__ = ["REPLICAS_ENV", "Bus", "PubAck", "server_list"]
 
 log = logging.getLogger("rlfleet.bus")
 
+# A publish retried while it fails with Unavailable outlasts a clustered stream's leader
+# election (several seconds after its leader node dies) with room to spare.
+PUBLISH_ATTEMPTS = 8
+MAX_RETRY_DELAY_S = 4.0
+
 PubAck = api.PubAck  # .stream, .seq, .duplicate (a bool once Bus.publish returns it)
+# How many copies of each stream and bucket this Bus creates (unset: 1); the launcher sets it
+# from its run file's `nats.cluster`, a deployment beside its NATS cluster.
+REPLICAS_ENV = "RLFLEET_NATS_REPLICAS"
+_JETSTREAM_POLL_S = 0.5  # how often wait_for_jetstream asks again
 
 M = TypeVar("M", bound=Message)
 Retention = Literal["limits", "workqueue"]
@@ -115,6 +129,52 @@ def _api_error(exc: nats.js.errors.APIError, what: str) -> RlfleetError:
     return RlfleetError(text)
 
 
+T = TypeVar("T")
+
+
+async def retry_unavailable(
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    attempts: int = PUBLISH_ATTEMPTS,
+    first_delay_s: float = 0.5,
+) -> T:
+    """``call()``, tried up to ``attempts`` times while it raises Unavailable, waiting
+    ``first_delay_s`` and then twice as long (at most ``MAX_RETRY_DELAY_S``) before each next
+    try; the last Unavailable propagates, any other error at once."""
+    if attempts < 1:
+        raise InvalidArgument(f"{what}: attempts must be >= 1, got {attempts}", field="attempts")
+    delay = first_delay_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except Unavailable as exc:
+            if attempt == attempts:
+                raise
+            log.warning("%s: %s; retrying", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def server_list(url: str | Iterable[str]) -> list[str]:
+    """The server URLs in ``url``: one URL, several joined by commas (``RLFLEET_NATS_URL`` of
+    a cluster), or a list; nats-py takes a list and fails over between its entries."""
+    urls = url.split(",") if isinstance(url, str) else list(url)
+    servers = [u.strip() for u in urls]
+    if not servers or not all(servers):
+        raise InvalidArgument(f"Bus.connect: no NATS url given ({url!r})", field="nats.url")
+    return servers
+
+
+def _replicas_from_env() -> int:
+    text = os.environ.get(REPLICAS_ENV, "").strip()
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"${REPLICAS_ENV} must be a positive whole number, got {text!r}")
+    return int(text)
+
+
 # ---------------------------------------------------------------------------- the bus
 
 
@@ -145,13 +205,19 @@ class _Connecting:
 class Bus:
     """A connection to NATS with JetStream; create it with ``Bus.connect(url, name=...)``."""
 
-    def __init__(self, nc: NatsClient, *, name: str, request_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, nc: NatsClient, *, name: str, request_timeout_s: float = 5.0, replicas: int = 1
+    ) -> None:
+        if replicas < 1:
+            raise InvalidArgument(f"replicas must be >= 1, got {replicas}", field="replicas")
         self._nc = nc
         self._js = nc.jetstream(timeout=request_timeout_s)
         self.name = name
         self.request_timeout_s = request_timeout_s
+        # Copies of every stream and bucket this Bus creates: one place, so none is forgotten.
+        self.replicas = replicas
         self._kv: dict[str, KeyValue] = {}
-        self._payloads = PayloadStore(self._js)
+        self._payloads = PayloadStore(self._js, replicas=replicas)
         self._closing = False
 
     # ------------------------------------------------------------------ connection
@@ -167,13 +233,20 @@ class Bus:
         reconnect_wait_s: float = 0.5,
         max_reconnect_attempts: int = -1,
         request_timeout_s: float = 5.0,
+        replicas: int | None = None,
     ) -> _Connecting:
         """Connect as client ``name``: ``bus = await Bus.connect(...)`` or ``async with``.
 
-        The first connection tries ``connect_attempts`` times and then raises Unavailable, so a
-        wrong URL fails fast. Once connected the client reconnects on its own (forever by
-        default: a service outlives a NATS restart), buffering publishes meanwhile.
+        ``url`` is one server, several joined by commas, or a list: the servers of one cluster,
+        any of which will do. The first connection tries ``connect_attempts`` times per server
+        and then raises Unavailable, so a wrong URL fails fast. Once connected the client
+        reconnects on its own to whichever server answers (forever by default: a service
+        outlives a NATS restart or a node's loss), buffering publishes meanwhile. ``replicas``:
+        copies of each stream and bucket this Bus creates (None: ``$RLFLEET_NATS_REPLICAS``, 1
+        when unset).
         """
+        if replicas is None:
+            replicas = _replicas_from_env()
         return _Connecting(
             lambda: cls._connect(
                 url,
@@ -183,6 +256,7 @@ class Bus:
                 reconnect_wait_s=reconnect_wait_s,
                 max_reconnect_attempts=max_reconnect_attempts,
                 request_timeout_s=request_timeout_s,
+                replicas=replicas,
             )
         )
 
@@ -197,10 +271,9 @@ class Bus:
         reconnect_wait_s: float,
         max_reconnect_attempts: int,
         request_timeout_s: float,
+        replicas: int,
     ) -> Bus:
-        servers = [url] if isinstance(url, str) else list(url)
-        if not servers or not all(servers):
-            raise InvalidArgument(f"Bus.connect: no NATS url given ({url!r})", field="nats.url")
+        servers = server_list(url)
         nc = NatsClient()
         connected = False
 
@@ -248,7 +321,7 @@ class Bus:
                     disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected,
                 ),
-                timeout=connect_timeout_s * connect_attempts + 5.0,
+                timeout=connect_timeout_s * connect_attempts * len(servers) + 5.0,
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             cause = nc.last_error or exc
@@ -261,7 +334,7 @@ class Bus:
         connected = True
         # From now on reconnect as configured (the first connect used a short budget).
         nc.options["max_reconnect_attempts"] = max_reconnect_attempts
-        return cls(nc, name=name, request_timeout_s=request_timeout_s)
+        return cls(nc, name=name, request_timeout_s=request_timeout_s, replicas=replicas)
 
     @property
     def nc(self) -> NatsClient:
@@ -272,6 +345,11 @@ class Bus:
     def js(self) -> Any:
         """The nats-py JetStream context."""
         return self._js
+
+    @property
+    def payloads(self) -> PayloadStore:
+        """The object store buckets of messages sent by reference (payloads.py)."""
+        return self._payloads
 
     @property
     def max_payload(self) -> int:
@@ -306,6 +384,31 @@ class Bus:
 
     # ------------------------------------------------------------------ JetStream admin
 
+    async def wait_for_jetstream(self, timeout_s: float) -> None:
+        """Return once JetStream answers (in a cluster: once its nodes have elected a meta
+        leader, which takes a majority of them up and routed to each other); Unavailable after
+        ``timeout_s``, naming the servers and JetStream's last answer. Needs the right to ask
+        for account info (``$JS.API.INFO``), which the launcher's user has."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self._js.account_info(), max(0.1, remaining))
+                return
+            except nats.js.errors.APIError as exc:
+                last = f"{exc.description or type(exc).__name__} (NATS err_code {exc.err_code})"
+            except (TimeoutError, nats.errors.Error) as exc:
+                last = f"no answer ({type(exc).__name__})"
+            if time.monotonic() + _JETSTREAM_POLL_S >= deadline:
+                servers = ", ".join(u.netloc for u in self._nc.servers) or "?"
+                raise Unavailable(
+                    f"JetStream at {servers} not ready after {timeout_s:g} s (no meta leader "
+                    f"elected: a cluster needs a majority of its nodes up and routed to each "
+                    f"other); last answer: {last}"
+                )
+            await asyncio.sleep(_JETSTREAM_POLL_S)
+
     async def ensure_stream(
         self,
         name: str,
@@ -323,7 +426,8 @@ class Bus:
         keeps messages until ``max_age_s``/``max_bytes`` (None = unlimited). ``discard="new"``
         makes a full stream refuse publishes instead of dropping its oldest messages. The
         dedupe window is capped at ``max_age_s``, as the server requires. Retention cannot
-        change on an existing stream: that raises FailedPrecondition.
+        change on an existing stream: that raises FailedPrecondition. A new stream is kept in
+        ``self.replicas`` copies; an existing one keeps the count it was made with.
         """
         subjects = list(subjects)
         if retention not in ("limits", "workqueue"):
@@ -349,7 +453,12 @@ class Bus:
             try:
                 info = await self._js.stream_info(name)
             except nats.js.errors.NotFoundError:
-                config = api.StreamConfig(name=name, storage=api.StorageType.FILE, **settings)
+                config = api.StreamConfig(
+                    name=name,
+                    storage=api.StorageType.FILE,
+                    num_replicas=self.replicas,
+                    **settings,
+                )
                 return await self._js.add_stream(config)
             have = info.config
             if have.retention != settings["retention"]:
@@ -365,18 +474,21 @@ class Bus:
             return await self._js.update_stream(have.evolve(**settings))
         except nats.js.errors.APIError as exc:
             raise _api_error(exc, what) from exc
-        except TimeoutError as exc:
-            raise Unavailable(f"{what}: no answer from JetStream") from exc
+        except TRANSIENT_ERRORS as exc:
+            raise Unavailable(f"{what}: no answer from JetStream ({type(exc).__name__})") from exc
 
     async def kv(self, bucket: str, *, history: int = 1, ttl_s: float | None = None) -> KeyValue:
-        """The JetStream key-value bucket ``bucket``, created if missing (run state lives here)."""
+        """The JetStream key-value bucket ``bucket``, created if missing (run state lives here),
+        in ``self.replicas`` copies."""
         if bucket in self._kv:
             return self._kv[bucket]
         try:
             try:
                 store = await self._js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
-                store = await self._js.create_key_value(bucket=bucket, history=history, ttl=ttl_s)
+                store = await self._js.create_key_value(
+                    bucket=bucket, history=history, ttl=ttl_s, replicas=self.replicas
+                )
         except nats.js.errors.InvalidBucketNameError as exc:
             raise InvalidArgument(
                 f"invalid KV bucket name {bucket!r}: use letters, digits, '-' and '_'",
@@ -384,6 +496,10 @@ class Bus:
             ) from exc
         except nats.js.errors.APIError as exc:
             raise _api_error(exc, f"kv bucket {bucket!r}") from exc
+        except TRANSIENT_ERRORS as exc:
+            raise Unavailable(
+                f"kv bucket {bucket!r}: no answer from JetStream ({type(exc).__name__})"
+            ) from exc
         self._kv[bucket] = store
         return store
 
@@ -454,6 +570,11 @@ class Bus:
         try:
             ack = await self._js.publish(subject, data, timeout=timeout, headers=hdrs)
         except nats.js.errors.NoStreamResponseError as exc:
+            if self.replicas > 1:  # in a cluster, also what a stream electing its leader answers
+                raise Unavailable(
+                    f"{what}: no stream answered (its leader is being elected, or no stream "
+                    "stores this subject); retry with the same msg_id"
+                ) from exc
             raise NotFound(
                 f"{what}: no JetStream stream stores this subject; call ensure_stream first",
                 field="subject",
@@ -464,7 +585,7 @@ class Bus:
             raise InvalidArgument(f"{what}: over the server's max payload", field="message") from (
                 exc
             )
-        except (TimeoutError, nats.errors.ConnectionClosedError) as exc:
+        except UNAVAILABLE_ERRORS as exc:
             raise Unavailable(
                 f"{what}: not acknowledged within {timeout} s ({type(exc).__name__}); retry with "
                 "the same msg_id"
@@ -478,40 +599,33 @@ class Bus:
         message: Message,
         *,
         msg_id: str,
-        attempts: int = 5,
+        attempts: int = PUBLISH_ATTEMPTS,
         first_delay_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         by_reference: bool = True,
     ) -> api.PubAck:
         """``publish``, tried up to ``attempts`` times while it fails with Unavailable (not
-        acknowledged in time, connection being re-made), waiting ``first_delay_s`` and then
-        twice as long before each next try. Every try sends the same ``msg_id``, so a message
+        acknowledged in time, connection being re-made, a clustered stream electing a leader),
+        waiting ``first_delay_s`` and then twice as long (at most ``MAX_RETRY_DELAY_S``) before
+        each next try. Every try sends the same ``msg_id``, so a message
         that did arrive the first time is stored once. The last Unavailable propagates; other
-        errors (InvalidArgument: over the max payload without by_reference; NotFound: no stream)
-        at once."""
-        if attempts < 1:
-            raise InvalidArgument(
-                f"publish to {subject!r}: attempts must be >= 1, got {attempts}", field="attempts"
-            )
-        delay = first_delay_s
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self.publish(
-                    subject,
-                    message,
-                    msg_id=msg_id,
-                    headers=headers,
-                    timeout_s=timeout_s,
-                    by_reference=by_reference,
-                )
-            except Unavailable as exc:
-                if attempt == attempts:
-                    raise
-                log.warning("publishing %s: %s; retrying", msg_id, exc)
-                await asyncio.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")  # the loop returns or raises
+        errors (InvalidArgument: over the max payload without by_reference; NotFound: no stream,
+        on a bus of one copy, where with replicas it is Unavailable as while a stream elects its
+        leader) at once."""
+        return await retry_unavailable(
+            f"publishing {msg_id}",
+            lambda: self.publish(
+                subject,
+                message,
+                msg_id=msg_id,
+                headers=headers,
+                timeout_s=timeout_s,
+                by_reference=by_reference,
+            ),
+            attempts,
+            first_delay_s,
+        )
 
     async def publish_event(
         self, subject: str, message: Message, headers: Mapping[str, str] | None = None
@@ -593,14 +707,8 @@ class Bus:
     ) -> AsyncIterator[Delivery[M]]:
         durable = str(config.durable_name)
         what = f"pull {stream}/{durable}"
-        try:
-            # Create or update: the server applies a changed ack_wait/max_deliver/filter.
-            await self._js.add_consumer(stream, config=config)
-            sub = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
-        except nats.js.errors.APIError as exc:
-            raise _api_error(exc, what) from exc
-        except TimeoutError as exc:
-            raise Unavailable(f"{what}: no answer from JetStream") from exc
+        # Retried while JetStream is electing a leader or a node is being replaced.
+        sub = await retry_unavailable(what, lambda: self._bind_consumer(stream, config, what))
         backlog: collections.deque[Msg] = collections.deque()
         try:
             while not self._closing and (stop_event is None or not stop_event.is_set()):
@@ -647,6 +755,18 @@ class Bus:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
 
+    async def _bind_consumer(self, stream: str, config: api.ConsumerConfig, what: str) -> Any:
+        """Create or update the durable consumer (the server applies a changed ack_wait,
+        max_deliver or filter) and bind a pull subscription to it."""
+        try:
+            await self._js.add_consumer(stream, config=config)
+            durable = str(config.durable_name)
+            return await self._js.pull_subscribe_bind(durable=durable, stream=stream)
+        except nats.js.errors.APIError as exc:
+            raise _api_error(exc, what) from exc
+        except TRANSIENT_ERRORS as exc:
+            raise Unavailable(f"{what}: no answer from JetStream ({type(exc).__name__})") from exc
+
     async def _fetch(self, sub: Any, batch: int, timeout_s: float, what: str) -> list[Msg] | None:
         """One fetch; [] when nothing arrived in time or the connection is being re-made, None
         when this Bus was closed (the iteration ends)."""
@@ -658,12 +778,15 @@ class Bus:
             if self._closing:
                 return None
             raise Unavailable(f"{what}: the NATS connection is closed") from exc
-        except (nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError):
+        except TRANSIENT_ERRORS:  # (TimeoutError is the clause above)
             await asyncio.sleep(min(timeout_s, 0.5))
             return []
         except nats.js.errors.APIError as exc:
             description = (exc.description or "").lower()
-            if exc.code in (408, 503) or "leadership" in description:  # transient answers
+            # Transient answers: a request timed out, no responder (a 503 status, which nats-py
+            # raises without a code), the consumer's leader changing.
+            unavailable = isinstance(exc, nats.js.errors.ServiceUnavailableError)
+            if unavailable or exc.code in (408, 503) or "leadership" in description:
                 log.debug("%s: fetch answered %s; retrying", what, exc)
                 await asyncio.sleep(min(timeout_s, 0.5))
                 return []

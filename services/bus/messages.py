@@ -38,6 +38,22 @@ MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream drops a second message with the same 
 M = TypeVar("M", bound=Message)
 
 
+# What a NATS request meets while a node dies or a leader is elected: no answer in time, no
+# responder reachable yet (NATS's 503 status), the connection being re-made.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+)
+# ...and those, or a connection closed for good.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    *TRANSIENT_ERRORS,
+    nats.errors.ConnectionClosedError,
+)
+
+
 @dataclass(eq=False)
 class Delivery(Generic[M]):
     """One received bus message, decoded, with its acknowledgement handles.
@@ -74,7 +90,7 @@ class Delivery(Generic[M]):
             return
         try:
             await msg.ack_sync(timeout=self._ack_timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+        except UNAVAILABLE_ERRORS as exc:
             raise Unavailable(
                 f"ack of seq {self.seq} on {self.subject!r} not confirmed within "
                 f"{self._ack_timeout_s} s ({type(exc).__name__}); it will be redelivered"
@@ -114,8 +130,8 @@ class Delivery(Generic[M]):
 async def _unavailable_on_close(call: Awaitable[None], what: str) -> None:
     try:
         await call
-    except nats.errors.ConnectionClosedError as exc:
-        raise Unavailable(f"{what}: the NATS connection is closed") from exc
+    except UNAVAILABLE_ERRORS as exc:
+        raise Unavailable(f"{what}: the NATS connection is closed or being re-made") from exc
 
 
 def _class_for(full_name: str) -> type[Message]:

@@ -11,6 +11,8 @@ start-up, and a full pipe would block the server. The file is also what a crash 
 A server that died can be started again on the same port and store (``start()`` after a crash
 reuses both), so clients reconnecting to the old URL find it with their JetStream data intact;
 ``die_with_parent`` ties the server's life to its owner's, even when the owner is SIGKILLed.
+Given ``cluster`` (`ClusterNode`), the server is one node of a JetStream cluster with routes to
+its peers; services/bus/nats_cluster.py starts and names the nodes of one.
 """
 
 from __future__ import annotations
@@ -32,12 +34,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
 from services.ports import free_ports
 from services.security import TlsFiles
 
-__all__ = ["BINARY_ENV", "EmbeddedNats", "NatsUser", "find_nats_server", "parent_death_signal"]
+__all__ = [
+    "BINARY_ENV",
+    "ClusterNode",
+    "EmbeddedNats",
+    "NatsUser",
+    "find_nats_server",
+    "parent_death_signal",
+    "server_conf",
+]
 
 BINARY_ENV = "RLFLEET_NATS_SERVER"  # explicit path to a nats-server binary (overrides the search)
 _READY_LINE = "Server is ready"
@@ -144,21 +155,77 @@ class NatsUser:
         return entry
 
 
-def _server_conf(max_payload: int | None, tls: TlsFiles | None, users: Sequence[NatsUser]) -> str:
+@dataclass(frozen=True)
+class ClusterNode:
+    """One node's place in a JetStream cluster (the nats-server ``cluster`` block).
+
+    ``server_name`` names the node's JetStream raft peer, so it must stay the same across
+    restarts on the same store. ``routes`` are every node's route port, this one's included
+    (nats-server skips a route to itself), so every node gets the same list. ``route_user`` and
+    ``route_password`` (both or neither) are what peers present to each other: without them any
+    local process could join the cluster as a route and read every stream. ``route_hosts``:
+    the host of each route, in the order of ``routes``, for nodes on different machines; empty
+    when every node shares this node's host.
+    """
+
+    name: str
+    server_name: str
+    port: int
+    routes: Sequence[int]
+    route_user: str | None = None
+    route_password: str | None = None
+    route_hosts: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.route_hosts and len(self.route_hosts) != len(self.routes):
+            raise InvalidArgument(
+                f"route_hosts names {len(self.route_hosts)} hosts for {len(self.routes)} routes",
+                field="route_hosts",
+            )
+
+    def conf(self, host: str, tls: TlsFiles | None) -> dict[str, object]:
+        auth = ""
+        block: dict[str, object] = {"name": self.name, "listen": f"{host}:{self.port}"}
+        if self.route_user is not None and self.route_password is not None:
+            auth = f"{quote(self.route_user, safe='')}:{quote(self.route_password, safe='')}@"
+            block["authorization"] = {"user": self.route_user, "password": self.route_password}
+        hosts = self.route_hosts or [host] * len(self.routes)
+        block["routes"] = [
+            f"nats-route://{auth}{h}:{port}" for h, port in zip(hosts, self.routes, strict=True)
+        ]
+        if tls is not None:  # peers verify each other's certificate from the run's CA
+            block["tls"] = _tls_block(tls)
+        return block
+
+
+def _tls_block(tls: TlsFiles) -> dict[str, object]:
+    return {
+        "cert_file": str(tls.cert),
+        "key_file": str(tls.key),
+        "ca_file": str(tls.ca),
+        "verify": True,
+        "timeout": 5,
+    }
+
+
+def server_conf(
+    max_payload: int | None,
+    tls: TlsFiles | None,
+    users: Sequence[NatsUser],
+    cluster: ClusterNode | None = None,
+    host: str = "127.0.0.1",
+) -> str:
     """nats-server.conf text (JSON is valid nats-server configuration syntax)."""
     conf: dict[str, object] = {}
     if max_payload is not None:
         conf["max_payload"] = max_payload
     if tls is not None:  # clients must present a certificate from the CA too (verify)
-        conf["tls"] = {
-            "cert_file": str(tls.cert),
-            "key_file": str(tls.key),
-            "ca_file": str(tls.ca),
-            "verify": True,
-            "timeout": 5,
-        }
+        conf["tls"] = _tls_block(tls)
     if users:
         conf["authorization"] = {"users": [u.conf() for u in users]}
+    if cluster is not None:
+        conf["server_name"] = cluster.server_name
+        conf["cluster"] = cluster.conf(host, tls)
     return json.dumps(conf, indent=2)
 
 
@@ -185,6 +252,7 @@ class EmbeddedNats:
         die_with_parent: bool = False,
         tls: TlsFiles | None = None,
         users: Sequence[NatsUser] = (),
+        cluster: ClusterNode | None = None,
     ) -> None:
         if max_payload is not None and not 0 < max_payload <= _MAX_PAYLOAD_LIMIT:
             raise InvalidArgument(
@@ -197,6 +265,7 @@ class EmbeddedNats:
         self.ready_timeout_s = ready_timeout_s
         self.die_with_parent = die_with_parent
         self.tls, self.users = tls, tuple(users)
+        self.cluster = cluster
         self._requested_port = port
         self._port: int | None = port or None
         self._binary = Path(binary) if binary is not None else None
@@ -215,6 +284,11 @@ class EmbeddedNats:
     @property
     def port(self) -> int | None:
         return self._port
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``nats-server``, or ``nats-server <name>`` in a cluster."""
+        return f"nats-server {self.cluster.server_name}" if self.cluster else "nats-server"
 
     @property
     def pid(self) -> int | None:
@@ -324,12 +398,13 @@ class EmbeddedNats:
 
     def _spawn(self, binary: Path, port: int) -> None:
         argv = [str(binary), "-a", self.host, "-p", str(port), "-js", "-sd", str(self.store_dir)]
-        if self.max_payload is not None or self.tls is not None or self.users:
-            # max_payload, TLS verification and authorization have no command-line flags.
+        if self.max_payload is not None or self.tls is not None or self.users or self.cluster:
+            # max_payload, TLS verification, authorization and routes have no command-line flags.
             conf = self.store_dir / "nats-server.conf"
             conf.touch(mode=0o600)  # it holds the users' passwords
             os.chmod(conf, 0o600)
-            conf.write_text(_server_conf(self.max_payload, self.tls, self.users))
+            text = server_conf(self.max_payload, self.tls, self.users, self.cluster, self.host)
+            conf.write_text(text)
             argv += ["-c", str(conf)]
         with self.log_path.open("ab") as log:
             log.write(f"--- rlfleet: starting {' '.join(argv)}\n".encode())

@@ -40,10 +40,12 @@ def bucket_for(subject: str) -> str:
 
 
 class PayloadStore:
-    """Object store buckets of one Bus connection, opened (or created) on first use."""
+    """Object store buckets of one Bus connection, opened (or created, in ``replicas`` copies)
+    on first use."""
 
-    def __init__(self, js: Any, *, max_age_s: float = MAX_AGE_S) -> None:
+    def __init__(self, js: Any, *, replicas: int, max_age_s: float = MAX_AGE_S) -> None:
         self._js = js
+        self.replicas = replicas  # the Bus's: a bucket is replicated like the stream it serves
         self.max_age_s = max_age_s
         self._buckets: dict[str, Any] = {}
 
@@ -56,7 +58,7 @@ class PayloadStore:
                     raise
                 from nats.js.api import ObjectStoreConfig
 
-                config = ObjectStoreConfig(bucket=name, ttl=self.max_age_s)
+                config = ObjectStoreConfig(bucket=name, ttl=self.max_age_s, replicas=self.replicas)
                 self._buckets[name] = await self._js.create_object_store(name, config=config)
         return self._buckets[name]
 

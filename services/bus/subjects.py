@@ -94,6 +94,11 @@ def stream_name(run: str) -> str:
     return "RLFLEET_" + validate_run_name(run).upper().replace("-", "_")
 
 
+def members_bucket(run: str) -> str:
+    """Key-value bucket of a run's membership (services/membership.py): ``<stream>-MEMBERS``."""
+    return f"{stream_name(run)}-MEMBERS"
+
+
 def work_queue_subject(run: str, queue: str) -> str:
     """Subject of a prompt work queue (a stream with work-queue retention)."""
     queue = validate_token(queue, "queue name", underscore=False)
@@ -123,9 +128,17 @@ KIND_RIGHTS: dict[str, tuple[str, ...]] = {
     "dpo_learner": ("events", "publish_all_events", "manage_run_stream", "consume_trajectories"),
     # publish_status: long waits say what they wait for (services/waits.py); publish_producers:
     # an env server's live game links (services/producers.py).
-    "game_actor": ("events", "publish_episodes", "publish_trajectories", "publish_status"),
+    # register: its own record in the run's membership bucket; follow_members: watch it.
+    "game_actor": (
+        "events",
+        "publish_episodes",
+        "publish_trajectories",
+        "publish_status",
+        "follow_members",
+    ),
     "env_server": (  # its game links
         "events",
+        "register",
         "publish_episodes",
         "publish_trajectories",
         "publish_status",
@@ -138,8 +151,11 @@ KIND_RIGHTS: dict[str, tuple[str, ...]] = {
         "feed_queue",
         "take_queue",
         "publish_status",
+        "follow_members",
     ),
-    "sampler": ("events", "publish_status"),
+    "sampler": ("events", "publish_status", "register"),
+    "reward_service": ("events", "publish_metrics", "register"),
+    "gateway": ("events", "publish_metrics", "follow_members"),
     "heartbeat": ("events", "publish_metrics"),
 }
 DEFAULT_RIGHTS = ("events", "publish_metrics")
@@ -200,7 +216,24 @@ def _kv_api(bucket: str) -> tuple[str, ...]:
     )
 
 
-def _capability(name: str, run: str, queues: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+def _members_api(run: str, kind: str | None) -> tuple[str, ...]:
+    """Watch the run's membership bucket (an ordered consumer on its stream); with ``kind``,
+    also put and delete records under that kind's own keys, and no other kind's."""
+    bucket = members_bucket(run)
+    stream = f"KV_{bucket}"
+    out = (
+        *_stream_api(stream, "STREAM.INFO"),
+        f"{_API}.CONSUMER.CREATE.{stream}",
+        f"{_API}.CONSUMER.CREATE.{stream}.>",
+        f"{_API}.CONSUMER.INFO.{stream}.*",
+        f"$JS.FC.{stream}.>",
+    )
+    return (*out, f"$KV.{bucket}.{kind}.>") if kind else out
+
+
+def _capability(
+    name: str, run: str, queues: tuple[str, ...], kind: str = ""
+) -> tuple[tuple[str, ...], ...]:
     """(publish, subscribe) subjects of one capability of a service of ``run``."""
     stream, traj, events = stream_name(run), traj_subject(run), f"{PREFIX}.events.{run}"
     work = [(work_queue_stream(run, q), work_queue_subject(run, q)) for q in queues]
@@ -233,6 +266,8 @@ def _capability(name: str, run: str, queues: tuple[str, ...]) -> tuple[tuple[str
             (*_stream_api(s, "STREAM.INFO"), *_consumer_api(s, QUEUE_DURABLE)) for s, _ in work
         ]
         return tuple(x for group in takes for x in group), ()
+    if name in ("register", "follow_members"):
+        return _members_api(run, kind if name == "register" else None), ()
     raise InvalidArgument(f"unknown NATS capability {name!r}", field="rights")
 
 
@@ -248,7 +283,7 @@ def service_permissions(
     publish: list[str] = []
     subscribe: list[str] = [f"{inbox_prefix(user)}.>"]
     for name in KIND_RIGHTS.get(kind, DEFAULT_RIGHTS):
-        pub, sub = _capability(name, run, queues)
+        pub, sub = _capability(name, run, queues, kind)
         publish.extend(pub)
         subscribe.extend(sub)
     return {

@@ -7,6 +7,9 @@ prints its mean score (food eaten per episode, last 100 episodes) when it stops;
 scores 0.18 on average (`node dist/examples/snake/main.js --policy random --episodes 5000`), the
 full run file about 15. Then `rlfleet play --env Snake-v0` plays the saved policy in the built-in
 Python Snake, which has the same rules and observation, and must score well above random too.
+Both the learner and the game are seeded (`seed`, the game's --seed), but which weights each
+tick meets depends on timing, so scores spread from run to run: `bench.game.learning_margins`
+measures that spread and MIN_SCORE sits below it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,14 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "snake_ts.yaml"
 SDK = REPO / "sdk" / "typescript"
 SERVICES = ("env-0", "game-0", "learner")
-TOTAL_TIMESTEPS = 150_000  # ~1 minute of training on 2 idle cores
+# Budget and threshold from bench/results/learning_margins.json (`python -m
+# bench.game.learning_margins --runs 10`: this scenario run 10 times on the loaded 2-core build
+# machine): MIN_SCORE is the weaker of the two scores' mean - 3 std over those runs, rounded
+# down. At the smaller budget the test had before (in the file's `earlier_budgets`), that margin
+# fell below zero, so the budget grew instead.
+TOTAL_TIMESTEPS = 200_000
 RANDOM_SCORE = 0.18
-MIN_SCORE = 2.0  # more than 10x random; the full 400k-step run reaches ~15
+MIN_SCORE = 4.5
 RUN_TIMEOUT_S = 300.0
 
 pytestmark = [
@@ -49,12 +57,13 @@ def build_sdk() -> None:
     assert (SDK / "dist" / "examples" / "snake" / "main.js").is_file()
 
 
-def write_config(tmp_path: Path) -> tuple[Path, Path, str]:
+def write_config(tmp_path: Path, total_timesteps: int = TOTAL_TIMESTEPS) -> tuple[Path, Path, str]:
+    """The shortened example (run file, run dir, run name) under ``tmp_path``."""
     config = yaml.safe_load(EXAMPLE.read_text())
     name = f"e2e-snake-ts-{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "run"
     config["run"] = {"name": name, "dir": str(run_dir)}
-    config["job"]["total_timesteps"] = TOTAL_TIMESTEPS
+    config["job"]["total_timesteps"] = total_timesteps
     config["job"]["game"]["cwd"] = str(SDK)  # the copy does not sit next to sdk/
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -66,6 +75,19 @@ def final_mean_score(game_log: str) -> float:
     scores = re.findall(r"^snake-ts: episodes \d+ mean score ([\d.]+)", game_log, re.MULTILINE)
     assert scores, f"no score summary in the game's log:\n{game_log[-3000:]}"
     return float(scores[-1])
+
+
+def play_in_snake_v0(run_dir: Path, summary: Path) -> float:
+    """`rlfleet play RUN_DIR --env Snake-v0 --episodes 20`: the saved policy's mean score."""
+    play = ["play", str(run_dir), "--env", "Snake-v0", "--episodes", "20", "--json", str(summary)]
+    played = subprocess.run(
+        [sys.executable, "-m", "launch.cli", *play],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert played.returncode == 0, played.stdout + played.stderr
+    return float(json.loads(summary.read_text())["mean_score"])
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 600)
@@ -95,15 +117,6 @@ def test_typescript_snake_trains_through_game_link(tmp_path: Path) -> None:
     finally:
         up.stop()
 
-    summary = tmp_path / "play.json"
-    play = ["play", str(run_dir), "--env", "Snake-v0", "--episodes", "20", "--json", str(summary)]
-    played = subprocess.run(
-        [sys.executable, "-m", "launch.cli", *play],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert played.returncode == 0, played.stdout + played.stderr
-    played_score = json.loads(summary.read_text())["mean_score"]
+    played_score = play_in_snake_v0(run_dir, tmp_path / "play.json")
     assert played_score >= MIN_SCORE, f"Snake-v0 mean score {played_score}"
     print(f"game mean score {score:.2f}; in Snake-v0: {played_score:.2f} (random {RANDOM_SCORE})")

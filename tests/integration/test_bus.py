@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 import pytest
 from google.protobuf.struct_pb2 import Struct
@@ -384,6 +385,45 @@ async def test_publish_with_retry_gives_up_or_fails_at_once(
         await bus.publish_with_retry("test.nostream." + uuid.uuid4().hex, _struct(), msg_id="x")
     with pytest.raises(InvalidArgument, match="attempts"):
         await bus.publish_with_retry(subject, _struct(), msg_id="x", attempts=0)
+
+
+async def test_a_consumer_is_made_once_jetstream_answers_again(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a clustered stream elects a leader or a node comes back, JetStream requests meet
+    "no responders" (NATS's 503) or the connection being re-made: Unavailable, and a pull
+    consumer's creation is retried rather than failing its service."""
+    stream, subject = _names()
+    await bus.ensure_stream(stream, [subject])
+    await bus.publish(subject, _struct(i=7), msg_id="n-1")
+    real, tries = bus.js.add_consumer, []
+    transient = [nats.errors.NoRespondersError(), nats.errors.ConnectionReconnectingError()]
+
+    async def not_yet(*args: Any, **kw: Any) -> Any:
+        tries.append(1)
+        if transient:
+            raise transient.pop(0)
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(bus.js, "add_consumer", not_yet)
+    pulled = bus.pull(stream, "late", subject, Struct, timeout_s=0.3)
+    delivery = await asyncio.wait_for(anext(pulled), 30)
+    assert delivery.message["i"] == 7 and len(tries) == 3
+
+    async def ack_unanswered(*args: Any, **kw: Any) -> Any:
+        raise nats.errors.NoRespondersError  # the consumer's leader is gone
+
+    monkeypatch.setattr(delivery._msg, "ack_sync", ack_unanswered)
+    with pytest.raises(Unavailable, match="will be redelivered"):
+        await delivery.ack()
+    await pulled.aclose()
+
+    async def no_responders(*args: Any, **kw: Any) -> Any:
+        raise nats.errors.NoRespondersError
+
+    monkeypatch.setattr(bus.js, "stream_info", no_responders)
+    with pytest.raises(Unavailable, match=r"no answer from JetStream.*NoRespondersError"):
+        await bus.ensure_stream(stream, [subject])
 
 
 # ---------------------------------------------------------------------------- core NATS, KV

@@ -163,7 +163,7 @@ async def test_double_buffering_overlaps_steps_and_inference(
 ) -> None:
     n, t_steps, seconds = 8, 8, {}
     for double in (False, True):
-        envs = EnvGroup([slow_server], [n], SLOW_ID, env_kwargs={"delay_s": DELAY_S},
+        envs = EnvGroup([slow_server], n, SLOW_ID, env_kwargs={"delay_s": DELAY_S},
                         colocated=colocated, double_buffer=double)  # fmt: skip
         first = await envs.open()
         assert first is not None

@@ -100,6 +100,34 @@ async def until(condition: Any, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def learner_run(
+    tmp_path: Path, prefix: str, fragments: int, **overrides: Any
+) -> tuple[str, Path, Path]:
+    """(run name, run dir, run file) of a run of the learner alone on CartPole-v1's spaces that
+    ends after ``fragments`` fragments of the test's (2 per update); ``overrides`` change its
+    settings."""
+    run = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    settings = {
+        "env_id": "CartPole-v1",
+        "policy": {"hidden_sizes": [16, 16]},
+        "total_timesteps": fragments * T * N,
+        "fragments_per_update": 2,
+        "update_epochs": 1,
+        "minibatch_size": 32,
+        "max_policy_lag": 1000,
+        "device": "cpu",
+        **overrides,
+    }
+    config = tmp_path / "run.yaml"
+    service = {"name": "learner", "service": "learner", "settings": settings}
+    config.write_text(
+        yaml.safe_dump({"run": {"name": run, "dir": str(run_dir)}, "services": [service]})
+    )
+    return run, run_dir, config
+
+
 async def start_learner(config: Path, run: str, run_dir: Path, nats_url: str, port: int) -> Any:
     dist = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # not a launcher's
     env = {
@@ -132,29 +160,8 @@ async def start_learner(config: Path, run: str, run_dir: Path, nats_url: str, po
 async def test_learner_crash_and_restart_applies_every_fragment_once(
     nats_url: str, tmp_path: Path
 ) -> None:
-    run = f"itest-lrn-{uuid.uuid4().hex[:8]}"
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    settings = {
-        "env_id": "CartPole-v1",
-        "policy": {"hidden_sizes": [16, 16]},
-        "total_timesteps": FRAGMENTS * T * N,
-        "fragments_per_update": 2,
-        "update_epochs": 1,
-        "minibatch_size": 32,
-        "checkpoint_every": 3,
-        "max_policy_lag": 1000,
-        "ack_wait_s": 3.0,
-        "device": "cpu",
-    }
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"name": run, "dir": str(run_dir)},
-                "services": [{"name": "learner", "service": "learner", "settings": settings}],
-            }
-        )
+    run, run_dir, config = learner_run(
+        tmp_path, "itest-lrn", FRAGMENTS, checkpoint_every=3, ack_wait_s=3.0
     )
     port = free_port()
     watcher = Watcher()
@@ -240,29 +247,7 @@ async def test_nan_fragments_never_train_and_a_few_updates_of_them_fail_the_run(
     """The probe's case: an actor's fragments turn NaN. Their updates are skipped (counted, NaN
     losses reported, no version, messages dropped), the weights stay finite, and the second in
     a row (max_nonfinite_updates: 2) fails the learner permanently, in one line naming them."""
-    run = f"itest-nan-{uuid.uuid4().hex[:8]}"
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    settings = {
-        "env_id": "CartPole-v1",
-        "policy": {"hidden_sizes": [16, 16]},
-        "total_timesteps": 100 * T * N,
-        "fragments_per_update": 2,
-        "update_epochs": 1,
-        "minibatch_size": 32,
-        "max_policy_lag": 1000,
-        "max_nonfinite_updates": 2,
-        "device": "cpu",
-    }
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"name": run, "dir": str(run_dir)},
-                "services": [{"name": "learner", "service": "learner", "settings": settings}],
-            }
-        )
-    )
+    run, run_dir, config = learner_run(tmp_path, "itest-nan", 100, max_nonfinite_updates=2)
 
     def poisoned(seq: int) -> trajectory_pb2.RolloutFragment:
         msg = fragment(run, seq, 0)

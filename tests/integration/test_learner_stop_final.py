@@ -9,17 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from common.artifacts import load_policy
 from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, stream_name, traj_subject
 from services.ports import free_port
-from tests.integration.test_learner_service import N, T, Watcher, fragment, start_learner, until
+from tests.integration.test_learner_service import (
+    Watcher,
+    fragment,
+    learner_run,
+    start_learner,
+    until,
+)
 
 pytestmark = [
     pytest.mark.slow,  # DeepSpeed learner services: not in `make test-fast`
@@ -31,28 +35,7 @@ pytestmark = [
 async def test_stopped_run_leaves_final_and_a_finished_run_says_so(
     nats_url: str, tmp_path: Path
 ) -> None:
-    run = f"itest-stop-{uuid.uuid4().hex[:8]}"
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    settings = {
-        "env_id": "CartPole-v1",
-        "policy": {"hidden_sizes": [16]},
-        "total_timesteps": 4 * T * N,  # 2 updates of 2 fragments
-        "fragments_per_update": 2,
-        "update_epochs": 1,
-        "minibatch_size": 32,
-        "max_policy_lag": 1000,
-        "device": "cpu",
-    }
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"name": run, "dir": str(run_dir)},
-                "services": [{"name": "learner", "service": "learner", "settings": settings}],
-            }
-        )
-    )
+    run, run_dir, config = learner_run(tmp_path, "itest-stop", 4, policy={"hidden_sizes": [16]})
     port = free_port()
     watcher = Watcher()
     async with Bus.connect(nats_url, name="test-learner-stop") as bus:

@@ -175,12 +175,13 @@ def test_ppo_run_with_mutual_tls_and_nats_auth(tmp_path: Path) -> None:
         assert up.wait() == 0, "the run failed"
         assert "main service learner finished" in up.output
         assert "callers checked by kind" in (run_dir / "logs" / "env-0.log").read_text()
-        for name in ("learner", "actor-0", "actor-1"):  # each kind had every permission it used
+        for name in ("learner", "actor-0", "actor-1", "env-0"):  # each had every right it used
             assert "permissions violation" not in (run_dir / "logs" / f"{name}.log").read_text()
         conf = (run_dir / "nats" / "nats-server.conf").read_text()
         assert '"verify": true' in conf and '"authorization"' in conf
         users = {u["user"] for u in json.loads(conf)["authorization"]["users"]}
-        assert users == {"learner", "actor-0", "actor-1", "launcher"}  # env-0 has no NATS use
+        # env-0's only use: its record in the run's membership bucket.
+        assert users == {"learner", "actor-0", "actor-1", "env-0", "launcher"}
         assert oct((run_dir / "nats" / "nats-server.conf").stat().st_mode & 0o777) == "0o600"
         assert_nothing_left(run_dir)
     except BaseException:

@@ -17,8 +17,10 @@ from gymnasium import spaces
 
 from common.behaviour import RandomBehaviour, TorchBehaviour, action_layout
 from common.policies import PolicyConfig, build_policy
+from sampler.actors.envs import EnvGroup
 from sampler.actors.settings import GameActorSettings
 from services.errors import InvalidArgument
+from services.membership import PeerView
 
 OBS = spaces.Box(-5.0, 5.0, (4,), np.float32)
 
@@ -125,7 +127,18 @@ def test_action_layout_refuses_structured_spaces() -> None:
 def test_settings() -> None:
     base = {"env_servers": ["env-a", "env-b"], "env_id": "CartPole-v1"}
     settings = GameActorSettings(**base, num_envs=5)
-    assert settings.env_split() == [3, 2]
+    # Five envs over two servers: contiguous, the first larger, seeded by column.
+    peers = PeerView(["a:1", "b:1"], kind="env_server", resolve=str)
+    group = EnvGroup(peers, settings.num_envs, settings.env_id, seed=10)
+    links = group._layout(0, ["a:1", "b:1"])
+    assert [(k.address, k.start, k.stop, k.seed) for k in links] == [
+        ("a:1", 0, 3, 10),
+        ("b:1", 3, 5, 13),
+    ]
+    # More servers than envs: one env each on the least loaded.
+    assert len(EnvGroup(peers, 1, "CartPole-v1")._layout(0, ["a:1", "b:1"])) == 1
+    halves = EnvGroup(peers, 5, "CartPole-v1", double_buffer=True)
+    assert [p.stop - p.start for p in halves.parts] == [3, 2]
     assert settings.publishes is False  # random policy: fragments only when asked
     assert GameActorSettings(**base, publish_fragments=True).publishes
     seeds = {GameActorSettings(**base, num_envs=8, actor_index=i).env_seed() for i in range(4)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -28,6 +29,7 @@ from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from sampler.actors.envs import EnvGroup
 from sampler.actors.rollout import FragmentMeta, Rollout, fragment_id
 from sampler.actors.sampling import DoubleBuffer
+from services.membership import PeerView
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import channel
@@ -103,6 +105,12 @@ async def servers() -> AsyncIterator[list[str]]:
         await asyncio.wait_for(task, 30)
 
 
+def _group(servers: list[str], num_envs: int, **kwargs: Any) -> EnvGroup:
+    """The scripted env's columns over fixed server addresses."""
+    peers = PeerView(servers, kind="env_server", resolve=str)
+    return EnvGroup(peers, num_envs, SCRIPTED_ID, **kwargs)
+
+
 async def _run(envs: EnvGroup, rollout: Rollout, policy: ScriptedPolicy, ticks: int) -> None:
     for _ in range(ticks):
         decision = policy.act(rollout.current_obs)
@@ -124,7 +132,7 @@ async def test_fragment_from_scripted_run(servers: list[str]) -> None:
     table = np.zeros((t_steps * 2, n), np.int64)
     table[1, 1] = 1
     table[0, 2] = table[2, 2] = 1
-    envs = EnvGroup(servers, [2, 1], SCRIPTED_ID, seed=0)
+    envs = _group(servers, 3, seed=0)
     first = await envs.open()
     try:
         assert first is not None
@@ -221,7 +229,7 @@ async def test_fragment_from_scripted_run(servers: list[str]) -> None:
 async def test_fragment_without_critic_has_no_values(servers: list[str]) -> None:
     from common.behaviour import RandomBehaviour
 
-    envs = EnvGroup(servers[:1], [4], SCRIPTED_ID, seed=1)
+    envs = _group(servers[:1], 4, seed=1)
     first = await envs.open()
     try:
         policy = RandomBehaviour(envs.action_space, 4, seed=3)
@@ -264,7 +272,7 @@ async def test_double_buffered_fragments_equal_lock_step_ones(
     table = (rng.random((t_steps * 2, n)) < 0.3).astype(np.int64)
     frags = {}
     for double in (False, True):
-        envs = EnvGroup(servers, [2, 2], SCRIPTED_ID, colocated=colocated, double_buffer=double)
+        envs = _group(servers, 4, colocated=colocated, double_buffer=double)
         first = await envs.open()
         assert first is not None
         try:
@@ -316,7 +324,7 @@ async def test_double_buffered_fragments_equal_lock_step_ones(
 async def test_double_buffer_stops_after_the_step_in_flight(servers: list[str]) -> None:
     # Told to stop after part 0's 3rd step, the sampler still lands part 1's step in flight:
     # both parts end on the same row, as a lock-step tick would.
-    envs = EnvGroup(servers[:1], [4], SCRIPTED_ID, double_buffer=True)
+    envs = _group(servers[:1], 4, double_buffer=True)
     first = await envs.open()
     try:
         rollout = Rollout(8, 4, envs.observation_space, envs.action_space, has_values=True,

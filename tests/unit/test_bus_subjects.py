@@ -70,4 +70,11 @@ def test_per_kind_nats_permissions_stay_inside_the_run() -> None:
         assert may_update == (kind in ("learner", "lm_learner", "dpo_learner")), kind
     actor = service_permissions(run, "game_actor", "a")["publish_allow"]
     assert "rlfleet.v1.traj.perm-u" in actor
-    assert not any("CONSUMER" in s or "STREAM.CREATE" in s for s in actor)
+    # Its only consumers: watches of the run's membership bucket.
+    members = f"KV_{stream}-MEMBERS"
+    assert not any("STREAM.CREATE" in s for s in actor)
+    assert all(members in s for s in actor if "CONSUMER" in s)
+    assert not any(s.startswith("$KV.") for s in actor)  # it registers nothing
+    # A registering kind writes its own kind's records only.
+    env = service_permissions(run, "env_server", "e")["publish_allow"]
+    assert [s for s in env if s.startswith("$KV.")] == [f"$KV.{stream}-MEMBERS.env_server.>"]
