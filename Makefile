@@ -102,6 +102,12 @@ bench: venv
 soak: venv
 	$(PY) -m bench.game.chaos_soak --seeds 20
 
+# CartPole PPO spread over 3 network namespaces (hosts) with mutual TLS, printing where each
+# service ran; everything is removed afterwards (docs/multi_host.md). Needs root; not part of `make test`.
+.PHONY: hosts-demo
+hosts-demo: venv
+	$(PY) scripts/hosts_demo.py
+
 # The TypeScript GameLink SDK and its Snake game (sdk/typescript/dist): npm ci when package-lock.json
 # is newer than the installed node_modules, then generate the message types and compile.
 .PHONY: sdk-ts

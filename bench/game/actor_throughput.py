@@ -51,7 +51,7 @@ class ActorSide:
         transport, mode = side.split("/")
         self.envs = EnvGroup(
             [address],
-            [num_envs],
+            num_envs,
             args.env_id,
             seed=0,
             colocated="auto" if transport == "shm" else "off",

@@ -1,6 +1,6 @@
 """A finished game run's learning curve and evaluation, as the seed's results record them.
 
-    .venv/bin/python -m bench.game.game_results runs/flappybird-ppo --name flappybird
+    .venv/bin/python -m bench.game.game_results runs/flappybird-ppo --name flappybird_example
     .venv/bin/python -m bench.game.game_results runs/breakout-ppo --name breakout --episodes 10
 
 Reads the run dir the launcher wrote (`rlfleet up`): the learner's `metrics.jsonl` gives the
