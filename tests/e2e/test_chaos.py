@@ -13,7 +13,6 @@ The order and moments come from a seed printed with the result (RLFLEET_CHAOS_SE
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -27,7 +26,14 @@ import pytest
 import yaml
 
 from tests.fixtures.launch import Up, assert_nothing_left, two_actor_cartpole
-from tests.fixtures.runs import applied_updates, audit_ledger, nats_pids, service_pids
+from tests.fixtures.runs import (
+    UNBOUNDED_STEPS,
+    applied_updates,
+    audit_ledger,
+    nats_pids,
+    service_pids,
+    stop_in_order,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,8 +41,6 @@ pytestmark = [
 ]
 
 SERVICES = ("env-0", "learner", "actor-0", "actor-1")
-UNBOUNDED_STEPS = 10**9  # stopped by the test, never by the step budget
-STOPPED_BY_SIGNAL = 130  # the launcher's exit code for a run stopped before its main finished
 VICTIMS = ("nats", "learner", "env-0", "actor-0")
 
 
@@ -86,17 +90,10 @@ def test_random_kills_lose_and_double_nothing(tmp_path: Path) -> None:
                 return not v.startswith("actor") or audit_ledger(run_dir).incarnations > n
 
             up.wait_until(f"recovery from killing {victim}", recovered)
-        # A few more updates on the recovered fleet, then the orderly stop a user's Ctrl-C makes:
-        # the learner checkpoints what it applied and hands the rest back to the stream.
+        # A few more updates on the recovered fleet, then the orderly stop.
         last = applied_updates(run_dir) + 5
         up.wait_until(f"update {last}", lambda: applied_updates(run_dir) >= last)
-        # Fragments a killed learner held come back only after the consumer's ack wait, later
-        # than newer ones: stop once they are in (a fragment that never comes is the audit's).
-        with contextlib.suppress(AssertionError):
-            up.wait_until("the held fragments", lambda: not audit_ledger(run_dir).lost, 60.0)
-        up.proc.send_signal(signal.SIGINT)
-        assert up.wait() == STOPPED_BY_SIGNAL, "the run did not stop in order"
-        audit = audit_ledger(run_dir)
+        audit = stop_in_order(up, run_dir)
         print(f"chaos seed {seed}: killed {'; '.join(faults)}; {audit}")
         if report := os.environ.get("RLFLEET_CHAOS_REPORT"):  # `make soak` collects these
             record = {"seed": seed, "faults": faults, "applied": audit.applied,

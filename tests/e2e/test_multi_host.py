@@ -41,11 +41,11 @@ import pytest
 import yaml
 from cryptography import x509
 
-from services.bus import Bus, stream_name
+from services.bus import stream_name
 from services.server import wait_for_health
 from tests.fixtures import hosts as harness
 from tests.fixtures.hosts import Hosts, cleanup_stale, hosts_or_skip, signal_group
-from tests.fixtures.nats import stream_leader
+from tests.fixtures.nats import stream_state
 from tests.fixtures.runs import applied_updates, audit_ledger
 from tests.fixtures.spread import Placed, SpreadRun
 
@@ -401,20 +401,13 @@ def _tail_of(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:]
 
 
-async def _stream_state(run: SpreadRun) -> tuple[str, int, dict[str, bool]]:
-    """The run's stream: its leader, its copies, and whether each follower is current."""
-    async with Bus.connect(run.nats_url, name="test-observer") as bus:
-        stream = stream_name(run.run_name)
-        leader = await stream_leader(bus, stream)
-        info = await bus.js.stream_info(stream)
-        assert info.cluster is not None
-        followers = {str(r.name): bool(r.current) for r in info.cluster.replicas or []}
-        return leader, info.config.num_replicas or 1, followers
+def _stream_state(run: SpreadRun) -> tuple[str, int, dict[str, bool]]:
+    return asyncio.run(stream_state(run.nats_url, stream_name(run.run_name)))
 
 
 def _new_leader(run: SpreadRun, old: str, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
-    while (leader := asyncio.run(_stream_state(run))[0]) == old:
+    while (leader := _stream_state(run)[0]) == old:
         assert time.monotonic() < deadline, f"{old} still leads after {timeout_s:g}s"
         time.sleep(0.5)
     return leader
@@ -440,7 +433,7 @@ def test_a_run_survives_sigkill_of_its_stream_leader_node_across_hosts(
             assert all("route:" in r for r in conf["cluster"]["routes"])  # routes authenticate
             run.wait_until(f"update {KILL_AT}", lambda: applied_updates(run.run_dir) >= KILL_AT, 90)
             with run.as_launcher():
-                leader, replicas, _ = asyncio.run(_stream_state(run))
+                leader, replicas, _ = _stream_state(run)
                 assert replicas == 3  # the run's stream is kept on every host
                 index = run.nats_names.index(leader)
                 killed = run.nats_servers[index]
@@ -461,7 +454,7 @@ def test_a_run_survives_sigkill_of_its_stream_leader_node_across_hosts(
                 )
                 # The restarted node is a current copy again.
                 deadline = time.monotonic() + 30
-                while not asyncio.run(_stream_state(run))[2].get(leader):
+                while not _stream_state(run)[2].get(leader):
                     assert time.monotonic() < deadline, f"{leader} never caught up"
                     time.sleep(0.5)
             assert applied_updates(run.run_dir) < CLUSTER_UPDATES, "the run ended too soon"
