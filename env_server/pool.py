@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import gymnasium
     from gymnasium.vector import AutoresetMode
 
-__all__ = ["EnvPool"]
+__all__ = ["EnvPool", "check_seeds", "env_indices"]
 
 
 class EnvPool:
@@ -94,14 +94,7 @@ class EnvPool:
         InvalidArgument.
         """
         targets = self._targets(indices, "reset.env_indices") or range(self.num_envs)
-        if seeds is not None:
-            if seed is not None:
-                raise InvalidArgument("set seed or seeds, not both", field="reset.seeds")
-            if len(seeds) != len(targets):
-                raise InvalidArgument(
-                    f"{len(seeds)} seeds for {len(targets)} environments to reset (one each)",
-                    field="reset.seeds",
-                )
+        check_seeds(seed, seeds, len(targets))
         if not self._started and not indices:
             seed = self._first_seed if seed is None and seeds is None else seed
             self._first_seed = None
@@ -274,24 +267,7 @@ class EnvPool:
         return np.stack(frames)
 
     def _targets(self, indices: Sequence[int], field: str) -> list[int]:
-        """``indices`` as a list after checking them: at most N, no duplicates, in range.
-
-        The length is checked before anything is copied, so a huge request costs nothing.
-        """
-        n = self.num_envs
-        if len(indices) > n:
-            raise InvalidArgument(
-                f"{len(indices)} env indices for a pool of {n} envs (each index at most once)",
-                field=field,
-            )
-        targets = list(indices)
-        if len(set(targets)) != len(targets):
-            repeated = sorted(i for i, c in Counter(targets).items() if c > 1)
-            raise InvalidArgument(f"env indices {repeated} repeated", field=field)
-        bad = [i for i in targets if not 0 <= i < n]
-        if bad:
-            raise InvalidArgument(f"env indices {bad} out of range [0, {n})", field=field)
-        return targets
+        return env_indices(indices, self.num_envs, field)
 
     def close(self) -> None:
         """Close every env; errors in one env's close do not keep the others open."""
@@ -299,6 +275,38 @@ class EnvPool:
             with contextlib.suppress(Exception):
                 env.close()
         self.envs = []
+
+
+def check_seeds(seed: int | None, seeds: Sequence[int | None] | None, resets: int) -> None:
+    """A reset gives one base ``seed`` or one of ``seeds`` per env it resets, not both."""
+    if seeds is None:
+        return
+    if seed is not None:
+        raise InvalidArgument("set seed or seeds, not both", field="reset.seeds")
+    if len(seeds) != resets:
+        raise InvalidArgument(
+            f"{len(seeds)} seeds for {resets} environments to reset (one each)",
+            field="reset.seeds",
+        )
+
+
+def env_indices(indices: Sequence[int], n: int, field: str) -> list[int]:
+    """``indices`` of a pool of ``n`` envs as a list after checking them: at most n, no
+    duplicates, in range. The length is checked before anything is copied, so a huge request
+    costs nothing."""
+    if len(indices) > n:
+        raise InvalidArgument(
+            f"{len(indices)} env indices for a pool of {n} envs (each index at most once)",
+            field=field,
+        )
+    targets = list(indices)
+    if len(set(targets)) != len(targets):
+        repeated = sorted(i for i, c in Counter(targets).items() if c > 1)
+        raise InvalidArgument(f"env indices {repeated} repeated", field=field)
+    bad = [i for i in targets if not 0 <= i < n]
+    if bad:
+        raise InvalidArgument(f"env indices {bad} out of range [0, {n})", field=field)
+    return targets
 
 
 def _unbatch(actions: Any, n: int) -> list[Any]:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from clients.env.types import EnvEntry
+from env_server.text.base import TextEnv
+from env_server.text.envs import BUILTIN_TEXT_ENVS
 from services.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from services.references import import_reference_module, is_reference, split_reference
 from services.registry import entry_point_registry
@@ -47,6 +49,7 @@ __all__ = [
     "is_reference",
     "list_local_envs",
     "make_env",
+    "make_text_env",
     "preload",
     "register",
 ]
@@ -87,6 +90,9 @@ def _plugin_entries(registry: dict[str, Any]) -> dict[str, EnvEntry]:
                 f"'{plugins.target(name)}' of group '{PLUGIN_GROUP}'"
             )
         value, source = plugins[name], f"plugin:{name}"
+        if _is_text_env(value):
+            entries[name] = EnvEntry(name, source, kind="text")
+            continue
         spec = _spec_of(value, registry)
         entries[name] = _gym_entry(spec, source, name) if spec else EnvEntry(name, source)
     return entries
@@ -169,8 +175,8 @@ def _resolve(ref: str) -> _Reference:
             + hint
         )
     target = getattr(module, name)
-    if isinstance(target, type) and not issubclass(target, gymnasium.Env):
-        raise ValueError(f"class {name} is not a gymnasium.Env subclass")
+    if isinstance(target, type) and not issubclass(target, gymnasium.Env | TextEnv):
+        raise ValueError(f"class {name} is not a gymnasium.Env or TextEnv subclass")
     if not (callable(target) or isinstance(target, EnvSpec)):
         raise ValueError(
             f"{name} is a {type(target).__name__}, not a gymnasium.Env subclass, a callable "
@@ -214,7 +220,10 @@ def _reference_entries() -> dict[str, EnvEntry]:
     for ref, resolved in _REFERENCES.items():
         source = f"reference:{resolved.origin}"
         spec = resolved.target if isinstance(resolved.target, EnvSpec) else None
-        entries[ref] = _gym_entry(spec, source, ref) if spec else EnvEntry(ref, source)
+        if _is_text_env(resolved.target):
+            entries[ref] = EnvEntry(ref, source, kind="text")
+        else:
+            entries[ref] = _gym_entry(spec, source, ref) if spec else EnvEntry(ref, source)
     return entries
 
 
@@ -227,6 +236,9 @@ def _registered_entries() -> dict[str, EnvEntry]:
         if _unavailable(spec.entry_point) is None
     }
     entries.update(_plugin_entries(registry))
+    entries.update(
+        {env_id: EnvEntry(env_id, "rlfleet", kind="text") for env_id in BUILTIN_TEXT_ENVS}
+    )
     return entries
 
 
@@ -273,6 +285,8 @@ def make_env(
     INTERNAL).
     """
     entry = find_env(env_id)
+    if entry.kind == "text":
+        raise FailedPrecondition(f"{env_id} is a text environment: make_text_env creates it")
     gym = _gymnasium()
     kwargs = dict(kwargs or {})
     if render_mode:
@@ -301,6 +315,34 @@ def make_env(
         raise FailedPrecondition(
             f"{env_id}: the factory returned {type(env).__name__}, not a gymnasium.Env"
         )
+    return env
+
+
+def _is_text_env(target: Any) -> bool:
+    return isinstance(target, type) and issubclass(target, TextEnv)
+
+
+def make_text_env(env_id: str, *, kwargs: dict[str, Any] | None = None) -> TextEnv:
+    """Create one text environment of a listed id (a built-in, an entry point or a reference
+    naming a TextEnv subclass); arguments it refuses are InvalidArgument naming them."""
+    entry = find_env(env_id)
+    if entry.kind != "text":
+        raise InvalidArgument(f"{env_id} is not a text environment", field="create.env_id")
+    if env_id in BUILTIN_TEXT_ENVS:
+        target: Any = BUILTIN_TEXT_ENVS[env_id]
+    elif env_id in _REFERENCES:
+        target = _REFERENCES[env_id].target
+    else:
+        target = entry_point_registry(PLUGIN_GROUP)[env_id]
+    given = dict(kwargs or {})
+    try:
+        env = target(**given)
+    except (TypeError, ValueError, AssertionError) as exc:
+        if not given and not isinstance(exc, TypeError):
+            raise  # the env fails on its own defaults: its bug, not the caller's
+        raise _rejected(env_id, given, exc) from exc
+    if not isinstance(env, TextEnv):
+        raise FailedPrecondition(f"{env_id}: {type(env).__name__} is not a TextEnv")
     return env
 
 
@@ -333,7 +375,9 @@ def preload(env_ids: list[str]) -> None:
             except ConfigError as exc:
                 raise ConfigError(f"preload: {exc}") from None
         try:
-            env = make_env(env_id)
+            env: Any = (
+                make_text_env(env_id) if find_env(env_id).kind == "text" else make_env(env_id)
+            )
         except Exception as exc:
             raise ConfigError(f"preload: cannot create '{env_id}': {exc}") from exc
         with contextlib.suppress(Exception):

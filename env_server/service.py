@@ -56,6 +56,11 @@ class EnvServerSettings(StrictModel):
     # On a stop, first say so in the run's membership (services/membership.py) and wait this
     # long for the actors' sessions to move to other env servers, so none is cut mid-step.
     drain_timeout_s: float = Field(default=8.0, ge=0, le=300)
+    # Text environments (env_server/text): a reset or step of one env that takes longer ends
+    # its episode truncated ("step_timeout") instead of holding the session; the model's
+    # messages over max_text_chars are refused (INVALID_ARGUMENT).
+    text_step_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    max_text_chars: int = Field(default=65536, ge=256)
 
     @field_validator("preload")
     @classmethod
@@ -93,6 +98,8 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         colocated_busy_poll_us=settings.colocated_busy_poll_us,
         linked_spaces=links.spaces if links is not None else None,
         nonfinite_observations=settings.nonfinite_observations,
+        text_step_timeout_s=settings.text_step_timeout_s,
+        max_text_chars=settings.max_text_chars,
     )
     server = GrpcServer(
         ctx.name, host=ctx.host, port=ctx.port, max_message_bytes=settings.max_message_bytes

@@ -24,12 +24,17 @@ no parallelism; other sessions wait at most one message's stepping either way. C
 closing pools, which can take seconds (pygame, sprites), do go to a thread. So do the steps of a
 co-located ring, on the server's ring thread, which sleeps on the rings' doorbells (env_server/
 colocated.py says why); a session's pool lock keeps them and the stream's requests apart.
+
+A session on a text env id holds a `TextPool` instead (docs/text_envs.md): chat messages in and
+out, reset by the client only, each env's reset and step in a thread of its own under the
+server's text_step_timeout_s, so a slow or hung env never holds the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -37,16 +42,19 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf import struct_pb2
 
-from clients.env.types import StepResult
+from clients.env.text import info_struct, message_from_proto, turn_to_proto
+from clients.env.types import EnvEntry, EpisodeStats, StepResult
 from common import spaces, tensor
 from env_server import registry
 from env_server.colocated import Declined, RingServer, ServerRing
 from env_server.pool import EnvPool
+from env_server.text.pool import TextPool
 from rlfleet.env.v1 import env_pb2, env_pb2_grpc
 from services.errors import (
     FailedPrecondition,
@@ -63,6 +71,7 @@ from services.telemetry import metrics
 __all__ = ["EnvService"]
 
 log = logging.getLogger(__name__)
+PoolT = TypeVar("PoolT", EnvPool, TextPool)
 
 _ACTIVE_SESSIONS = metrics.gauge(
     "env_sessions_active", "EnvService.Session streams that hold a pool.", ("server",)
@@ -118,8 +127,11 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         colocated_max_bytes: int = 1 << 30,
         colocated_busy_poll_us: int = 0,
         nonfinite_observations: str = "refuse",
+        text_step_timeout_s: float = 30.0,
+        max_text_chars: int = 65536,
     ) -> None:
         self.name = name
+        self.text_step_timeout_s, self.max_text_chars = text_step_timeout_s, max_text_chars
         self.nonfinite_observations = nonfinite_observations  # "refuse" or "clip" (EnvPool)
         # "auto": accept co-located rings from clients on this host; "off": decline every offer.
         self.colocated = colocated
@@ -178,6 +190,9 @@ class EnvService(env_pb2_grpc.EnvServiceServicer):
         finally:
             await session.release()
 
+    def new_session_id(self) -> str:
+        return f"{self.name}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
     def _acquire(self) -> None:
         if self.active_sessions >= self.max_sessions:
             raise ResourceExhausted(
@@ -198,6 +213,7 @@ class _Session:
     def __init__(self, service: EnvService) -> None:
         self.service = service
         self.pool: EnvPool | None = None
+        self.text_pool: TextPool | None = None  # a pool of text envs (env_server/text)
         self.linked_env: str | None = None  # a game link's env id: spaces only, no pool
         self.closed = False
         self.ring: ServerRing | None = None  # the co-located fast path, once accepted
@@ -233,9 +249,13 @@ class _Session:
         response = env_pb2.SessionResponse(request_id=request.request_id)
         kind = request.WhichOneof("request")
         try:
-            if kind == "step":
+            if kind == "step" and self.text_pool is not None:
+                await self._text_step(self.text_pool, request.step, response.step)
+            elif kind == "step":
                 with self._pool_in_hand():
                     self._step(request.step, response.step)
+            elif kind == "reset" and self.text_pool is not None:
+                await self._text_reset(self.text_pool, request.reset, response.reset)
             elif kind == "reset":
                 with self._pool_in_hand():
                     self._reset(request.reset, response.reset)
@@ -250,7 +270,8 @@ class _Session:
             elif kind == "colocate":
                 self._colocate(request.colocate, response.colocate)
             elif kind == "close":
-                response.close.total_steps = self.pool.total_steps if self.pool else 0
+                pool = self.pool or self.text_pool
+                response.close.total_steps = pool.total_steps if pool else 0
                 self.closed = True
             else:
                 raise InvalidArgument("empty SessionRequest: set one of create/reset/step/...")
@@ -281,6 +302,8 @@ class _Session:
                 f"{what}: {self.linked_env} is driven by a game over GameLinkService; this "
                 "session only reports its spaces"
             )
+        if self.text_pool is not None:
+            raise FailedPrecondition(f"{what}: text environments have no frames or rings")
         if self.pool is None:
             raise FailedPrecondition(f"{what} before create: send a CreateRequest first")
         return self.pool
@@ -314,7 +337,7 @@ class _Session:
     async def _create(self, req: env_pb2.CreateRequest, out: env_pb2.CreateResponse) -> None:
         from gymnasium.vector import AutoresetMode
 
-        if self.pool is not None:
+        if self.pool is not None or self.text_pool is not None:
             raise FailedPrecondition("this session already has a pool: create only once")
         limit = self.service.max_envs_per_session
         if req.num_envs < 1:
@@ -346,11 +369,12 @@ class _Session:
         if self._create_linked(req, out):
             return
         entry = registry.find_env(req.env_id)
+        if entry.kind == "text":
+            await self._create_text(req, out, entry, kwargs)
+            return
         mode = AutoresetMode[_MODES[req.autoreset_mode]]
-        self.service._acquire()
-        self._holds_slot = True
-        building = asyncio.ensure_future(
-            asyncio.to_thread(
+        self.pool = await self._build_pool(
+            functools.partial(
                 EnvPool,
                 lambda: registry.make_env(
                     req.env_id, kwargs=kwargs, render_mode=req.render_mode or None
@@ -362,14 +386,7 @@ class _Session:
                 nonfinite_observations=self.service.nonfinite_observations,
             )
         )
-        try:
-            self.pool = await asyncio.shield(building)
-        except BaseException:
-            # Cancelled (client gone) while the thread builds: close the pool once it exists.
-            building.add_done_callback(_close_built_pool)
-            await self.release()
-            raise
-        out.session_id = f"{self.service.name}-{next(self.service._ids)}-{uuid.uuid4().hex[:8]}"
+        out.session_id = self.service.new_session_id()
         out.observation_space.CopyFrom(spaces.to_proto(self.pool.observation_space))
         out.action_space.CopyFrom(spaces.to_proto(self.pool.action_space))
         out.num_envs = req.num_envs
@@ -382,6 +399,97 @@ class _Session:
         if isinstance(fps, int | float) and not isinstance(fps, bool) and math.isfinite(fps):
             out.render_fps = fps
         log.info("session %s: %d x %s (%s)", out.session_id, req.num_envs, req.env_id, mode.name)
+
+    async def _create_text(
+        self,
+        req: env_pb2.CreateRequest,
+        out: env_pb2.CreateResponse,
+        entry: EnvEntry,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """A pool of text envs: reset by the client only (autoreset DISABLED), no frames."""
+        if req.autoreset_mode not in (
+            env_pb2.AUTORESET_MODE_UNSPECIFIED,
+            env_pb2.AUTORESET_MODE_DISABLED,
+        ):
+            raise InvalidArgument(
+                f"{req.env_id} is a text environment: its episodes are reset by the client "
+                "(AUTORESET_MODE_DISABLED)",
+                field="create.autoreset_mode",
+            )
+        if req.render_mode:
+            raise InvalidArgument(
+                f"{req.env_id} is a text environment: it renders no frames",
+                field="create.render_mode",
+            )
+        service = self.service
+        self.text_pool = await self._build_pool(
+            functools.partial(
+                TextPool,
+                lambda: registry.make_text_env(req.env_id, kwargs=kwargs),
+                req.num_envs,
+                seed=req.seed if req.HasField("seed") else None,
+                step_timeout_s=service.text_step_timeout_s,
+                max_message_chars=service.max_text_chars,
+            )
+        )
+        out.session_id = service.new_session_id()
+        out.num_envs = req.num_envs
+        out.autoreset_mode = env_pb2.AUTORESET_MODE_DISABLED
+        out.env.CopyFrom(entry.to_proto())
+        out.tools.extend(info_struct(tool) for tool in self.text_pool.tools)
+        log.info("session %s: %d x %s (text)", out.session_id, req.num_envs, req.env_id)
+
+    async def _text_reset(
+        self, pool: TextPool, req: env_pb2.ResetRequest, out: env_pb2.ResetResponse
+    ) -> None:
+        if req.HasField("seed"):
+            _check_seed(req.seed, "reset.seed")
+        options = _plain_struct(req.options, "reset.options") if req.HasField("options") else None
+        seeds = _seeds(req.seeds, pool.num_envs) if req.seeds else None
+        turns = await asyncio.to_thread(  # an env may take its time (tools, subprocesses)
+            pool.reset,
+            seed=req.seed if req.HasField("seed") else None,
+            seeds=seeds,
+            indices=req.env_indices,
+            options=options,
+        )
+        out.texts.extend(turn_to_proto(turn) for turn in turns)
+
+    async def _text_step(
+        self, pool: TextPool, req: env_pb2.StepRequest, out: env_pb2.StepResponse
+    ) -> None:
+        if req.HasField("actions"):
+            raise InvalidArgument(
+                "a text environment steps on text_actions (assistant messages), not tensors",
+                field="step.actions",
+            )
+        if len(req.text_actions) > pool.num_envs:  # bounded before anything is converted
+            raise InvalidArgument(
+                f"{len(req.text_actions)} text actions for a pool of {pool.num_envs} envs",
+                field="step.text_actions",
+            )
+        messages = [message_from_proto(m) for m in req.text_actions]
+        result = await asyncio.to_thread(pool.step, req.env_indices, messages)
+        self.service._steps.inc(len(result.env_indices))
+        out.rewards.CopyFrom(tensor.encode(np.asarray(result.rewards, dtype=np.float32)))
+        out.terminated.CopyFrom(tensor.encode(np.asarray(result.terminated, dtype=bool)))
+        out.truncated.CopyFrom(tensor.encode(np.asarray(result.truncated, dtype=bool)))
+        out.texts.extend(turn_to_proto(turn) for turn in result.turns)
+        _add_episodes(out, result.episodes)
+
+    async def _build_pool(self, build: Callable[[], PoolT]) -> PoolT:
+        """``build()`` in a thread (pygame, sprites, a user's env take seconds) holding a session
+        slot; cancelled (client gone) while the thread builds, the pool is closed once built."""
+        self.service._acquire()
+        self._holds_slot = True
+        building = asyncio.ensure_future(asyncio.to_thread(build))
+        try:
+            return await asyncio.shield(building)
+        except BaseException:
+            building.add_done_callback(_close_built_pool)
+            await self.release()
+            raise
 
     def _colocate(self, req: env_pb2.ColocateRequest, out: env_pb2.ColocateResponse) -> None:
         """Attach the client's ring (docs/colocated.md), or say why not (it then uses gRPC)."""
@@ -445,20 +553,17 @@ class _Session:
             out.final_observations.CopyFrom(tensor.encode_tree(result.final_observations))
         if result.infos:
             out.infos.CopyFrom(tensor.encode_tree(result.infos))
-        for ep in result.episodes:
-            out.episodes.add(
-                env_index=ep.env_index,
-                episode_return=ep.episode_return,
-                length=ep.length,
-                truncated=ep.truncated,
-                score=ep.score,  # None leaves the optional field unset
-            )
+        _add_episodes(out, result.episodes)
 
     async def release(self) -> None:
         """Close the ring and the pool, and free the session slot (idempotent)."""
         ring, self.ring = self.ring, None
         if ring is not None:
             ring.close()
+        text_pool, self.text_pool = self.text_pool, None
+        if text_pool is not None:  # its envs may hang in close: a thread, not waited for long
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.to_thread(text_pool.close)), 10)
         pool, self.pool = self.pool, None
         if pool is not None:
             # Shielded: the stream may be ending because it was cancelled, and the envs must
@@ -471,12 +576,23 @@ class _Session:
             self.service._release()
 
 
+def _add_episodes(out: env_pb2.StepResponse, episodes: Sequence[EpisodeStats]) -> None:
+    for ep in episodes:
+        out.episodes.add(
+            env_index=ep.env_index,
+            episode_return=ep.episode_return,
+            length=ep.length,
+            truncated=ep.truncated,
+            score=ep.score,  # None leaves the optional field unset
+        )
+
+
 def _close_when_free(pool: EnvPool, lock: threading.Lock) -> None:
     with lock:
         pool.close()
 
 
-def _close_built_pool(task: asyncio.Future[EnvPool]) -> None:
+def _close_built_pool(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is None:
         task.result().close()
 

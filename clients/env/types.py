@@ -11,7 +11,13 @@ import numpy as np
 
 from rlfleet.env.v1 import env_pb2
 
-__all__ = ["EnvEntry", "EpisodeStats", "StepResult"]
+__all__ = ["EnvEntry", "EpisodeStats", "Message", "StepResult", "TextStepResult", "TextTurn"]
+
+# An OpenAI chat message as a plain dict: {"role", "content"}, plus "tool_calls" on assistant
+# messages and "tool_call_id" / "name" on tool messages (text environments' observations and
+# actions).
+Message = dict[str, Any]
+ENV_KINDS = {env_pb2.ENV_KIND_TENSOR: "tensor", env_pb2.ENV_KIND_TEXT: "text"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,7 @@ class EnvEntry:
     source: str  # "gymnasium" or "plugin:<entry point name>"
     max_episode_steps: int = 0  # 0 = unlimited or unknown
     reward_threshold: float | None = None
+    kind: str = "tensor"  # or "text": a TextEnv (chat messages in and out)
 
     def to_proto(self) -> env_pb2.EnvInfo:
         return env_pb2.EnvInfo(
@@ -29,12 +36,14 @@ class EnvEntry:
             source=self.source,
             max_episode_steps=self.max_episode_steps,
             reward_threshold=self.reward_threshold,
+            kind=env_pb2.ENV_KIND_TEXT if self.kind == "text" else env_pb2.ENV_KIND_TENSOR,
         )
 
     @classmethod
     def from_proto(cls, msg: env_pb2.EnvInfo) -> EnvEntry:
         threshold = msg.reward_threshold if msg.HasField("reward_threshold") else None
-        return cls(msg.env_id, msg.source, msg.max_episode_steps, threshold)
+        kind = ENV_KINDS.get(msg.kind, "tensor")  # UNSPECIFIED: a server before text envs
+        return cls(msg.env_id, msg.source, msg.max_episode_steps, threshold, kind)
 
 
 @dataclass(frozen=True)
@@ -58,4 +67,25 @@ class StepResult:
     truncated: np.ndarray  # bool [N]
     infos: dict[str, Any]  # vector-style numeric infos; SAME_STEP adds final_info/_final_info
     final_observations: Any = None  # SAME_STEP only, when an episode ended: zeros elsewhere
+    episodes: list[EpisodeStats] = field(default_factory=list)
+
+
+@dataclass
+class TextTurn:
+    """What one text environment said at a reset or step: its messages and info."""
+
+    env_index: int
+    messages: list[Message]
+    info: dict[str, Any]
+
+
+@dataclass
+class TextStepResult:
+    """One step of some text environments, in the order of the step's env indices."""
+
+    env_indices: list[int]
+    rewards: list[float]
+    terminated: list[bool]
+    truncated: list[bool]
+    turns: list[TextTurn]
     episodes: list[EpisodeStats] = field(default_factory=list)

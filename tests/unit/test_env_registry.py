@@ -188,7 +188,7 @@ def test_a_file_reference_runs_through_preload_make_and_steps(
     [
         (f"{MODULE}:Con", f"module {MODULE} has no attribute 'Con' and registers no gymnasium id"),
         (f"{MODULE}:Cion", "(did you mean 'Coin'?)"),
-        (f"{MODULE}:NotAnEnv", "class NotAnEnv is not a gymnasium.Env subclass"),
+        (f"{MODULE}:NotAnEnv", "class NotAnEnv is not a gymnasium.Env or TextEnv subclass"),
         (f"{MODULE}:NUMBER", "NUMBER is a int, not a gymnasium.Env subclass, a callable"),
         ("no_such_module_xyz:Env", "cannot import module no_such_module_xyz: ModuleNotFound"),
         ("missing/envs.py:Env", "envs.py not found (relative paths are from the current"),

@@ -29,7 +29,7 @@ from rlfleet.common.v1 import space_pb2 as rlfleet_dot_common_dot_v1_dot_space__
 from rlfleet.common.v1 import tensor_pb2 as rlfleet_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/env/v1/env.proto\x12\x0erlfleet.env.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17google/rpc/status.proto\x1a\x1drlfleet/common/v1/space.proto\x1a\x1erlfleet/common/v1/tensor.proto\"!\n\x0fListEnvsRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\"9\n\x10ListEnvsResponse\x12%\n\x04\x65nvs\x18\x01 \x03(\x0b\x32\x17.rlfleet.env.v1.EnvInfo\"x\n\x07\x45nvInfo\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x19\n\x11max_episode_steps\x18\x03 \x01(\x03\x12\x1d\n\x10reward_threshold\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x13\n\x11_reward_threshold\"\xd1\x02\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12/\n\x06\x63reate\x18\x02 \x01(\x0b\x32\x1d.rlfleet.env.v1.CreateRequestH\x00\x12-\n\x05reset\x18\x03 \x01(\x0b\x32\x1c.rlfleet.env.v1.ResetRequestH\x00\x12+\n\x04step\x18\x04 \x01(\x0b\x32\x1b.rlfleet.env.v1.StepRequestH\x00\x12/\n\x06render\x18\x05 \x01(\x0b\x32\x1d.rlfleet.env.v1.RenderRequestH\x00\x12-\n\x05\x63lose\x18\x06 \x01(\x0b\x32\x1c.rlfleet.env.v1.CloseRequestH\x00\x12\x33\n\x08\x63olocate\x18\x07 \x01(\x0b\x32\x1f.rlfleet.env.v1.ColocateRequestH\x00\x42\t\n\x07request\"\xfa\x02\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.Status\x12\x30\n\x06\x63reate\x18\x03 \x01(\x0b\x32\x1e.rlfleet.env.v1.CreateResponseH\x00\x12.\n\x05reset\x18\x04 \x01(\x0b\x32\x1d.rlfleet.env.v1.ResetResponseH\x00\x12,\n\x04step\x18\x05 \x01(\x0b\x32\x1c.rlfleet.env.v1.StepResponseH\x00\x12\x30\n\x06render\x18\x06 \x01(\x0b\x32\x1e.rlfleet.env.v1.RenderResponseH\x00\x12.\n\x05\x63lose\x18\x07 \x01(\x0b\x32\x1d.rlfleet.env.v1.CloseResponseH\x00\x12\x34\n\x08\x63olocate\x18\x08 \x01(\x0b\x32 .rlfleet.env.v1.ColocateResponseH\x00\x42\x08\n\x06result\"\xdb\x01\n\rCreateRequest\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\'\n\x06kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x35\n\x0e\x61utoreset_mode\x18\x05 \x01(\x0e\x32\x1d.rlfleet.env.v1.AutoresetMode\x12\x13\n\x0brender_mode\x18\x06 \x01(\t\x12\x17\n\x0f\x66loat64_rewards\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xb6\x02\n\x0e\x43reateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x11observation_space\x18\x02 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12.\n\x0c\x61\x63tion_space\x18\x03 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x35\n\x0e\x61utoreset_mode\x18\x05 \x01(\x0e\x32\x1d.rlfleet.env.v1.AutoresetMode\x12$\n\x03\x65nv\x18\x06 \x01(\x0b\x32\x17.rlfleet.env.v1.EnvInfo\x12\x14\n\x0crender_modes\x18\x07 \x03(\t\x12\x17\n\nrender_fps\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_render_fps\"x\n\x0cResetRequest\x12\x11\n\x04seed\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0b\x65nv_indices\x18\x02 \x03(\r\x12(\n\x07options\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05seeds\x18\x04 \x03(\x03\x42\x07\n\x05_seed\"r\n\rResetResponse\x12\x33\n\x0cobservations\x18\x01 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12,\n\x05infos\x18\x02 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\"=\n\x0bStepRequest\x12.\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\"\xe3\x02\n\x0cStepResponse\x12\x33\n\x0cobservations\x18\x01 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12*\n\x07rewards\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12-\n\nterminated\x18\x03 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12,\n\ttruncated\x18\x04 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x39\n\x12\x66inal_observations\x18\x05 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12,\n\x05infos\x18\x06 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12,\n\x08\x65pisodes\x18\x07 \x03(\x0b\x32\x1a.rlfleet.env.v1.EpisodeEnd\"x\n\nEpisodeEnd\x12\x11\n\tenv_index\x18\x01 \x01(\r\x12\x16\n\x0e\x65pisode_return\x18\x02 \x01(\x01\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x12\n\x05score\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_score\"$\n\rRenderRequest\x12\x13\n\x0b\x65nv_indices\x18\x01 \x03(\r\";\n\x0eRenderResponse\x12)\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\"\x0e\n\x0c\x43loseRequest\"$\n\rCloseResponse\x12\x13\n\x0btotal_steps\x18\x01 \x01(\x03\"p\n\x0f\x43olocateRequest\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x10\n\x08\x64oorbell\x18\x05 \x01(\t\"4\n\x10\x43olocateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t*\x88\x01\n\rAutoresetMode\x12\x1e\n\x1a\x41UTORESET_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UTORESET_MODE_SAME_STEP\x10\x01\x12\x1c\n\x18\x41UTORESET_MODE_NEXT_STEP\x10\x02\x12\x1b\n\x17\x41UTORESET_MODE_DISABLED\x10\x03\x32\xab\x01\n\nEnvService\x12M\n\x08ListEnvs\x12\x1f.rlfleet.env.v1.ListEnvsRequest\x1a .rlfleet.env.v1.ListEnvsResponse\x12N\n\x07Session\x12\x1e.rlfleet.env.v1.SessionRequest\x1a\x1f.rlfleet.env.v1.SessionResponse(\x01\x30\x01\x42H\n\x0erlfleet.env.v1P\x01Z#rlfleet/gen/go/rlfleet/env/v1;envv1\xaa\x02\x0eRlfleet.Env.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/env/v1/env.proto\x12\x0erlfleet.env.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17google/rpc/status.proto\x1a\x1drlfleet/common/v1/space.proto\x1a\x1erlfleet/common/v1/tensor.proto\"!\n\x0fListEnvsRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\"9\n\x10ListEnvsResponse\x12%\n\x04\x65nvs\x18\x01 \x03(\x0b\x32\x17.rlfleet.env.v1.EnvInfo\"\x9f\x01\n\x07\x45nvInfo\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x19\n\x11max_episode_steps\x18\x03 \x01(\x03\x12\x1d\n\x10reward_threshold\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12%\n\x04kind\x18\x05 \x01(\x0e\x32\x17.rlfleet.env.v1.EnvKindB\x13\n\x11_reward_threshold\"\xd1\x02\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12/\n\x06\x63reate\x18\x02 \x01(\x0b\x32\x1d.rlfleet.env.v1.CreateRequestH\x00\x12-\n\x05reset\x18\x03 \x01(\x0b\x32\x1c.rlfleet.env.v1.ResetRequestH\x00\x12+\n\x04step\x18\x04 \x01(\x0b\x32\x1b.rlfleet.env.v1.StepRequestH\x00\x12/\n\x06render\x18\x05 \x01(\x0b\x32\x1d.rlfleet.env.v1.RenderRequestH\x00\x12-\n\x05\x63lose\x18\x06 \x01(\x0b\x32\x1c.rlfleet.env.v1.CloseRequestH\x00\x12\x33\n\x08\x63olocate\x18\x07 \x01(\x0b\x32\x1f.rlfleet.env.v1.ColocateRequestH\x00\x42\t\n\x07request\"\xfa\x02\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.Status\x12\x30\n\x06\x63reate\x18\x03 \x01(\x0b\x32\x1e.rlfleet.env.v1.CreateResponseH\x00\x12.\n\x05reset\x18\x04 \x01(\x0b\x32\x1d.rlfleet.env.v1.ResetResponseH\x00\x12,\n\x04step\x18\x05 \x01(\x0b\x32\x1c.rlfleet.env.v1.StepResponseH\x00\x12\x30\n\x06render\x18\x06 \x01(\x0b\x32\x1e.rlfleet.env.v1.RenderResponseH\x00\x12.\n\x05\x63lose\x18\x07 \x01(\x0b\x32\x1d.rlfleet.env.v1.CloseResponseH\x00\x12\x34\n\x08\x63olocate\x18\x08 \x01(\x0b\x32 .rlfleet.env.v1.ColocateResponseH\x00\x42\x08\n\x06result\"\xdb\x01\n\rCreateRequest\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\'\n\x06kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x35\n\x0e\x61utoreset_mode\x18\x05 \x01(\x0e\x32\x1d.rlfleet.env.v1.AutoresetMode\x12\x13\n\x0brender_mode\x18\x06 \x01(\t\x12\x17\n\x0f\x66loat64_rewards\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xde\x02\n\x0e\x43reateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x11observation_space\x18\x02 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12.\n\x0c\x61\x63tion_space\x18\x03 \x01(\x0b\x32\x18.rlfleet.common.v1.Space\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x35\n\x0e\x61utoreset_mode\x18\x05 \x01(\x0e\x32\x1d.rlfleet.env.v1.AutoresetMode\x12$\n\x03\x65nv\x18\x06 \x01(\x0b\x32\x17.rlfleet.env.v1.EnvInfo\x12\x14\n\x0crender_modes\x18\x07 \x03(\t\x12\x17\n\nrender_fps\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12&\n\x05tools\x18\t \x03(\x0b\x32\x17.google.protobuf.StructB\r\n\x0b_render_fps\"x\n\x0cResetRequest\x12\x11\n\x04seed\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0b\x65nv_indices\x18\x02 \x03(\r\x12(\n\x07options\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05seeds\x18\x04 \x03(\x03\x42\x07\n\x05_seed\"\x9b\x01\n\rResetResponse\x12\x33\n\x0cobservations\x18\x01 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12,\n\x05infos\x18\x02 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12\'\n\x05texts\x18\x03 \x03(\x0b\x32\x18.rlfleet.env.v1.TextTurn\"\x85\x01\n\x0bStepRequest\x12.\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12\x31\n\x0ctext_actions\x18\x02 \x03(\x0b\x32\x1b.rlfleet.env.v1.ChatMessage\x12\x13\n\x0b\x65nv_indices\x18\x03 \x03(\r\"\x8c\x03\n\x0cStepResponse\x12\x33\n\x0cobservations\x18\x01 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12*\n\x07rewards\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12-\n\nterminated\x18\x03 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12,\n\ttruncated\x18\x04 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x39\n\x12\x66inal_observations\x18\x05 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12,\n\x05infos\x18\x06 \x01(\x0b\x32\x1d.rlfleet.common.v1.TensorTree\x12,\n\x08\x65pisodes\x18\x07 \x03(\x0b\x32\x1a.rlfleet.env.v1.EpisodeEnd\x12\'\n\x05texts\x18\x08 \x03(\x0b\x32\x18.rlfleet.env.v1.TextTurn\"~\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.rlfleet.env.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"s\n\x08TextTurn\x12\x11\n\tenv_index\x18\x01 \x01(\r\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.rlfleet.env.v1.ChatMessage\x12%\n\x04info\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"x\n\nEpisodeEnd\x12\x11\n\tenv_index\x18\x01 \x01(\r\x12\x16\n\x0e\x65pisode_return\x18\x02 \x01(\x01\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x12\n\x05score\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_score\"$\n\rRenderRequest\x12\x13\n\x0b\x65nv_indices\x18\x01 \x03(\r\";\n\x0eRenderResponse\x12)\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\"\x0e\n\x0c\x43loseRequest\"$\n\rCloseResponse\x12\x13\n\x0btotal_steps\x18\x01 \x01(\x03\"p\n\x0f\x43olocateRequest\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x10\n\x08\x64oorbell\x18\x05 \x01(\t\"4\n\x10\x43olocateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t*\x88\x01\n\rAutoresetMode\x12\x1e\n\x1a\x41UTORESET_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UTORESET_MODE_SAME_STEP\x10\x01\x12\x1c\n\x18\x41UTORESET_MODE_NEXT_STEP\x10\x02\x12\x1b\n\x17\x41UTORESET_MODE_DISABLED\x10\x03*K\n\x07\x45nvKind\x12\x18\n\x14\x45NV_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NV_KIND_TENSOR\x10\x01\x12\x11\n\rENV_KIND_TEXT\x10\x02\x32\xab\x01\n\nEnvService\x12M\n\x08ListEnvs\x12\x1f.rlfleet.env.v1.ListEnvsRequest\x1a .rlfleet.env.v1.ListEnvsResponse\x12N\n\x07Session\x12\x1e.rlfleet.env.v1.SessionRequest\x1a\x1f.rlfleet.env.v1.SessionResponse(\x01\x30\x01\x42H\n\x0erlfleet.env.v1P\x01Z#rlfleet/gen/go/rlfleet/env/v1;envv1\xaa\x02\x0eRlfleet.Env.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,44 +37,52 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.env.v1.env_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\016rlfleet.env.v1P\001Z#rlfleet/gen/go/rlfleet/env/v1;envv1\252\002\016Rlfleet.Env.V1'
-  _globals['_AUTORESETMODE']._serialized_start=2737
-  _globals['_AUTORESETMODE']._serialized_end=2873
+  _globals['_AUTORESETMODE']._serialized_start=3275
+  _globals['_AUTORESETMODE']._serialized_end=3411
+  _globals['_ENVKIND']._serialized_start=3413
+  _globals['_ENVKIND']._serialized_end=3488
   _globals['_LISTENVSREQUEST']._serialized_start=162
   _globals['_LISTENVSREQUEST']._serialized_end=195
   _globals['_LISTENVSRESPONSE']._serialized_start=197
   _globals['_LISTENVSRESPONSE']._serialized_end=254
-  _globals['_ENVINFO']._serialized_start=256
-  _globals['_ENVINFO']._serialized_end=376
-  _globals['_SESSIONREQUEST']._serialized_start=379
-  _globals['_SESSIONREQUEST']._serialized_end=716
-  _globals['_SESSIONRESPONSE']._serialized_start=719
-  _globals['_SESSIONRESPONSE']._serialized_end=1097
-  _globals['_CREATEREQUEST']._serialized_start=1100
-  _globals['_CREATEREQUEST']._serialized_end=1319
-  _globals['_CREATERESPONSE']._serialized_start=1322
-  _globals['_CREATERESPONSE']._serialized_end=1632
-  _globals['_RESETREQUEST']._serialized_start=1634
-  _globals['_RESETREQUEST']._serialized_end=1754
-  _globals['_RESETRESPONSE']._serialized_start=1756
-  _globals['_RESETRESPONSE']._serialized_end=1870
-  _globals['_STEPREQUEST']._serialized_start=1872
-  _globals['_STEPREQUEST']._serialized_end=1933
-  _globals['_STEPRESPONSE']._serialized_start=1936
-  _globals['_STEPRESPONSE']._serialized_end=2291
-  _globals['_EPISODEEND']._serialized_start=2293
-  _globals['_EPISODEEND']._serialized_end=2413
-  _globals['_RENDERREQUEST']._serialized_start=2415
-  _globals['_RENDERREQUEST']._serialized_end=2451
-  _globals['_RENDERRESPONSE']._serialized_start=2453
-  _globals['_RENDERRESPONSE']._serialized_end=2512
-  _globals['_CLOSEREQUEST']._serialized_start=2514
-  _globals['_CLOSEREQUEST']._serialized_end=2528
-  _globals['_CLOSERESPONSE']._serialized_start=2530
-  _globals['_CLOSERESPONSE']._serialized_end=2566
-  _globals['_COLOCATEREQUEST']._serialized_start=2568
-  _globals['_COLOCATEREQUEST']._serialized_end=2680
-  _globals['_COLOCATERESPONSE']._serialized_start=2682
-  _globals['_COLOCATERESPONSE']._serialized_end=2734
-  _globals['_ENVSERVICE']._serialized_start=2876
-  _globals['_ENVSERVICE']._serialized_end=3047
+  _globals['_ENVINFO']._serialized_start=257
+  _globals['_ENVINFO']._serialized_end=416
+  _globals['_SESSIONREQUEST']._serialized_start=419
+  _globals['_SESSIONREQUEST']._serialized_end=756
+  _globals['_SESSIONRESPONSE']._serialized_start=759
+  _globals['_SESSIONRESPONSE']._serialized_end=1137
+  _globals['_CREATEREQUEST']._serialized_start=1140
+  _globals['_CREATEREQUEST']._serialized_end=1359
+  _globals['_CREATERESPONSE']._serialized_start=1362
+  _globals['_CREATERESPONSE']._serialized_end=1712
+  _globals['_RESETREQUEST']._serialized_start=1714
+  _globals['_RESETREQUEST']._serialized_end=1834
+  _globals['_RESETRESPONSE']._serialized_start=1837
+  _globals['_RESETRESPONSE']._serialized_end=1992
+  _globals['_STEPREQUEST']._serialized_start=1995
+  _globals['_STEPREQUEST']._serialized_end=2128
+  _globals['_STEPRESPONSE']._serialized_start=2131
+  _globals['_STEPRESPONSE']._serialized_end=2527
+  _globals['_CHATMESSAGE']._serialized_start=2529
+  _globals['_CHATMESSAGE']._serialized_end=2655
+  _globals['_TOOLCALL']._serialized_start=2657
+  _globals['_TOOLCALL']._serialized_end=2712
+  _globals['_TEXTTURN']._serialized_start=2714
+  _globals['_TEXTTURN']._serialized_end=2829
+  _globals['_EPISODEEND']._serialized_start=2831
+  _globals['_EPISODEEND']._serialized_end=2951
+  _globals['_RENDERREQUEST']._serialized_start=2953
+  _globals['_RENDERREQUEST']._serialized_end=2989
+  _globals['_RENDERRESPONSE']._serialized_start=2991
+  _globals['_RENDERRESPONSE']._serialized_end=3050
+  _globals['_CLOSEREQUEST']._serialized_start=3052
+  _globals['_CLOSEREQUEST']._serialized_end=3066
+  _globals['_CLOSERESPONSE']._serialized_start=3068
+  _globals['_CLOSERESPONSE']._serialized_end=3104
+  _globals['_COLOCATEREQUEST']._serialized_start=3106
+  _globals['_COLOCATEREQUEST']._serialized_end=3218
+  _globals['_COLOCATERESPONSE']._serialized_start=3220
+  _globals['_COLOCATERESPONSE']._serialized_end=3272
+  _globals['_ENVSERVICE']._serialized_start=3491
+  _globals['_ENVSERVICE']._serialized_end=3662
 # @@protoc_insertion_point(module_scope)

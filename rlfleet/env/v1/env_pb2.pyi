@@ -18,10 +18,19 @@ class AutoresetMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTORESET_MODE_SAME_STEP: _ClassVar[AutoresetMode]
     AUTORESET_MODE_NEXT_STEP: _ClassVar[AutoresetMode]
     AUTORESET_MODE_DISABLED: _ClassVar[AutoresetMode]
+
+class EnvKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENV_KIND_UNSPECIFIED: _ClassVar[EnvKind]
+    ENV_KIND_TENSOR: _ClassVar[EnvKind]
+    ENV_KIND_TEXT: _ClassVar[EnvKind]
 AUTORESET_MODE_UNSPECIFIED: AutoresetMode
 AUTORESET_MODE_SAME_STEP: AutoresetMode
 AUTORESET_MODE_NEXT_STEP: AutoresetMode
 AUTORESET_MODE_DISABLED: AutoresetMode
+ENV_KIND_UNSPECIFIED: EnvKind
+ENV_KIND_TENSOR: EnvKind
+ENV_KIND_TEXT: EnvKind
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ("filter",)
@@ -36,16 +45,18 @@ class ListEnvsResponse(_message.Message):
     def __init__(self, envs: _Optional[_Iterable[_Union[EnvInfo, _Mapping]]] = ...) -> None: ...
 
 class EnvInfo(_message.Message):
-    __slots__ = ("env_id", "source", "max_episode_steps", "reward_threshold")
+    __slots__ = ("env_id", "source", "max_episode_steps", "reward_threshold", "kind")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MAX_EPISODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     REWARD_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     source: str
     max_episode_steps: int
     reward_threshold: float
-    def __init__(self, env_id: _Optional[str] = ..., source: _Optional[str] = ..., max_episode_steps: _Optional[int] = ..., reward_threshold: _Optional[float] = ...) -> None: ...
+    kind: EnvKind
+    def __init__(self, env_id: _Optional[str] = ..., source: _Optional[str] = ..., max_episode_steps: _Optional[int] = ..., reward_threshold: _Optional[float] = ..., kind: _Optional[_Union[EnvKind, str]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("request_id", "create", "reset", "step", "render", "close", "colocate")
@@ -104,7 +115,7 @@ class CreateRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., num_envs: _Optional[int] = ..., seed: _Optional[int] = ..., kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., render_mode: _Optional[str] = ..., float64_rewards: _Optional[bool] = ...) -> None: ...
 
 class CreateResponse(_message.Message):
-    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "autoreset_mode", "env", "render_modes", "render_fps")
+    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "autoreset_mode", "env", "render_modes", "render_fps", "tools")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +124,7 @@ class CreateResponse(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     RENDER_MODES_FIELD_NUMBER: _ClassVar[int]
     RENDER_FPS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     observation_space: _space_pb2.Space
     action_space: _space_pb2.Space
@@ -121,7 +133,8 @@ class CreateResponse(_message.Message):
     env: EnvInfo
     render_modes: _containers.RepeatedScalarFieldContainer[str]
     render_fps: float
-    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., action_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., env: _Optional[_Union[EnvInfo, _Mapping]] = ..., render_modes: _Optional[_Iterable[str]] = ..., render_fps: _Optional[float] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., action_space: _Optional[_Union[_space_pb2.Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., autoreset_mode: _Optional[_Union[AutoresetMode, str]] = ..., env: _Optional[_Union[EnvInfo, _Mapping]] = ..., render_modes: _Optional[_Iterable[str]] = ..., render_fps: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("seed", "env_indices", "options", "seeds")
@@ -136,21 +149,27 @@ class ResetRequest(_message.Message):
     def __init__(self, seed: _Optional[int] = ..., env_indices: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("observations", "infos")
+    __slots__ = ("observations", "infos", "texts")
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     INFOS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
     observations: _tensor_pb2.TensorTree
     infos: _tensor_pb2.TensorTree
-    def __init__(self, observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., infos: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ...) -> None: ...
+    texts: _containers.RepeatedCompositeFieldContainer[TextTurn]
+    def __init__(self, observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., infos: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., texts: _Optional[_Iterable[_Union[TextTurn, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("actions",)
+    __slots__ = ("actions", "text_actions", "env_indices")
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENV_INDICES_FIELD_NUMBER: _ClassVar[int]
     actions: _tensor_pb2.TensorTree
-    def __init__(self, actions: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ...) -> None: ...
+    text_actions: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    env_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, actions: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., text_actions: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., env_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observations", "rewards", "terminated", "truncated", "final_observations", "infos", "episodes")
+    __slots__ = ("observations", "rewards", "terminated", "truncated", "final_observations", "infos", "episodes", "texts")
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +177,7 @@ class StepResponse(_message.Message):
     FINAL_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     INFOS_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
     observations: _tensor_pb2.TensorTree
     rewards: _tensor_pb2.Tensor
     terminated: _tensor_pb2.Tensor
@@ -165,7 +185,42 @@ class StepResponse(_message.Message):
     final_observations: _tensor_pb2.TensorTree
     infos: _tensor_pb2.TensorTree
     episodes: _containers.RepeatedCompositeFieldContainer[EpisodeEnd]
-    def __init__(self, observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., infos: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., episodes: _Optional[_Iterable[_Union[EpisodeEnd, _Mapping]]] = ...) -> None: ...
+    texts: _containers.RepeatedCompositeFieldContainer[TextTurn]
+    def __init__(self, observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., infos: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., episodes: _Optional[_Iterable[_Union[EpisodeEnd, _Mapping]]] = ..., texts: _Optional[_Iterable[_Union[TextTurn, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class TextTurn(_message.Message):
+    __slots__ = ("env_index", "messages", "info")
+    ENV_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    env_index: int
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    info: _struct_pb2.Struct
+    def __init__(self, env_index: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class EpisodeEnd(_message.Message):
     __slots__ = ("env_index", "episode_return", "length", "truncated", "score")

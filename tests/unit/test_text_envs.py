@@ -1,0 +1,246 @@
+"""Text environments (env_server/text) in process: the built-ins' tasks, splits and rewards, tool
+calls read from either form, and the pool's checks, timeouts and outcomes."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from env_server import registry
+from env_server.text import (
+    BUILTIN_TEXT_ENVS,
+    TextEnv,
+    TextPool,
+    calculate,
+    run_tool,
+    tool_calls,
+)
+from services.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+
+def say(content: str, **extra: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": content, **extra}
+
+
+def hermes(name: str, **arguments: Any) -> str:
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+@pytest.mark.parametrize("env_id", sorted(BUILTIN_TEXT_ENVS))
+def test_train_and_eval_splits_never_share_a_task(env_id: str) -> None:
+    def tasks(split: str) -> set[str]:
+        env = registry.make_text_env(env_id, kwargs={"split": split})
+        seen = set()
+        for seed in range(300):
+            env.reset(seed=seed)
+            seen.add(repr(env.task))
+        return seen
+
+    train, held_out = tasks("train"), tasks("eval")
+    assert len(train) > 100 and len(held_out) > 100  # varied tasks in both
+    assert not train & held_out
+
+
+@pytest.mark.parametrize("env_id", sorted(BUILTIN_TEXT_ENVS))
+def test_a_seed_gives_the_same_episode(env_id: str) -> None:
+    a, b = (registry.make_text_env(env_id) for _ in range(2))
+    assert a.reset(seed=7) == b.reset(seed=7)
+    assert a.reset(seed=8) != b.reset(seed=7)
+
+
+def test_calculator_answers_tool_calls_in_either_form_and_rewards_the_right_answer() -> None:
+    env = registry.make_text_env("Calculator-v0", kwargs={"digits": 3, "terms": 3})
+    messages, info = env.reset(seed=3)
+    task, answer = info["task"], info["answer"]
+    assert f"What is {task}?" in messages[-1]["content"]
+    assert env.tools[0]["function"]["name"] == "calculator"
+    # Hermes-style text, as a model with Qwen2's chat template writes it.
+    replies, reward, terminated, truncated, info = env.step(
+        say(hermes("calculator", expression=task))
+    )
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert replies[0]["role"] == "tool" and str(answer) in replies[0]["content"]
+    # An OpenAI tool_calls list, as a server that parsed the calls sends it.
+    call = {"id": "c1", "function": {"name": "calculator", "arguments": '{"expression": "2*21"}'}}
+    replies, *_ = env.step(say("", tool_calls=[call]))
+    assert replies[0]["tool_call_id"] == "c1" and '"result": 42' in replies[0]["content"]
+    _, reward, terminated, _, info = env.step(say(f"So it is <answer>{answer}</answer>."))
+    assert (reward, terminated, info["outcome"]) == (1.0, True, "correct")
+    env.reset(seed=3)
+    _, reward, terminated, _, info = env.step(say(f"{answer + 1}"))
+    assert (reward, terminated, info["outcome"]) == (0.0, True, "wrong")
+
+
+def test_calculator_answers_bad_calls_with_errors_the_model_can_read() -> None:
+    env = registry.make_text_env("Calculator-v0", kwargs={"max_turns": 3})
+    env.reset(seed=0)
+    bad = say("<tool_call>{not json</tool_call>" + hermes("abacus", x=1) + hermes("calculator"))
+    replies, reward, terminated, truncated, _ = env.step(bad)
+    errors = [r["content"] for r in replies]
+    assert "not JSON" in errors[0]
+    assert "no tool 'abacus'" in errors[1]
+    assert "expression" in errors[2]  # the missing argument, from the TypeError
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    env.step(say(hermes("calculator", expression="9**9**9")))
+    replies, _, _, truncated, info = env.step(say(hermes("calculator", expression="1/0")))
+    assert "division by zero" in replies[0]["content"]
+    assert truncated and info["outcome"] == "max_turns"  # the third turn was the last
+
+
+def test_calculate_is_exact_and_bounded() -> None:
+    assert calculate("(123 + 7) * 456 - 3") == 59277
+    assert calculate("7 / 2") == 3.5 and calculate("2 ^ 10") == 1024
+    for bad in ("9**9**9", "__import__('os')", "1 if 1 else 2", "x", "1e400 * 10", "2" * 300):
+        with pytest.raises(ValueError):
+            calculate(bad)
+
+
+def test_guess_number_rewards_using_the_feedback() -> None:
+    def play(strategy: str, seed: int) -> float:
+        env = registry.make_text_env("GuessNumber-v0")
+        _, info = env.reset(seed=seed)
+        low, high = info["low"], info["high"]
+        while True:
+            guess = (low + high) // 2 if strategy == "bisect" else low
+            replies, reward, terminated, truncated, _ = env.step(say(str(guess)))
+            if terminated or truncated:
+                return reward
+            if strategy == "bisect":
+                if replies[0]["content"].startswith("Higher"):
+                    low = guess + 1
+                else:
+                    high = guess - 1
+            else:
+                low += 1  # counts up, ignoring the feedback
+
+    bisect = [play("bisect", s) for s in range(100)]
+    linear = [play("linear", s) for s in range(100)]
+    assert min(bisect) == 1.0  # binary search always finds it within the turns given
+    assert sum(linear) / len(linear) < 0.2
+
+
+def test_guess_number_says_what_is_wrong_with_a_guess() -> None:
+    env = registry.make_text_env("GuessNumber-v0")
+    _, info = env.reset(seed=1)
+    assert "one integer" in env.step(say("no idea"))[0][0]["content"]
+    assert "out of range" in env.step(say(str(info["high"] + 5)))[0][0]["content"]
+
+
+def test_innkeeper_rewards_remembering_a_fact_told_turns_earlier() -> None:
+    for seed in range(20):
+        for remember in (True, False):
+            env = registry.make_text_env("Innkeeper-v0", kwargs={"min_chat": 2})
+            messages, info = env.reset(seed=seed)
+            opening = messages[-1]["content"]
+            turns = 0
+            while True:
+                reply = opening if remember else "Welcome, friend."
+                _, reward, terminated, _, step_info = env.step(say(reply))
+                turns += 1
+                if terminated:
+                    break
+            assert turns == info["chat_turns"] + 2  # the chat, the question, the answer
+            assert reward == (1.0 if remember else 0.0), (seed, step_info)
+
+
+def test_tool_calls_take_an_unterminated_last_call_and_run_tool_bounds_time() -> None:
+    (call,) = tool_calls(say('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}'))
+    assert call.name == "calculator" and call.arguments == {"expression": "1"}
+    assert tool_calls(say("just text")) == []
+    began = time.monotonic()
+    assert "within 0.2s" in run_tool(lambda secs: time.sleep(secs), {"secs": 5}, 0.2)["error"]
+    assert time.monotonic() - began < 2
+    assert run_tool(lambda x: math.sqrt(x), {"x": 4.0}, 1) == {"result": 2.0}
+    assert run_tool(lambda x: math.sqrt(x), {"x": -1.0}, 1)["error"].startswith("ValueError")
+
+
+class Flaky(TextEnv):
+    """Steps by what it is told: "hang", "raise", "garbage" or anything (a normal turn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def reset(self, *, seed=None, options=None):
+        if options and options.get("bad"):
+            raise ValueError("unknown option 'bad'")
+        return [{"role": "user", "content": "go"}], {"seed": seed}
+
+    def step(self, message):
+        content = message["content"]
+        if content == "hang":
+            self.release.wait(30)
+        if content == "raise":
+            raise RuntimeError("the env broke")
+        if content == "garbage":
+            return "not a step"
+        return [{"role": "user", "content": "again"}], 1.0, content == "done", False, {}
+
+
+def test_pool_checks_every_action_before_stepping_any() -> None:
+    pool = TextPool(Flaky, 3, seed=10, step_timeout_s=5)
+    with pytest.raises(FailedPrecondition, match="before its first reset"):
+        pool.step([0], [say("x")])
+    turns = pool.reset()
+    assert [t.info["seed"] for t in turns] == [10, 11, 12]
+    with pytest.raises(InvalidArgument, match="role 'user'") as bad_role:
+        pool.step([0, 1], [say("x"), {"role": "user", "content": "x"}])
+    assert bad_role.value.field == "step.text_actions[1].role"
+    with pytest.raises(InvalidArgument, match="2 text actions for 1 envs"):
+        pool.step([0], [say("x"), say("y")])
+    with pytest.raises(InvalidArgument, match="max_message_chars"):
+        pool.step([2], [say("x" * 70000)])
+    with pytest.raises(InvalidArgument, match="repeated"):
+        pool.step([1, 1], [say("x"), say("y")])
+    assert pool.total_steps == 0  # nothing stepped by any refused request
+    result = pool.step([2, 0], [say("done"), say("x")])
+    assert result.env_indices == [2, 0] and result.terminated == [True, False]
+    assert [e.env_index for e in result.episodes] == [2]
+    with pytest.raises(FailedPrecondition, match="after its episode ended"):
+        pool.step([2], [say("x")])
+    with pytest.raises(InvalidArgument, match="reset options"):
+        pool.reset(indices=[0], options={"bad": True})
+    pool.close()
+
+
+def test_a_hanging_or_raising_env_ends_its_episode_not_the_pool() -> None:
+    pool = TextPool(Flaky, 4, step_timeout_s=0.5)
+    pool.reset()
+    hung = pool.envs[0]
+    began = time.monotonic()
+    result = pool.step([], [say("hang"), say("raise"), say("garbage"), say("fine")])
+    assert time.monotonic() - began < 3  # one deadline for all: the steps run at once
+    outcomes = [t.info.get("outcome") for t in result.turns]
+    assert outcomes == ["step_timeout", "env_error", "env_error", None]
+    assert result.truncated == [True, True, True, False] and result.rewards[3] == 1.0
+    assert "the env broke" in result.turns[1].info["error"]
+    assert len(result.episodes) == 3
+    with pytest.raises(FailedPrecondition, match="after it failed"):
+        pool.step([0], [say("x")])
+    pool.reset(indices=[0, 1, 2])
+    assert pool.envs[0] is not hung  # a fresh env for the one that hung
+    assert pool.step([0], [say("x")]).rewards == [1.0]
+    hung.release.set()
+    pool.close()
+
+
+def test_a_reset_that_hangs_is_unavailable_and_replaced() -> None:
+    class SlowReset(Flaky):
+        def reset(self, *, seed=None, options=None):
+            if options and options.get("hang"):
+                self.release.wait(30)
+            return super().reset(seed=seed)
+
+    pool = TextPool(SlowReset, 1, step_timeout_s=0.3)
+    with pytest.raises(Unavailable, match="did not reset within"):
+        pool.reset(options={"hang": True})
+    first = pool.envs[0]
+    pool.reset()
+    assert pool.envs[0] is not first
+    first.release.set()
