@@ -8,6 +8,8 @@
 - ``Innkeeper-v0``: a game NPC's dialogue with memory: a traveller tells the innkeeper a fact
   (their name, the nights booked), chats for a few turns, then asks for it back; reward 1 when
   the answer holds the fact.
+- ``GymnasiumText-v0``: any gymnasium env with a text rendering (``env_id`` kwarg), see
+  env_server/text/gym_text.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from env_server.text.base import Message, TextEnv, TextStep, check_split, split_of
+from env_server.text.gym_text import GymnasiumText
 from env_server.text.tools import MAX_CALLS_PER_TURN, run_tool, tool_calls, tool_message
 
 __all__ = ["BUILTIN_TEXT_ENVS", "CalculatorEnv", "GuessNumberEnv", "InnkeeperEnv", "calculate"]
@@ -336,4 +339,5 @@ BUILTIN_TEXT_ENVS: dict[str, type[TextEnv]] = {
     "Calculator-v0": CalculatorEnv,
     "GuessNumber-v0": GuessNumberEnv,
     "Innkeeper-v0": InnkeeperEnv,
+    "GymnasiumText-v0": GymnasiumText,  # kwargs: env_id (a gymnasium id rendering "ansi")
 }

@@ -32,10 +32,16 @@ def hermes(name: str, **arguments: Any) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
+# What each built-in needs besides its defaults.
+KWARGS: dict[str, dict[str, Any]] = {
+    "GymnasiumText-v0": {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
+}
+
+
 @pytest.mark.parametrize("env_id", sorted(BUILTIN_TEXT_ENVS))
 def test_train_and_eval_splits_never_share_a_task(env_id: str) -> None:
     def tasks(split: str) -> set[str]:
-        env = registry.make_text_env(env_id, kwargs={"split": split})
+        env = registry.make_text_env(env_id, kwargs={"split": split, **KWARGS.get(env_id, {})})
         seen = set()
         for seed in range(300):
             env.reset(seed=seed)
@@ -49,9 +55,10 @@ def test_train_and_eval_splits_never_share_a_task(env_id: str) -> None:
 
 @pytest.mark.parametrize("env_id", sorted(BUILTIN_TEXT_ENVS))
 def test_a_seed_gives_the_same_episode(env_id: str) -> None:
-    a, b = (registry.make_text_env(env_id) for _ in range(2))
-    assert a.reset(seed=7) == b.reset(seed=7)
-    assert a.reset(seed=8) != b.reset(seed=7)
+    a, b = (registry.make_text_env(env_id, kwargs=KWARGS.get(env_id)) for _ in range(2))
+    assert a.reset(seed=7) == b.reset(seed=7) and a.task == b.task
+    a.reset(seed=8)
+    assert a.task != b.task
 
 
 def test_calculator_answers_tool_calls_in_either_form_and_rewards_the_right_answer() -> None:
@@ -244,3 +251,28 @@ def test_a_reset_that_hangs_is_unavailable_and_replaced() -> None:
     pool.reset()
     assert pool.envs[0] is not first
     first.release.set()
+
+
+def test_a_gymnasium_env_with_a_text_rendering_plays_in_messages() -> None:
+    env = registry.make_text_env(
+        "GymnasiumText-v0",
+        kwargs={
+            "env_id": "FrozenLake-v1",
+            "env_kwargs": {"is_slippery": False},
+            "action_names": ["left", "down", "right", "up"],
+        },
+    )
+    messages, _ = env.reset(seed=0)
+    assert "0 (left), 1 (down), 2 (right), 3 (up)" in messages[0]["content"]
+    assert messages[1]["content"].splitlines()[0] == "[S]FFF"  # the agent's cell bracketed
+    replies, reward, terminated, _, info = env.step(say("I would go somewhere"))
+    assert info["outcome"] == "no_action" and "Choose one of" in replies[0]["content"]
+    # The 4x4 map's shortest safe path: down, down, right, right, down, right (by name or number).
+    for move in ("down", "down", "right", "2", "1"):
+        replies, reward, terminated, _, _ = env.step(say(f"I choose {move}"))
+        assert not terminated and reward == 0.0
+    assert replies[0]["content"].splitlines()[-1] == "HF[F]G"
+    _, reward, terminated, _, _ = env.step(say("right"))
+    assert (reward, terminated) == (1.0, True)
+    with pytest.raises(InvalidArgument, match="not Discrete"):
+        registry.make_text_env("GymnasiumText-v0", kwargs={"env_id": "Pendulum-v1"})
