@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ENV_SEED_KEY",
     "GENERATORS",
     "SOLUTION_COLUMN",
     "DatasetSpecError",
@@ -123,6 +124,30 @@ def arith(
             prompt=prompt,
             extra={"answer": str(value)},
             solution=f" <answer>{value}</answer>",
+        )
+        index += 1
+
+
+ENV_SEED_KEY = "env_seed"  # the episode seed an env_seeds task carries in `extra`
+
+
+@register("env_seeds")
+def env_seeds(
+    *, env_id: str, seed: int = 0, split: str = "train", count: int | None = None
+) -> Iterator[Task]:
+    """Episodes of a text environment (multi-turn rollouts): each task is an episode seed for
+    ``env_id``; the env draws the task from it (its ``split`` kwarg keeps train and eval apart).
+    Infinite unless ``count`` is set."""
+    if not env_id:
+        raise DatasetSpecError("env_seeds: env_id is required")
+    rng = random.Random(seed * 1_000_003 + zlib.crc32(f"{env_id}:{split}".encode()))
+    index = 0
+    while count is None or index < count:
+        episode_seed = rng.randrange(2**31)
+        yield Task(
+            prompt_id=f"{env_id}-{split}-{seed}-{index}",
+            prompt=f"{env_id} episode {episode_seed}",
+            extra={ENV_SEED_KEY: episode_seed},
         )
         index += 1
 

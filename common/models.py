@@ -22,13 +22,38 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 EOS, CHAT_START, CHAT_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOS, CHAT_START, CHAT_END)
 
-# Qwen2's template, trimmed to plain messages (no tools).
+# Qwen2.5's template, trimmed: plain messages as before, and with `tools` a system turn that lists
+# them and shows the call format the model answers in (<tool_call>{json}</tool_call>, what
+# env_server.text.tools reads back); an assistant message's OpenAI `tool_calls` render in that
+# format after its content. Tool results keep the "tool" role.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call functions. Their signatures are within <tools></tools>:'"
+    " + '\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, write its name and arguments as JSON within'"
+    " + ' <tool_call></tool_call> tags:\\n<tool_call>\\n'"
+    ' + \'{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\''
+    " + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
-    "{% if not (loop.last and continue_final_message) %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% if not (loop.first and tools and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% if message.tool_calls is defined and message.tool_calls %}"
+    "{% for call in message.tool_calls %}"
+    "{% set function = call.function if call.function is defined else call %}"
+    '{{ \'\\n<tool_call>\\n{"name": "\' + function.name + \'", "arguments": \' }}'
+    "{% if function.arguments is string %}{{ function.arguments }}"
+    "{% else %}{{ function.arguments | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{% if not (loop.last and continue_final_message) %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 

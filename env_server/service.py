@@ -7,14 +7,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
+from clients.env import SERVICE_NAME
 from env_server import registry
 from env_server.game_link.mount import GameLinkMount
 from env_server.game_link.settings import GameLinkSettings
 from env_server.servicer import EnvService
-from rlfleet.env.v1 import env_pb2, env_pb2_grpc
+from rlfleet.env.v1 import env_pb2_grpc
 from services.config import StrictModel, Switch
 from services.errors import RlfleetError
-from services.grpc_names import service_name
 from services.membership import registered
 from services.registry import ServiceContext, ServiceSpec
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer
@@ -124,7 +124,6 @@ async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
         await server.stop()
 
 
-SERVICE_NAME = service_name(env_pb2, "EnvService")
 SPEC = ServiceSpec(
     kind="env_server",
     settings=EnvServerSettings,

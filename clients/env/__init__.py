@@ -31,6 +31,7 @@ get_attr/call/set_attr raise for what the wire cannot reach.
 """
 
 from clients.env.session import (
+    SERVICE_NAME,
     ClosedEnvError,
     EnvSession,
     InvalidActionError,
@@ -47,6 +48,7 @@ from clients.env.types import EnvEntry, EpisodeStats, StepResult
 from clients.env.vector import RemoteEnv, RemoteVectorEnv
 
 __all__ = [
+    "SERVICE_NAME",
     "ClosedEnvError",
     "EnvEntry",
     "EnvSession",

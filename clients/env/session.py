@@ -31,9 +31,11 @@ from services.errors import (
     from_rpc_error,
     from_status,
 )
+from services.grpc_names import service_name
 from services.server import channel
 
 T = TypeVar("T")
+SERVICE_NAME = service_name(env_pb2, "EnvService")  # for health checks
 
 _MODE_TO_PROTO = {
     AutoresetMode.SAME_STEP: env_pb2.AUTORESET_MODE_SAME_STEP,

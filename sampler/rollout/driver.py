@@ -26,18 +26,24 @@ from typing import Any
 
 import numpy as np
 
+from clients.env import SERVICE_NAME as ENV_SERVICE
+from clients.env.text import TextSession
 from clients.reward import SERVICE_NAME as REWARD_SERVICE
 from clients.reward import RewardPool
 from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from clients.sampler import SamplerPool
+from common.datasets import ENV_SEED_KEY
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
+from sampler.rollout.episodes import ChatTokens, EpisodeLimits, play_group, sampler_turns
 from sampler.rollout.groups import (
     Expert,
     build_groups,
+    episode_group,
     expert_text,
     generate_request,
     group_id,
+    sampling_params,
     score_request,
 )
 from sampler.rollout.pacing import Pacer, VersionWatch
@@ -46,8 +52,8 @@ from sampler.rollout.settings import RolloutSettings
 from sampler.rollout.stats import RolloutStats
 from services.bus import Bus, Delivery, stop_when_run_over, stream_name, traj_subject
 from services.calls import call_with_retry, wait_healthy
-from services.errors import ConfigError, InvalidArgument
-from services.membership import Members, PeerView
+from services.errors import ConfigError, InvalidArgument, Unavailable
+from services.membership import Balancer, Members, PeerView
 from services.registry import ServiceContext
 from services.waits import bus_say, waiting
 
@@ -74,6 +80,11 @@ class RolloutDriver:
             PeerView(settings.sampler, kind="sampler", resolve=ctx.resolve),
             PeerView([settings.reward_service], kind="reward_service", resolve=ctx.resolve),
         ]
+        self.env_servers: Balancer[str] | None = None
+        if settings.env is not None:  # multi-turn: episodes on these env servers' text envs
+            view = PeerView([settings.env.env_server], kind="env_server", resolve=ctx.resolve)
+            self.peers.append(view)
+            self.env_servers = Balancer(view, str, _no_close)
         self.members: Members | None = None
         self.samplers = SamplerPool(self.peers[0], timeout_s=settings.generate_timeout_s)
         self.rewards = RewardPool(self.peers[1], timeout_s=settings.score_timeout_s)
@@ -122,6 +133,8 @@ class RolloutDriver:
                 return False
         peers = [("sampler", a, SAMPLER_SERVICE) for a in self.samplers.addresses]
         peers += [("reward service", a, REWARD_SERVICE) for a in self.rewards.addresses]
+        if self.env_servers is not None:
+            peers += [("env server", a, ENV_SERVICE) for a in self.env_servers.addresses]
         for what, address, service in peers:
             log.info("waiting for %s at %s", what, address)
             if not await waiting(
@@ -132,7 +145,7 @@ class RolloutDriver:
                 return False
         info = await self.samplers.info()
         await self.watch.observe(int(info.policy_version))
-        if settings.expert_completions:
+        if settings.expert_completions or settings.env is not None:
             await self._load_tokenizer(info)
         await bus.ensure_stream(stream_name(run), [traj_subject(run)])
         self._check_group_size(bus.max_payload)
@@ -181,8 +194,7 @@ class RolloutDriver:
             self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
         except Exception as exc:
             raise ConfigError(
-                f"model_path {path!r}: cannot load the tokenizer for expert completions: "
-                f"{type(exc).__name__}: {exc}"
+                f"model_path {path!r}: cannot load the tokenizer: {type(exc).__name__}: {exc}"
             ) from exc
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else next(iter(info.eos_token_ids), None)
@@ -288,6 +300,9 @@ class RolloutDriver:
     async def _roll(self, batch: list[Prompt]) -> None:
         """Generate, score and publish the groups of ``batch``'s prompts, acking each."""
         assert self.queue is not None and self.stats is not None
+        if self.settings.env is not None:
+            await asyncio.gather(*(self._roll_episodes(delivery) for delivery in batch))
+            return
         generated = await self._generate(batch)
         if generated is None:
             await self.queue.nak(batch)
@@ -351,6 +366,55 @@ class RolloutDriver:
             return batch, list(response.results)
         return None
 
+    async def _roll_episodes(self, delivery: Prompt) -> None:
+        """Play one task's group of episodes, publish it, ack the task. An env server that
+        fails mid-group drops the group (counted) and its task goes back to the queue, to be
+        played again elsewhere: never half a group, never one twice (its group_id is fixed)."""
+        assert self.queue is not None and self.stats is not None
+        assert self.env_servers is not None and self.settings.env is not None
+        settings, env, task = self.settings, self.settings.env, delivery.message
+        seed = dict(task.extra.items()).get(ENV_SEED_KEY)
+        if not isinstance(seed, int | float):
+            key = prompt_key(task)
+            log.error("dropping prompt %s: no %s (the env_seeds dataset)", key, ENV_SEED_KEY)
+            await self.queue.term(delivery)
+            self.pacer.credit([group_id(self.run_name, task)])
+            return
+        limits = EpisodeLimits(env.max_turns, env.max_total_tokens, env.wall_clock_s)
+        params = sampling_params(settings.sampling, 1, settings.seed, task)
+        started = time.monotonic()
+        try:
+            # One sampler for the whole group: its prefix cache holds each conversation so far.
+            async with (
+                self.env_servers.use() as (address, _),
+                self.samplers.balancer.use() as (_, sampler),
+                TextSession(address, request_timeout_s=env.step_timeout_s) as session,
+            ):
+                info = await session.create(env.env_id, settings.group_size, kwargs=env.kwargs)
+                tokens = ChatTokens(self.tokenizer, info.tools)
+                episodes = await play_group(
+                    session,
+                    int(seed),
+                    settings.group_size,
+                    tokens,
+                    sampler_turns(sampler, params),
+                    limits,
+                )
+        except Unavailable as exc:
+            log.warning("group of %s dropped: %s", prompt_key(task), exc)
+            self.stats.dropped_episodes(settings.group_size)
+            await self.queue.nak([delivery])
+            return
+        self.stats.generated(time.monotonic() - started, [])
+        for episode in episodes:
+            if episode.last_version is not None:
+                await self.watch.observe(episode.last_version)
+        group = episode_group(self.run_name, self.ctx.name, task, episodes)
+        self.stats.episodes([e.outcome for e in episodes])
+        if await self._publish(group, delivery):
+            await self.queue.ack([delivery])
+            self.stats.published(group, self.watch.version)
+
     def _check_response(
         self, address: str, response: sampler_pb2.GenerateResponse, prompts: int
     ) -> None:
@@ -390,3 +454,7 @@ class RolloutDriver:
             self.pacer.credit([group.group_id])  # never reaches the learner
             return False
         return True
+
+
+async def _no_close(_: str) -> None:
+    """Env server addresses hold nothing to close (each group opens its own session)."""

@@ -23,6 +23,7 @@ from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
+from sampler.rollout.episodes import Episode
 from sampler.rollout.prompts import SOLUTION_KEY, prompt_key
 from sampler.rollout.settings import RewardSpec, SamplingSettings
 from services.errors import InvalidArgument
@@ -31,10 +32,12 @@ __all__ = [
     "Expert",
     "build_groups",
     "call_seed",
+    "episode_group",
     "expert_text",
     "generate_request",
     "group_id",
     "prompt_text",
+    "sampling_params",
     "score_request",
 ]
 
@@ -92,8 +95,19 @@ def generate_request(
             prompts.append(sampler_pb2.Prompt(chat=task.chat))
         else:
             prompts.append(sampler_pb2.Prompt(text=task.text))
+    params = sampling_params(sampling, group_size, seed, tasks[0] if tasks else None)
+    return sampler_pb2.GenerateRequest(prompts=prompts, sampling=params)
+
+
+def sampling_params(
+    sampling: SamplingSettings,
+    n: int,
+    seed: int | None,
+    task: trajectory_pb2.PromptTask | None,
+) -> sampler_pb2.SamplingParams:
+    """The SamplingParams of a call whose first prompt is ``task``, with logprobs."""
     params = sampler_pb2.SamplingParams(
-        n=group_size,
+        n=n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
@@ -103,9 +117,9 @@ def generate_request(
         stop_token_ids=sampling.stop_token_ids,
         logprobs=True,
     )
-    if tasks and (value := call_seed(seed, tasks[0])) is not None:
+    if task is not None and (value := call_seed(seed, task)) is not None:
         params.seed = value
-    return sampler_pb2.GenerateRequest(prompts=prompts, sampling=params)
+    return params
 
 
 def score_request(
@@ -151,19 +165,10 @@ def build_groups(
             f"the reward service returned {len(scores)} scores for {expected} completions",
             field="results",
         )
-    now = timestamp_pb2.Timestamp()
-    now.GetCurrentTime()
+    now = _now()
     groups, at = [], 0
     for index, (task, result, expert) in enumerate(zip(tasks, results, experts, strict=True)):
-        group = trajectory_pb2.TrajectoryGroup(
-            run=run,
-            group_id=group_id(run, task),
-            prompt_id=task.prompt_id,
-            prompt_text=prompt_text(task),
-            source=source,
-            dataset=task.dataset,
-            create_time=now,
-        )
+        group = _group(run, source, task, now)
         group.prompt_token_ids.CopyFrom(
             tensor.encode(_ids(result.prompt_token_ids, f"results[{index}].prompt_token_ids"))
         )
@@ -178,6 +183,53 @@ def build_groups(
         group.policy_version = min(sampled) if sampled else 0
         groups.append(group)
     return groups
+
+
+def episode_group(
+    run: str, source: str, task: trajectory_pb2.PromptTask, episodes: Sequence[Episode]
+) -> trajectory_pb2.TrajectoryGroup:
+    """The TrajectoryGroup of a task's multi-turn episodes: one completion each, holding every
+    token after the shared opening (the model's, masked in, and the env's), its reward the sum
+    of the env's rewards (function ``env``)."""
+    group = _group(run, source, task, _now())
+    group.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(episodes[0].prompt_ids, np.int32)))
+    for episode in episodes:
+        version = episode.first_version or 0
+        out = trajectory_pb2.TrajectoryCompletion(
+            token_ids=tensor.encode(np.asarray(episode.token_ids, np.int32)),
+            logprobs=tensor.encode(np.asarray(episode.logprobs, np.float32)),
+            loss_mask=tensor.encode(np.asarray(episode.loss_mask, np.bool_)),
+            finish_reason=episode.finish_reason,
+            policy_version=version,
+            end_policy_version=episode.last_version or version,
+            text="\n".join(f"[{m['role']}] {m['content']}" for m in episode.messages[1:]),
+            reward=episode.reward,
+        )
+        out.rewards.add(name="env", status=reward_pb2.SCORE_STATUS_OK, score=episode.reward)
+        group.completions.append(out)
+    group.policy_version = min(c.policy_version for c in group.completions)
+    return group
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    now = timestamp_pb2.Timestamp()
+    now.GetCurrentTime()
+    return now
+
+
+def _group(
+    run: str, source: str, task: trajectory_pb2.PromptTask, now: timestamp_pb2.Timestamp
+) -> trajectory_pb2.TrajectoryGroup:
+    """A group's header: its ids, its prompt and where it comes from (no completions yet)."""
+    return trajectory_pb2.TrajectoryGroup(
+        run=run,
+        group_id=group_id(run, task),
+        prompt_id=task.prompt_id,
+        prompt_text=prompt_text(task),
+        source=source,
+        dataset=task.dataset,
+        create_time=now,
+    )
 
 
 def _sampled(

@@ -17,7 +17,7 @@ from services.bus.subjects import validate_token
 from services.config import ServiceRef, StrictModel
 from services.errors import InvalidArgument
 
-__all__ = ["RewardSpec", "RolloutSettings", "SamplingSettings"]
+__all__ = ["RewardSpec", "RolloutSettings", "SamplingSettings", "TextEnvRollout"]
 
 
 class RewardSpec(StrictModel):
@@ -39,6 +39,20 @@ class SamplingSettings(StrictModel):
     max_tokens: int = Field(default=512, ge=1)  # completion length limit (truncated beyond)
     stop: list[str] = Field(default_factory=list, max_length=16)  # stop strings
     stop_token_ids: list[int] = Field(default_factory=list)  # beside the model's EOS tokens
+
+
+class TextEnvRollout(StrictModel):
+    """Multi-turn rollouts: each prompt task (a seed, from the ``env_seeds`` dataset) is a group
+    of ``group_size`` episodes of a text environment on an env server (docs/text_envs.md),
+    played turn by turn on one sampler replica (sampler/rollout/episodes.py)."""
+
+    env_id: str = Field(min_length=1)  # a text env id the env server creates, e.g. Calculator-v0
+    env_server: ServiceRef  # EnvService instance name (its live replicas) or host:port
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # the env's arguments, e.g. split
+    max_turns: int = Field(default=8, ge=1)  # model turns per episode
+    max_total_tokens: int = Field(default=1024, ge=16)  # prompt and every turn, per episode
+    wall_clock_s: float = Field(default=600.0, gt=0)  # for a whole group
+    step_timeout_s: float = Field(default=120.0, gt=0)  # one env request's answer, at most
 
 
 class RolloutSettings(StrictModel):
@@ -94,6 +108,9 @@ class RolloutSettings(StrictModel):
     # (vLLM may take minutes to load a model).
     startup_timeout_s: float = Field(default=1800.0, gt=0)
     metrics_interval_s: float = Field(default=10.0, gt=0)  # Metrics event period
+    # Multi-turn rollouts on a text env instead of single-turn completions. Needs model_path
+    # (the chat template renders the env's turns).
+    env: TextEnvRollout | None = None
 
     @field_validator("sampler", mode="before")
     @classmethod
@@ -125,6 +142,10 @@ class RolloutSettings(StrictModel):
     def _consistent(self) -> RolloutSettings:
         if self.expert_completions and not self.model_path:
             raise ValueError("expert_completions needs model_path (the tokenizer's folder or id)")
+        if self.env is not None and not self.model_path:
+            raise ValueError("env (multi-turn rollouts) needs model_path (the tokenizer's folder)")
+        if self.env is not None and self.expert_completions:
+            raise ValueError("env: expert completions are for single-turn prompts")
         names = [reward.name for reward in self.rewards]
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:

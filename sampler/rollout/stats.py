@@ -69,6 +69,8 @@ class RolloutStats:
         self._generate_s: list[float] = []
         self._generated_tokens = 0
         self._score_s: list[float] = []
+        self._outcomes: collections.Counter[str] = collections.Counter()  # multi-turn episodes
+        self._dropped_episodes = 0
 
     def generated(self, seconds: float, results: Iterable[sampler_pb2.PromptResult]) -> None:
         """One Generate call took ``seconds`` and returned ``results``."""
@@ -76,6 +78,14 @@ class RolloutStats:
         for result in results:
             for completion in result.completions:
                 self._generated_tokens += _length(completion.token_ids)
+
+    def episodes(self, outcomes: Iterable[str]) -> None:
+        """How a published group's multi-turn episodes ended (found, max_turns, ...)."""
+        self._outcomes.update(outcomes)
+
+    def dropped_episodes(self, count: int) -> None:
+        """Episodes of a group lost with its env server (its task is played again)."""
+        self._dropped_episodes += count
 
     def scored(self, seconds: float) -> None:
         self._score_s.append(seconds)
@@ -116,6 +126,11 @@ class RolloutStats:
             out["rollout/tokens_per_s"] = self._generated_tokens / max(busy, 1e-9)
         if self._score_s:
             out["rollout/score_s"] = sum(self._score_s) / len(self._score_s)
+        episodes = sum(self._outcomes.values())
+        for outcome, n in sorted(self._outcomes.items()):
+            out[f"episodes/{outcome}_frac"] = n / episodes
+        if self._dropped_episodes:
+            out["episodes/dropped"] = float(self._dropped_episodes)
         return out
 
     async def report(self, policy_version: int) -> dict[str, float]:

@@ -5,7 +5,6 @@ session."""
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
 from collections.abc import AsyncIterator
 
@@ -15,12 +14,9 @@ from gymnasium.vector import AutoresetMode
 
 from clients.env import EnvSession, list_envs
 from clients.env.text import TextSession
-from env_server.service import EnvServerSettings, main
-from rlfleet.env.v1 import env_pb2, env_pb2_grpc
+from env_server.service import EnvServerSettings
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.ports import free_port
-from services.registry import ServiceContext
-from services.server import channel
+from tests.fixtures.env_server import env_server_in_process
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -60,15 +56,8 @@ async def address(user_env: str) -> AsyncIterator[str]:
     settings = EnvServerSettings(
         preload=["Calculator-v0", user_env], text_step_timeout_s=STEP_TIMEOUT_S, max_sessions=8
     )
-    ctx = ServiceContext(name="text-env", kind="env_server", settings=settings, port=free_port())
-    serving = asyncio.create_task(main(ctx))
-    address = f"127.0.0.1:{ctx.port}"
-    async with channel(address) as ch:
-        stub = env_pb2_grpc.EnvServiceStub(ch)
-        await stub.ListEnvs(env_pb2.ListEnvsRequest(filter="x"), wait_for_ready=True, timeout=30)
-    yield address
-    ctx.stop_event.set()
-    await asyncio.wait_for(serving, 30)
+    async with env_server_in_process("text-env", settings) as address:
+        yield address
 
 
 async def test_list_envs_says_which_are_text(address: str, user_env: str) -> None:

@@ -32,6 +32,7 @@ from services.calls import wait_healthy
 from services.ports import free_port
 from services.registry import ServiceContext
 from services.server import GrpcServer
+from tests.fixtures.rollout import driver_groups
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -103,31 +104,8 @@ async def test_driver_publishes_scored_groups_until_the_run_is_over(
         rewards=[RewardSpec(name="accuracy")],
         startup_timeout_s=30,
     )
-    ctx = ServiceContext(
-        name="rollout-0", kind="rollout", settings=settings, run_name=run, nats_url=nats_server.url
-    )
     before = [fake.calls for _, fake in samplers]
-    running = asyncio.create_task(RolloutDriver(ctx, settings).run())
-    async with Bus.connect(nats_server.url, name="test-learner") as bus:
-        for _ in range(100):  # the driver creates the stream once its peers are healthy
-            try:
-                await bus.js.stream_info(stream_name(run))
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
-        pulled = bus.pull(
-            stream_name(run), "learner", traj_subject(run), trajectory_pb2.TrajectoryGroup
-        )
-        groups = []
-        for _ in range(4):
-            delivery = await asyncio.wait_for(anext(pulled), 20)
-            await delivery.ack()
-            groups.append(delivery.message)
-        await pulled.aclose()
-        assert not running.done()
-        done = events_pb2.RunStatus(run=run, state=events_pb2.RUN_STATE_DONE, source="test")
-        await bus.publish_event(events_subject(run, "status"), done)
-        await asyncio.wait_for(running, 20)  # stopped by the run's end, without an error
+    groups = await driver_groups(settings, run, nats_server.url, 4)
     assert len({g.group_id for g in groups}) == 4
     for group in groups:
         assert len(group.completions) == 2

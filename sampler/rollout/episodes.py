@@ -1,0 +1,236 @@
+"""Multi-turn episodes: generation and text-environment steps alternating, token in, token out.
+
+One group is G episodes of the same task (G envs of a `TextSession` reset with one seed), as a
+GRPO group is G completions of one prompt. Each turn, every live episode's whole token sequence
+so far goes to the sampler as a pre-tokenized prompt, n=1; the model's tokens and their logprobs
+are kept exactly as sampled, the text is stepped in its env, and the env's answer is appended as
+the tokens the chat template writes for it. What the model said is never re-tokenized: the
+learner sees the very tokens (and the versions) that were sampled, and `loss_mask` marks them
+among the env's.
+
+An episode ends when its env ends it (terminated or truncated) or a cap does: `max_turns`,
+`max_total_tokens` (prompt and every turn; a generation never gets more room than is left),
+`wall_clock_s` for the whole group, or its env failing (its outcome says which). A sampler
+that cannot finish a turn (aborted, no tokens) ends that episode too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clients.env.text import TextSession
+from clients.env.types import Message
+from clients.sampler import SamplerClient
+from common import tensor
+from rlfleet.sampler.v1 import sampler_pb2
+
+__all__ = ["ChatTokens", "Episode", "EpisodeLimits", "Generate", "play_group", "sampler_turns"]
+
+# Outcomes of an episode besides the env's own ("terminated", "truncated").
+MAX_TURNS, MAX_TOTAL_TOKENS, WALL_CLOCK = "max_turns", "max_total_tokens", "wall_clock"
+NO_TOKENS = "no_tokens"  # the sampler gave nothing (aborted before the first token)
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 8  # model turns per episode
+    max_total_tokens: int = 1024  # prompt and every turn after it, model's and env's
+    wall_clock_s: float = 600.0  # for the whole group
+
+
+@dataclass
+class Episode:
+    """One episode as the learner will see it, and its transcript."""
+
+    env_index: int
+    prompt_ids: list[int]  # the opening, rendered by the chat template
+    messages: list[Message]  # every message, the opening's included
+    token_ids: list[int] = field(default_factory=list)  # everything after the prompt
+    logprobs: list[float] = field(default_factory=list)  # 0 for the env's tokens
+    loss_mask: list[bool] = field(default_factory=list)  # the model's tokens
+    rewards: list[float] = field(default_factory=list)  # the env's, one per step
+    turns: int = 0
+    outcome: str = ""  # "" while it runs
+    finish_reason: Any = sampler_pb2.FINISH_REASON_UNSPECIFIED  # the last model turn's
+    first_version: int | None = None  # weights that sampled its first token
+    last_version: int | None = None  # and its last
+    info: dict[str, Any] = field(default_factory=dict)  # the env's last info
+
+    @property
+    def done(self) -> bool:
+        return bool(self.outcome)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.rewards))
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+        """Append the model's tokens (with their logprobs) or, without logprobs, the env's."""
+        self.token_ids.extend(int(i) for i in ids)
+        self.logprobs.extend([0.0] * len(ids) if logprobs is None else map(float, logprobs))
+        self.loss_mask.extend([logprobs is not None] * len(ids))
+
+
+class ChatTokens:
+    """The chat template's tokens for what is not the model's: the opening and the env's turns.
+
+    The env's answer is rendered by the template after the conversation so far, and only the
+    text past what the tokens already hold is tokenized: the model's own tokens stay as sampled
+    (the template's end-of-turn after them included, when the model stopped without it).
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=self.tools,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+            )
+        )
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def opening(self, messages: list[Message]) -> list[int]:
+        return self._ids(self._render(messages, True))
+
+    def answer(self, episode: Episode, env_messages: list[Message]) -> list[int]:
+        """Tokens after the model's last one: the rest of its turn as the template ends it, the
+        env's messages and the next generation prompt."""
+        said = self.tokenizer.decode(
+            episode.prompt_ids + episode.token_ids, skip_special_tokens=False
+        )
+        after = self._render([*episode.messages, *env_messages], True)
+        if after.startswith(said):
+            return self._ids(after[len(said) :])
+        # The template writes the model's turn otherwise than it was sampled (it strips or
+        # reformats it): end the turn as the template does, then the env's part alone.
+        before = self._render(episode.messages, False)
+        return self._ids(self.tokenizer.eos_token or "") + self._ids(after[len(before) :])
+
+
+# One model turn for each episode given: (episode, prompt token ids, room in tokens) -> the
+# sampler's completion (token ids, logprobs, text, finish reason, versions).
+Generate = Callable[[Episode, list[int], int], Awaitable[sampler_pb2.Completion]]
+
+
+def sampler_turns(client: SamplerClient, sampling: sampler_pb2.SamplingParams) -> Generate:
+    """Model turns on one sampler (every turn of a group there: its prefix cache holds the
+    conversation so far), each a pre-tokenized prompt, n=1, with logprobs and no more tokens
+    than ``sampling.max_tokens`` or the room the episode has left. A seeded ``sampling`` seeds
+    each turn of each episode differently (the same seed would give a group G equal episodes)."""
+
+    async def generate(
+        episode: Episode, prompt_ids: list[int], room: int
+    ) -> sampler_pb2.Completion:
+        params = sampler_pb2.SamplingParams()
+        params.CopyFrom(sampling)
+        params.n, params.logprobs = 1, True
+        params.max_tokens = min(sampling.max_tokens or room, room)
+        if sampling.HasField("seed"):  # reproducible, yet each episode and turn its own
+            params.seed = (sampling.seed + 1_000_003 * episode.env_index + episode.turns) % 2**62
+        prompt = sampler_pb2.Prompt(token_ids=tensor.encode(np.asarray(prompt_ids, np.int32)))
+        request = sampler_pb2.GenerateRequest(prompts=[prompt], sampling=params)
+        response = await client.generate_request(request)
+        return response.results[0].completions[0]
+
+    return generate
+
+
+async def play_group(
+    session: TextSession,
+    seed: int,
+    group_size: int,
+    tokens: ChatTokens,
+    generate: Generate,
+    limits: EpisodeLimits,
+    *,
+    options: dict[str, Any] | None = None,
+) -> list[Episode]:
+    """Play ``group_size`` episodes of the task ``seed`` picks on ``session`` (created with at
+    least that many envs) to their ends; returns them in env order."""
+    began = time.monotonic()
+    seeds = [seed] * group_size  # one task for the whole group
+    turns = await session.reset(seed=seeds, env_indices=range(group_size), options=options)
+    episodes = [
+        Episode(t.env_index, tokens.opening(t.messages), list(t.messages), info=t.info)
+        for t in turns
+    ]
+    for episode in episodes:
+        if episode.length >= limits.max_total_tokens:
+            episode.outcome = MAX_TOTAL_TOKENS
+    while live := [e for e in episodes if not e.done]:
+        if time.monotonic() - began > limits.wall_clock_s:
+            for episode in live:
+                episode.outcome = WALL_CLOCK
+            break
+        completions = await asyncio.gather(
+            *(
+                generate(e, e.prompt_ids + e.token_ids, limits.max_total_tokens - e.length)
+                for e in live
+            )
+        )
+        stepping = [e for e, c in zip(live, completions, strict=True) if _take_turn(e, c)]
+        if not stepping:
+            continue
+        actions = [e.messages[-1] for e in stepping]
+        result = await session.step(actions, [e.env_index for e in stepping])
+        by_index = {e.env_index: e for e in stepping}
+        for k, turn in enumerate(result.turns):
+            episode = by_index[turn.env_index]
+            episode.rewards.append(result.rewards[k])
+            episode.info = turn.info
+            if result.terminated[k] or result.truncated[k]:
+                episode.outcome = _env_outcome(turn.info, bool(result.terminated[k]))
+            elif episode.turns >= limits.max_turns:
+                episode.outcome = MAX_TURNS
+            else:
+                reply = tokens.answer(episode, turn.messages)
+                if episode.length + len(reply) >= limits.max_total_tokens:
+                    episode.outcome = MAX_TOTAL_TOKENS  # no room for another model turn
+                else:
+                    episode.messages.extend(turn.messages)
+                    episode.add(reply)
+    return episodes
+
+
+def _take_turn(episode: Episode, completion: sampler_pb2.Completion) -> bool:
+    """Record the model's turn; True when it goes to the env (False: the sampler gave none)."""
+    episode.turns += 1
+    episode.finish_reason = completion.finish_reason
+    if not completion.HasField("token_ids") or not completion.token_ids.data:
+        episode.outcome = NO_TOKENS
+        return False
+    ids = tensor.decode(completion.token_ids, name="token_ids")
+    if completion.HasField("logprobs"):
+        logprobs = tensor.decode(completion.logprobs, name="logprobs").tolist()
+    else:
+        logprobs = [0.0] * len(ids)
+    if episode.first_version is None:
+        episode.first_version = int(completion.policy_version)
+    episode.last_version = int(completion.end_policy_version or completion.policy_version)
+    episode.add(ids.tolist(), logprobs)
+    episode.messages.append({"role": "assistant", "content": completion.text})
+    return True
+
+
+def _env_outcome(info: dict[str, Any], terminated: bool) -> str:
+    outcome = info.get("outcome")
+    if isinstance(outcome, str) and outcome:
+        return outcome
+    return "terminated" if terminated else "truncated"
