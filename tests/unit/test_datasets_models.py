@@ -118,6 +118,40 @@ def test_init_model_loads_through_from_pretrained(tiny_model_dir: Path) -> None:
     assert meta["parameters"] == sum(p.numel() for p in model.parameters())
 
 
+def test_the_chat_template_lists_tools_and_renders_tool_calls(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from env_server.text import BUILTIN_TEXT_ENVS, tool_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2*21?"},
+    ]
+    without = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    assert without == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2*21?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )  # as before tools were known: run files and recorded prompts render the same
+    tools = BUILTIN_TEXT_ENVS["Calculator-v0"].tools
+    call = {"id": "c1", "function": {"name": "calculator", "arguments": '{"expression": "2*21"}'}}
+    conversation = [
+        *plain,
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+        {"role": "tool", "content": '{"result": 42}'},
+    ]
+    text = tokenizer.apply_chat_template(
+        conversation, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert text.count("<|im_start|>system") == 1  # the system prompt joins the tools' turn
+    assert '"name": "calculator"' in text.split("\n</tools>")[0]
+    assert '<|im_start|>tool\n{"result": 42}<|im_end|>' in text
+    # The call renders in the format a model writes and the text envs read back.
+    (parsed,) = tool_calls({"role": "assistant", "content": text.split("<|im_start|>assistant")[1]})
+    assert (parsed.name, parsed.arguments) == ("calculator", {"expression": "2*21"})
+
+
 def test_init_model_refuses_a_size_vllm_cannot_serve(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="head size"):
         init_model(tmp_path / "m", size=ModelSize(96, 1, 2, 1, 64))
