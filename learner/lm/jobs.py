@@ -98,6 +98,18 @@ def _check_reward(settings: dict[str, Any], columns: frozenset[str] | None = Non
         raise ValueError(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
 
 
+class TextEnvKnob(StrictModel):
+    """Multi-turn RL on a text environment (docs/text_envs.md): every prompt is an episode."""
+
+    env_id: str = Field(min_length=1, description="text env id, e.g. GuessNumber-v0")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the env's arguments")
+    max_turns: int = Field(default=8, ge=1, description="model turns per episode")
+    max_total_tokens: int = Field(
+        default=1024, ge=16, description="tokens per episode: prompt and every turn"
+    )
+    wall_clock_s: float = Field(default=600.0, gt=0, description="time cap of a group")
+
+
 class LMJobSettings(LMTrainingKnobs):
     """GRPO-family RL of a causal LM on a prompt dataset, warm-started by SFT.
 
@@ -259,6 +271,11 @@ class LMJobSettings(LMTrainingKnobs):
     restarts: int = Field(
         default=2, ge=0, description="restarts of each service before the run fails"
     )
+    env: TextEnvKnob | None = Field(
+        default=None,
+        description="multi-turn RL on a text env served by an env server (null: single-turn "
+        "prompts from dataset); its episodes' rewards come from the env",
+    )
 
     @field_validator("eval_dataset")
     @classmethod
@@ -287,6 +304,13 @@ class LMJobSettings(LMTrainingKnobs):
     def _model_known(self) -> LMJobSettings:
         if not self.model_path.exists() and self.init_model is None:
             raise ValueError(f"model_path {self.model_path} does not exist and init_model is null")
+        if self.env is not None and self.eval_count:
+            raise ValueError(
+                "eval_count: an env job is not evaluated by the learner yet (its episodes' "
+                "returns are the rollout metrics); set eval_count: 0"
+            )
+        if self.env is not None and self.sft_steps:
+            raise ValueError("sft_steps: an env job has no demonstrations to warm-start on yet")
         return self
 
 
@@ -362,6 +386,12 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
         entries.append(
             {"name": name, "service": "sampler", "restarts": s.restarts, "settings": sampler}
         )
+    if s.env is not None:
+        env_server = {"preload": [s.env.env_id], "max_envs_per_session": max(s.group_size, 16)}
+        entries.append(
+            {"name": "env-0", "service": "env_server", "restarts": s.restarts,
+             "settings": env_server}
+        )  # fmt: skip
     dynamic = _resolved(s).dynamic_sampling
     for i in range(s.num_drivers):
         driver = {
@@ -393,6 +423,9 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
             # each sampler's engine seed instead.
             "seed": None,
         }
+        if s.env is not None:
+            driver["dataset"] = {"generator": "env_seeds", "env_id": s.env.env_id, "seed": s.seed}
+            driver["env"] = {"env_server": "env-0", **s.env.model_dump()}
         entries.append(
             {"name": f"rollout-{i}", "service": "rollout", "restarts": s.restarts,
              "settings": driver}

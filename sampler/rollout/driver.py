@@ -405,7 +405,8 @@ class RolloutDriver:
             self.stats.dropped_episodes(settings.group_size)
             await self.queue.nak([delivery])
             return
-        self.stats.generated(time.monotonic() - started, [])
+        sampled = sum(sum(e.loss_mask) for e in episodes)
+        self.stats.generated(time.monotonic() - started, tokens=sampled)
         for episode in episodes:
             if episode.last_version is not None:
                 await self.watch.observe(episode.last_version)

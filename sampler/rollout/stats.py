@@ -72,9 +72,13 @@ class RolloutStats:
         self._outcomes: collections.Counter[str] = collections.Counter()  # multi-turn episodes
         self._dropped_episodes = 0
 
-    def generated(self, seconds: float, results: Iterable[sampler_pb2.PromptResult]) -> None:
-        """One Generate call took ``seconds`` and returned ``results``."""
+    def generated(
+        self, seconds: float, results: Iterable[sampler_pb2.PromptResult] = (), tokens: int = 0
+    ) -> None:
+        """One Generate call took ``seconds`` and returned ``results`` (or a group of episodes
+        took them and its model sampled ``tokens``)."""
         self._generate_s.append(seconds)
+        self._generated_tokens += tokens
         for result in results:
             for completion in result.completions:
                 self._generated_tokens += _length(completion.token_ids)

@@ -33,7 +33,7 @@ from tests.fixtures.rollout import driver_groups
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 GROUP = 4
-SAMPLING = sampler_pb2.SamplingParams(temperature=1.0, max_tokens=12, seed=0)
+SAMPLING = sampler_pb2.SamplingParams(temperature=1.0, max_tokens=12)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -77,7 +77,7 @@ async def test_a_group_plays_to_its_ends_keeping_the_sampled_tokens(
     # Turns went both ways: some episode holds the env's tokens between two model turns.
     assert max(e.turns for e in episodes) >= 2
     assert any(not m for e in episodes for m in e.loss_mask)
-    assert len({tuple(e.token_ids) for e in episodes}) > 1  # sampled apart, though seeded
+    assert len({tuple(e.token_ids) for e in episodes}) > 1  # each episode sampled apart
     for episode in episodes:
         assert episode.outcome in {"found", "max_turns", "max_total_tokens"}, episode.outcome
         assert 1 <= episode.turns <= limits.max_turns
