@@ -403,6 +403,9 @@ class RolloutDriver:
         except Unavailable as exc:
             log.warning("group of %s dropped: %s", prompt_key(task), exc)
             self.stats.dropped_episodes(settings.group_size)
+            # Its start is given back (pacing would otherwise wait for a group that never
+            # comes) and the task goes back to the queue, counted again when taken again.
+            self.pacer.credit([group_id(self.run_name, task)])
             await self.queue.nak([delivery])
             return
         sampled = sum(sum(e.loss_mask) for e in episodes)
