@@ -67,9 +67,10 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
         up.wait_until(f"update {KILL_AT}", lambda: updates(run_dir) >= KILL_AT)
         (pid,) = service_pids(run_dir, "env-0")
         os.kill(pid, signal.SIGKILL)
+        killed_at = updates(run_dir)
         up.wait_for(r"env-0 .*restart 1/", 60)
         # Training goes on within seconds (a dropped group must not hold the driver's pacing).
-        up.wait_until("an update past the kill", lambda: updates(run_dir) > KILL_AT, 90)
+        up.wait_until("an update past the kill", lambda: updates(run_dir) > killed_at, 90)
         assert up.wait() == 0, "the run failed"
         assert "main service learner finished" in up.output
     except BaseException:
