@@ -60,6 +60,9 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
         model_path=str(tiny_model_dir), total_updates=UPDATES, groups_per_update=4, group_size=4
     )
     config["job"]["env"]["max_turns"] = 3  # shorter episodes: the same machinery, sooner
+    # Room for the driver to run ahead of the learner, so pacing never pauses it: groups are in
+    # flight whenever the env server is killed.
+    config["job"]["max_policy_lag"] = 8
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     up = Up(path, run_dir, services=SERVICES, budget_s=780)
