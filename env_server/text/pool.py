@@ -22,6 +22,7 @@ from typing import Any
 from clients.env.types import EpisodeStats, Message, TextStepResult, TextTurn
 from env_server.pool import check_seeds, env_indices
 from env_server.text.base import TextEnv
+from env_server.text.tools import ThreadCall
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 __all__ = ["TextPool"]
@@ -31,29 +32,6 @@ log = logging.getLogger(__name__)
 _ROLES_IN = ("assistant",)  # what a client may send: the model's turn
 _ROLES_OUT = ("system", "user", "assistant", "tool")  # what an env may answer with
 _NEW, _RUNNING, _ENDED, _BROKEN = "new", "running", "ended", "broken"
-
-
-class _Call:
-    """``call()`` in a daemon thread of its own (one that hangs is left behind: a thread cannot
-    be stopped); `outcome` is ("ok", value), ("error", exception) or ("timeout", None)."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self._box: dict[str, Any] = {}
-        self._call = call
-        self._worker = threading.Thread(target=self._run, name="text-env-step", daemon=True)
-        self._worker.start()
-
-    def _run(self) -> None:
-        try:
-            self._box["ok"] = self._call()
-        except Exception as exc:
-            self._box["error"] = exc
-
-    def outcome(self, deadline: float) -> tuple[str, Any]:
-        self._worker.join(max(0.0, deadline - time.monotonic()))
-        if self._worker.is_alive():
-            return "timeout", None
-        return next(iter(self._box.items()))
 
 
 class TextPool:
@@ -119,7 +97,7 @@ class TextPool:
             if self._state[i] == _BROKEN:
                 self._replace(i)
             env = self.envs[i]
-            call = _Call(functools.partial(env.reset, seed=env_seed, options=options))
+            call = ThreadCall(functools.partial(env.reset, seed=env_seed, options=options))
             outcome, value = call.outcome(time.monotonic() + self.step_timeout_s)
             if outcome == "timeout":
                 self._state[i] = _BROKEN
@@ -157,7 +135,7 @@ class TextPool:
         for k, (i, message) in enumerate(zip(targets, messages, strict=True)):
             self._check_action(i, k, message)
         calls = [
-            _Call(functools.partial(self.envs[i].step, message))
+            ThreadCall(functools.partial(self.envs[i].step, message))
             for i, message in zip(targets, messages, strict=True)
         ]
         deadline = time.monotonic() + self.step_timeout_s  # one deadline: the steps run at once

@@ -9,16 +9,18 @@ was wrong instead of ignoring it: the model learns from that answer.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from env_server.text.base import Message
 
-__all__ = ["ToolCall", "run_tool", "tool_calls", "tool_message"]
+__all__ = ["ThreadCall", "ToolCall", "run_tool", "tool_calls", "tool_message"]
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 MAX_CALLS_PER_TURN = 8  # more calls than this in one turn are answered with an error
@@ -74,23 +76,39 @@ def tool_message(call: ToolCall, content: dict[str, Any]) -> Message:
     }
 
 
+class ThreadCall:
+    """``call()`` in a daemon thread of its own (one that hangs is left behind: a thread cannot
+    be stopped); `outcome` is ("ok", value), ("error", exception) or ("timeout", None)."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._box: dict[str, Any] = {}
+        self._call = call
+        self._worker = threading.Thread(target=self._run, name="text-env-call", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        try:
+            self._box["ok"] = self._call()
+        except Exception as exc:  # the caller decides what an env's or tool's error means
+            self._box["error"] = exc
+
+    def outcome(self, deadline: float) -> tuple[str, Any]:
+        self._worker.join(max(0.0, deadline - time.monotonic()))
+        if self._worker.is_alive():
+            return "timeout", None
+        return next(iter(self._box.items()))
+
+
 def run_tool(
     function: Callable[..., Any], arguments: dict[str, Any], timeout_s: float
 ) -> dict[str, Any]:
     """``{"result": function(**arguments)}``, or ``{"error": ...}`` when it raises or runs past
-    ``timeout_s``. The call runs in a daemon thread of its own: a tool that hangs is left
-    behind (a thread cannot be killed) and the episode goes on with the error."""
-    outcome: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            outcome["result"] = function(**arguments)
-        except Exception as exc:  # the model sees what went wrong, as a tool's result
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
-
-    worker = threading.Thread(target=call, name="text-env-tool", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
+    ``timeout_s``; the episode goes on with the error (a hung tool is left behind)."""
+    outcome, value = ThreadCall(functools.partial(function, **arguments)).outcome(
+        time.monotonic() + timeout_s
+    )
+    if outcome == "timeout":
         return {"error": f"the tool did not answer within {timeout_s:g}s"}
-    return dict(outcome)
+    if outcome == "error":
+        return {"error": f"{type(value).__name__}: {value}"}
+    return {"result": value}
