@@ -24,6 +24,7 @@ __all__ = [
     "EngineConfig",
     "EngineInfo",
     "GenerationEngine",
+    "PromptCounts",
     "SamplingOptions",
     "build_engine",
 ]
@@ -68,6 +69,22 @@ class Completion:
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Prompt tokens served from the engine's prefix cache (the same for every completion of one
+    # prompt); 0 for an engine without one.
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class PromptCounts:
+    """Prompt tokens an engine has prefilled since it started, and how many of them it found in
+    its prefix cache (cumulative; readers take differences)."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    def add(self, prompt_tokens: int, cached_prompt_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_prompt_tokens += cached_prompt_tokens
 
 
 @dataclass
@@ -94,6 +111,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    prefix_caching: bool = False  # whether repeated prompt prefixes skip their prefill
 
 
 # The weight dtypes an engine runs in (SamplerSettings.dtype); every engine takes all three.
@@ -121,6 +139,7 @@ class GenerationEngine(Protocol):
     """A running generation engine. Methods are called from the service's event loop."""
 
     info: EngineInfo
+    counts: PromptCounts  # every request's prompt, Generate and stream alike
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], options: SamplingOptions

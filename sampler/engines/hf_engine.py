@@ -22,7 +22,14 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from sampler.engines.base import Completion, Delta, EngineConfig, EngineInfo, SamplingOptions
+from sampler.engines.base import (
+    Completion,
+    Delta,
+    EngineConfig,
+    EngineInfo,
+    PromptCounts,
+    SamplingOptions,
+)
 from sampler.engines.model_files import model_facts
 
 if TYPE_CHECKING:
@@ -65,6 +72,7 @@ class HfEngine:
             vocab_size=facts.vocab_size,
             eos_token_ids=facts.eos_token_ids,
         )
+        self.counts = PromptCounts()  # no prefix cache: nothing is ever cached
         self._lock = threading.Lock()  # one generate (or weight load) at a time
         self._unfinished = 0  # stream requests not finished (running or waiting for the lock)
 
@@ -133,6 +141,7 @@ class HfEngine:
                 [Completion([], "", "abort", [] if o.logprobs else None) for _ in range(o.n)]
                 for _ in prompts
             ]
+        self.counts.add(sum(len(p) for p in prompts), 0)
         greedy = o.temperature == 0
         pad_id = self.tokenizer.pad_token_id or 0
         config = GenerationConfig(

@@ -30,7 +30,14 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sampler.engines.base import Completion, Delta, EngineConfig, EngineInfo, SamplingOptions
+from sampler.engines.base import (
+    Completion,
+    Delta,
+    EngineConfig,
+    EngineInfo,
+    PromptCounts,
+    SamplingOptions,
+)
 from sampler.engines.model_files import model_facts
 
 if TYPE_CHECKING:
@@ -111,7 +118,9 @@ class VllmEngine:
             max_model_len=int(model_config.max_model_len),
             vocab_size=int(model_config.get_vocab_size()),
             eos_token_ids=facts.eos_token_ids,
+            prefix_caching=bool(self.llm.vllm_config.cache_config.enable_prefix_caching),
         )
+        self.counts = PromptCounts()
         log.info("vLLM %s started in %.1fs", config.model_path, self.start_seconds)
 
     async def generate(
@@ -148,6 +157,7 @@ class VllmEngine:
                 abort_timer.cancel()
         if final is None:  # aborted before vLLM produced anything
             return [Completion([], "", "abort") for _ in range(options.n)]
+        cached = self._count(prompt, final)
         outputs = sorted(final.outputs, key=lambda o: o.index)
         completions = [_completion(o, options) for o in outputs]
         for completion, choice in zip(completions, outputs, strict=True):
@@ -158,7 +168,14 @@ class VllmEngine:
                 completion.text = self.tokenizer.decode(
                     completion.token_ids, skip_special_tokens=True
                 )
+            completion.cached_prompt_tokens = cached
         return completions
+
+    def _count(self, prompt: Sequence[int], output: Any) -> int:
+        """Count a request's prompt (once, from any of its outputs); its cached tokens."""
+        cached = int(output.num_cached_tokens or 0)
+        self.counts.add(len(prompt), cached)
+        return cached
 
     async def stream(
         self, prompt: Sequence[int], options: SamplingOptions
@@ -173,9 +190,13 @@ class VllmEngine:
                 delay, lambda: loop.create_task(self.llm.abort(request_id))
             )
         finished: set[int] = set()
+        counted = False
         outputs = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
         try:
             async for output in outputs:
+                if not counted:
+                    self._count(prompt, output)
+                    counted = True
                 batch = [_delta(o, options) for o in output.outputs]
                 finished.update(d.index for d in batch if d.finish_reason is not None)
                 if batch:

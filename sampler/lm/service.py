@@ -35,6 +35,7 @@ from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import EngineConfig, GenerationEngine, build_engine
 from sampler.lm.servicer import SamplerService
 from sampler.lm.settings import SamplerSettings
+from sampler.lm.stats import EngineStats
 from services.bus import Bus, announce
 from services.cache import user_cache_dir
 from services.errors import ConfigError
@@ -183,6 +184,7 @@ def engine_config(settings: SamplerSettings) -> EngineConfig:
         kv_cache_gib=settings.kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
         served_model_name=settings.served_model_name,
+        extra={} if settings.block_size is None else {"block_size": settings.block_size},
     )
 
 
@@ -197,6 +199,7 @@ class LmSampler:
         self.bus: Bus | None = None
         self.follower: WeightFollower | None = None
         self._following: asyncio.Task[None] | None = None
+        self._reporting: asyncio.Task[None] | None = None
         self.warmup_s: float | None = None  # how long the warm-up took, once done
 
     async def start(self) -> bool:
@@ -236,6 +239,18 @@ class LmSampler:
                 first.cancel()  # stopped or failed meanwhile; a no-op once it is done
         self.servicer.set_ready()
         await self._say(f"ready: serving version {self.servicer.gate.version}")
+        if self.bus is not None:
+            stats = EngineStats(self.engine, lambda: self.servicer.queued)
+            self._reporting = asyncio.create_task(
+                stats.publish_every(
+                    self.bus,
+                    ctx.run_name,
+                    ctx.name,
+                    settings.metrics_interval_s,
+                    lambda: self.servicer.gate.version,
+                ),
+                name="engine-metrics",
+            )
         return True
 
     async def _say(self, message: str) -> None:
@@ -305,9 +320,10 @@ class LmSampler:
                 log.exception("loading weights v%d failed", pending[0])
 
     async def close(self) -> None:
-        if self._following is not None:
-            self._following.cancel()
-            await asyncio.gather(self._following, return_exceptions=True)
+        for task in (self._following, self._reporting):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.follower is not None:
             await self.follower.close()
         if self.bus is not None:

@@ -151,6 +151,8 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         for prompt, completions in zip(prompts, results, strict=True):
             result = response.results.add()
             result.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(prompt, np.int32)))
+            if completions:
+                result.cached_prompt_tokens = completions[0].cached_prompt_tokens
             for completion in completions:
                 _fill(result.completions.add(), completion, version, options)
         return response

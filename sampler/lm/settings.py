@@ -29,6 +29,10 @@ class SamplerSettings(StrictModel):
     max_queued_requests: int = Field(default=4096, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)  # vLLM: sequences per scheduler step
     kv_cache_gib: int = Field(default=1, ge=1)  # vLLM KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
+    # vLLM's KV block, in tokens (None: vLLM's, 128 on CPU). The prefix cache reuses whole
+    # blocks only: smaller ones keep more of short multi-turn conversations (a multiple of 32
+    # on CPU).
+    block_size: int | None = Field(default=None, ge=16, multiple_of=16)
     enforce_eager: bool = True  # skip torch.compile (a much faster start on CPU)
     seed: int = Field(default=0, ge=0)  # engine seed; requests without a seed draw from it
     # Follow the run's weight versions (WeightsPublished on the bus, fetched from
@@ -40,6 +44,8 @@ class SamplerSettings(StrictModel):
     # Generate once before reporting SERVING (the first requests of a fresh engine are slow).
     warmup: bool = True
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1 << 20)
+    # Period of the engine's Metrics events (prefix-cache hit rate, prompt tokens/s, queue).
+    metrics_interval_s: float = Field(default=10.0, gt=0)
     # Where vLLM and torch inductor cache what they compile (VLLM_CACHE_ROOT,
     # TORCHINDUCTOR_CACHE_DIR; either variable set already wins). "shared": one cache for every
     # run on the machine, <rlfleet cache>/compile/vllm-<v>-torch-<v>/ ($RLFLEET_CACHE_DIR, else

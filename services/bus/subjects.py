@@ -153,7 +153,7 @@ KIND_RIGHTS: dict[str, tuple[str, ...]] = {
         "publish_status",
         "follow_members",
     ),
-    "sampler": ("events", "publish_status", "register"),
+    "sampler": ("events", "publish_status", "publish_metrics", "register"),
     "reward_service": ("events", "publish_metrics", "register"),
     "gateway": ("events", "publish_metrics", "follow_members"),
     "heartbeat": ("events", "publish_metrics"),

@@ -8,7 +8,7 @@
 
 const POLL_MS = 1000;
 const RUNS_EVERY = 5; // polls between refreshes of the run list
-const GROUP_ORDER = ["charts", "losses", "reward", "rewards", "eval", "rollout"];
+const GROUP_ORDER = ["charts", "losses", "reward", "rewards", "eval", "rollout", "episodes", "sampler"];
 // A game's own score (Snake's food eaten, Atari's unclipped score) as a metric of its own.
 const SCORE_KEY = /(^|[/_])score$/i;
 const FIRST_KEYS = ["charts/episodic_return", "score", "charts/episodic_length", "charts/SPS"];
@@ -74,6 +74,11 @@ const HELP = {
   "losses/nonfinite_updates":
     "Updates skipped for a NaN/inf in the batch, loss or gradients (none applied). Any rise: the learner's log " +
     "names the fragments' source.",
+  "sampler/prefix_cache_hit_rate":
+    "Each sampler's share of prompt tokens found in its prefix cache (not computed again). Multi-turn episodes keep " +
+    "every turn on one sampler, so their earlier turns are cached: near 1 is the goal; low means turns land elsewhere " +
+    "or the cache (kv_cache_gib) is too small.",
+  "rollout/prefix_cache_hit_rate": "The same hit rate, over the multi-turn turns one rollout driver sent.",
 };
 
 const isScore = (key) => SCORE_KEY.test(key);

@@ -114,12 +114,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PromptResult, _Mapping]]] = ...) -> None: ...
 
 class PromptResult(_message.Message):
-    __slots__ = ("prompt_token_ids", "completions")
+    __slots__ = ("prompt_token_ids", "completions", "cached_prompt_tokens")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _tensor_pb2.Tensor
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
-    def __init__(self, prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "policy_version", "end_policy_version", "top_token_ids", "top_logprobs")
