@@ -38,6 +38,7 @@ from services.membership import Balancer, PeerView
 from services.server import DEFAULT_MAX_MESSAGE_BYTES, channel
 
 __all__ = [
+    "BATCH_KEYS",
     "SERVICE_NAME",
     "FunctionResult",
     "ItemResult",
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 SERVICE_NAME = service_name(reward_pb2, "RewardService")  # for health checks
+# What every reward function receives, one entry per item; ScoreItem.extra may not use these.
+BATCH_KEYS = ("prompts", "completions", "prompt_ids", "completion_ids")
 
 _ITEM_KEYS = {"prompt", "completion", "prompt_ids", "completion_ids", "extra"}
 _STATUS = {

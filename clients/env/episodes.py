@@ -1,5 +1,8 @@
 """Multi-turn episodes: generation and text-environment steps alternating, token in, token out.
 
+The client side of an env server's text envs: rollout drivers play training episodes with a
+sampler's turns (sampler/rollout/turns.py), the learner evaluates with greedy turns of its own.
+
 One group is G episodes of the same task (G envs of a `TextSession` reset with one seed), as a
 GRPO group is G completions of one prompt. Each turn, every live episode's whole token sequence
 so far goes to the sampler as a pre-tokenized prompt, n=1; the model's tokens and their logprobs
@@ -22,15 +25,21 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from clients.env.text import TextSession
-from clients.env.types import Message
-from clients.sampler import SamplerClient
+from clients.env.types import Message, TextTurn
 from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2
+from services.errors import ConfigError
 
-__all__ = ["ChatTokens", "Episode", "EpisodeLimits", "Generate", "play_group", "sampler_turns"]
+__all__ = [
+    "ChatTokens",
+    "Episode",
+    "EpisodeLimits",
+    "Generate",
+    "demonstration_episode",
+    "play_episodes",
+    "play_group",
+]
 
 # Outcomes of an episode besides the env's own ("terminated", "truncated").
 MAX_TURNS, MAX_TOTAL_TOKENS, WALL_CLOCK = "max_turns", "max_total_tokens", "wall_clock"
@@ -60,7 +69,10 @@ class Episode:
     finish_reason: Any = sampler_pb2.FINISH_REASON_UNSPECIFIED  # the last model turn's
     first_version: int | None = None  # weights that sampled its first token
     last_version: int | None = None  # and its last
-    info: dict[str, Any] = field(default_factory=dict)  # the env's last info
+    info: dict[str, Any] = field(default_factory=dict)  # the env's infos merged, latest wins
+    # Prompt tokens sent over all its turns, and how many the sampler had in its prefix cache.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def done(self) -> bool:
@@ -92,6 +104,7 @@ class ChatTokens:
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.turn_end = _turn_end(tokenizer)
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
         return str(
@@ -109,6 +122,11 @@ class ChatTokens:
     def opening(self, messages: list[Message]) -> list[int]:
         return self._ids(self._render(messages, True))
 
+    def said(self, text: str) -> list[int]:
+        """A model turn's tokens, as a model that stopped at the template's end of turn sampled
+        them (demonstrations)."""
+        return self._ids(text) + self.turn_end
+
     def answer(self, episode: Episode, env_messages: list[Message]) -> list[int]:
         """Tokens after the model's last one: the rest of its turn as the template ends it, the
         env's messages and the next generation prompt."""
@@ -125,31 +143,9 @@ class ChatTokens:
 
 
 # One model turn for each episode given: (episode, prompt token ids, room in tokens) -> the
-# sampler's completion (token ids, logprobs, text, finish reason, versions).
-Generate = Callable[[Episode, list[int], int], Awaitable[sampler_pb2.Completion]]
-
-
-def sampler_turns(client: SamplerClient, sampling: sampler_pb2.SamplingParams) -> Generate:
-    """Model turns on one sampler (every turn of a group there: its prefix cache holds the
-    conversation so far), each a pre-tokenized prompt, n=1, with logprobs and no more tokens
-    than ``sampling.max_tokens`` or the room the episode has left. A seeded ``sampling`` seeds
-    each turn of each episode differently (the same seed would give a group G equal episodes)."""
-
-    async def generate(
-        episode: Episode, prompt_ids: list[int], room: int
-    ) -> sampler_pb2.Completion:
-        params = sampler_pb2.SamplingParams()
-        params.CopyFrom(sampling)
-        params.n, params.logprobs = 1, True
-        params.max_tokens = min(sampling.max_tokens or room, room)
-        if sampling.HasField("seed"):  # reproducible, yet each episode and turn its own
-            params.seed = (sampling.seed + 1_000_003 * episode.env_index + episode.turns) % 2**62
-        prompt = sampler_pb2.Prompt(token_ids=tensor.encode(np.asarray(prompt_ids, np.int32)))
-        request = sampler_pb2.GenerateRequest(prompts=[prompt], sampling=params)
-        response = await client.generate_request(request)
-        return response.results[0].completions[0]
-
-    return generate
+# sampler's result: one completion (token ids, logprobs, text, finish reason, versions) and the
+# prompt tokens it found cached.
+Generate = Callable[[Episode, list[int], int], Awaitable[sampler_pb2.PromptResult]]
 
 
 async def play_group(
@@ -164,28 +160,72 @@ async def play_group(
 ) -> list[Episode]:
     """Play ``group_size`` episodes of the task ``seed`` picks on ``session`` (created with at
     least that many envs) to their ends; returns them in env order."""
-    began = time.monotonic()
     seeds = [seed] * group_size  # one task for the whole group
-    turns = await session.reset(seed=seeds, env_indices=range(group_size), options=options)
+    return await play_episodes(session, seeds, tokens, generate, limits, options=options)
+
+
+def demonstration_episode(tokens: ChatTokens, turn: TextTurn) -> Episode:
+    """The episode an env's expert played (a reset with the ``demonstrate`` option), laid out
+    as a sampled one: the expert's turns as the model's tokens (ended by the template's end of
+    turn, under the loss mask), the env's as the template writes them."""
+    episode = Episode(turn.env_index, tokens.opening(turn.messages), list(turn.messages))
+    demonstration = list(turn.info["demonstration"])
+    k = 0
+    while k < len(demonstration):
+        message = demonstration[k]
+        said = tokens.said(str(message.get("content") or ""))
+        episode.add(said, [0.0] * len(said))
+        episode.messages.append(message)
+        episode.turns += 1
+        k += 1
+        answer = []
+        while k < len(demonstration) and demonstration[k]["role"] != "assistant":
+            answer.append(demonstration[k])
+            k += 1
+        if k < len(demonstration):  # the env's answer and the next generation prompt
+            episode.add(tokens.answer(episode, answer))
+            episode.messages.extend(answer)
+    return episode
+
+
+async def play_episodes(
+    session: TextSession,
+    seeds: Sequence[int],
+    tokens: ChatTokens,
+    generate: Generate,
+    limits: EpisodeLimits,
+    *,
+    options: dict[str, Any] | None = None,
+) -> list[Episode]:
+    """Play one episode per seed on envs 0.. of ``session`` to their ends; returns them in env
+    order. ``limits.wall_clock_s`` bounds them all together."""
+    began = time.monotonic()
+    turns = await session.reset(seed=list(seeds), env_indices=range(len(seeds)), options=options)
     episodes = [
-        Episode(t.env_index, tokens.opening(t.messages), list(t.messages), info=t.info)
+        Episode(t.env_index, tokens.opening(t.messages), list(t.messages), info=dict(t.info))
         for t in turns
     ]
     for episode in episodes:
         if episode.length >= limits.max_total_tokens:
-            episode.outcome = MAX_TOTAL_TOKENS
+            # Every episode of this env would end before the model said a word: the run is
+            # misconfigured, not unlucky.
+            raise ConfigError(
+                f"max_total_tokens={limits.max_total_tokens} leaves no room for a model turn: "
+                f"an opening of this env renders to {episode.length} tokens (its messages and "
+                "tools in the chat template); raise max_total_tokens"
+            )
     while live := [e for e in episodes if not e.done]:
         if time.monotonic() - began > limits.wall_clock_s:
             for episode in live:
                 episode.outcome = WALL_CLOCK
             break
-        completions = await asyncio.gather(
+        results = await asyncio.gather(
             *(
                 generate(e, e.prompt_ids + e.token_ids, limits.max_total_tokens - e.length)
                 for e in live
             )
         )
-        stepping = [e for e, c in zip(live, completions, strict=True) if _take_turn(e, c)]
+        stepping = [e for e, r in zip(live, results, strict=True) if _take_turn(e, r)]
         if not stepping:
             continue
         actions = [e.messages[-1] for e in stepping]
@@ -194,7 +234,7 @@ async def play_group(
         for k, turn in enumerate(result.turns):
             episode = by_index[turn.env_index]
             episode.rewards.append(result.rewards[k])
-            episode.info = turn.info
+            episode.info.update(turn.info)
             if result.terminated[k] or result.truncated[k]:
                 episode.outcome = _env_outcome(turn.info, bool(result.terminated[k]))
             elif episode.turns >= limits.max_turns:
@@ -209,9 +249,12 @@ async def play_group(
     return episodes
 
 
-def _take_turn(episode: Episode, completion: sampler_pb2.Completion) -> bool:
+def _take_turn(episode: Episode, result: sampler_pb2.PromptResult) -> bool:
     """Record the model's turn; True when it goes to the env (False: the sampler gave none)."""
+    completion = result.completions[0]
     episode.turns += 1
+    episode.prompt_tokens += episode.length
+    episode.cached_tokens += result.cached_prompt_tokens
     episode.finish_reason = completion.finish_reason
     if not completion.HasField("token_ids") or not completion.token_ids.data:
         episode.outcome = NO_TOKENS
@@ -227,6 +270,24 @@ def _take_turn(episode: Episode, completion: sampler_pb2.Completion) -> bool:
     episode.add(ids.tolist(), logprobs)
     episode.messages.append({"role": "assistant", "content": completion.text})
     return True
+
+
+def _turn_end(tokenizer: Any) -> list[int]:
+    """The token the chat template ends an assistant turn with (Qwen's ``<|im_end|>``): what
+    follows the content of a rendered assistant message, when it is one special token; else
+    the tokenizer's EOS."""
+    marker = "\x00rlfleet\x00"
+    text = str(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
+            tokenize=False,
+        )
+    )
+    after = text.partition(marker)[2].strip()
+    for token in tokenizer.all_special_tokens:
+        if token and after.startswith(token):
+            return [int(tokenizer.convert_tokens_to_ids(token))]
+    return [int(tokenizer.eos_token_id)]
 
 
 def _env_outcome(info: dict[str, Any], terminated: bool) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
+from clients.reward import BATCH_KEYS
 from services.errors import ConfigError
 from services.references import import_reference_module, is_reference, split_reference
 
@@ -48,8 +49,6 @@ __all__ = [
 ]
 
 REWARDS_GROUP = "rlfleet.rewards"
-# What every call receives, one entry per item; ScoreItem.extra may not use these names.
-BATCH_KEYS = ("prompts", "completions", "prompt_ids", "completion_ids")
 DEFAULT_TIMEOUT_S = 30.0
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from clients.env import SERVICE_NAME as ENV_SERVICE
+from clients.env.episodes import ChatTokens, EpisodeLimits, play_group
 from clients.env.text import TextSession
 from clients.reward import SERVICE_NAME as REWARD_SERVICE
 from clients.reward import RewardPool
@@ -34,8 +35,8 @@ from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from clients.sampler import SamplerPool
 from common.datasets import ENV_SEED_KEY
 from rlfleet.bus.v1 import trajectory_pb2
+from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.rollout.episodes import ChatTokens, EpisodeLimits, play_group, sampler_turns
 from sampler.rollout.groups import (
     Expert,
     build_groups,
@@ -45,11 +46,13 @@ from sampler.rollout.groups import (
     group_id,
     sampling_params,
     score_request,
+    transcript_score_request,
 )
 from sampler.rollout.pacing import Pacer, VersionWatch
 from sampler.rollout.prompts import PromptFeeder, PromptQueue, prompt_key
 from sampler.rollout.settings import RolloutSettings
 from sampler.rollout.stats import RolloutStats
+from sampler.rollout.turns import sampler_turns
 from services.bus import Bus, Delivery, stop_when_run_over, stream_name, traj_subject
 from services.calls import call_with_retry, wait_healthy
 from services.errors import ConfigError, InvalidArgument, Unavailable
@@ -311,19 +314,11 @@ class RolloutDriver:
         tasks = [d.message for d in batch]
         experts = [self._expert(task) for task in tasks]
         request = score_request(tasks, results, experts, self.settings.rewards)
-        started = time.monotonic()
-        scored = await call_with_retry(
-            lambda: self.rewards.score_request(request),
-            f"scoring {len(request.items)}",
-            self.stop,
-        )
-        if scored is None:
+        scores = await self._score(request, f"scoring {len(request.items)}")
+        if scores is None:
             await self.queue.nak(batch)
             return
-        self.stats.scored(time.monotonic() - started)
-        groups = build_groups(
-            self.run_name, self.ctx.name, tasks, results, experts, list(scored.results)
-        )
+        groups = build_groups(self.run_name, self.ctx.name, tasks, results, experts, scores)
         for group, delivery in zip(groups, batch, strict=True):
             if await self._publish(group, delivery):
                 await self.queue.ack([delivery])
@@ -392,6 +387,8 @@ class RolloutDriver:
             ):
                 info = await session.create(env.env_id, settings.group_size, kwargs=env.kwargs)
                 tokens = ChatTokens(self.tokenizer, info.tools)
+                # A turn ends where the template ends one (the env speaks next), not at EOS.
+                params.stop_token_ids.extend(set(tokens.turn_end) - set(params.stop_token_ids))
                 episodes = await play_group(
                     session,
                     int(seed),
@@ -413,11 +410,34 @@ class RolloutDriver:
         for episode in episodes:
             if episode.last_version is not None:
                 await self.watch.observe(episode.last_version)
-        group = episode_group(self.run_name, self.ctx.name, task, episodes)
+        scores: list[reward_pb2.ItemScore] = []
+        if settings.rewards:  # reward functions on the transcripts, beside the env's reward
+            request = transcript_score_request(task, episodes, settings.rewards)
+            scored = await self._score(request, f"scoring {len(episodes)} transcripts")
+            if scored is None:
+                await self.queue.nak([delivery])
+                return
+            scores = scored
+        group = episode_group(self.run_name, self.ctx.name, task, episodes, scores)
         self.stats.episodes([e.outcome for e in episodes])
+        self.stats.prompts_cached(
+            sum(e.prompt_tokens for e in episodes), sum(e.cached_tokens for e in episodes)
+        )
         if await self._publish(group, delivery):
             await self.queue.ack([delivery])
             self.stats.published(group, self.watch.version)
+
+    async def _score(
+        self, request: reward_pb2.ScoreRequest, what: str
+    ) -> list[reward_pb2.ItemScore] | None:
+        """The reward service's scores of ``request`` (retried); None when stopped."""
+        assert self.stats is not None
+        started = time.monotonic()
+        scored = await call_with_retry(lambda: self.rewards.score_request(request), what, self.stop)
+        if scored is None:
+            return None
+        self.stats.scored(time.monotonic() - started)
+        return list(scored.results)
 
     def _check_response(
         self, address: str, response: sampler_pb2.GenerateResponse, prompts: int

@@ -12,18 +12,21 @@ advantage would be made up. The function-level outcomes stay in `rewards` for th
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import duration_pb2, json_format, timestamp_pb2
 
+from clients.env.episodes import Episode
+from clients.reward import BATCH_KEYS
 from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.rollout.episodes import Episode
 from sampler.rollout.prompts import SOLUTION_KEY, prompt_key
 from sampler.rollout.settings import RewardSpec, SamplingSettings
 from services.errors import InvalidArgument
@@ -39,6 +42,7 @@ __all__ = [
     "prompt_text",
     "sampling_params",
     "score_request",
+    "transcript_score_request",
 ]
 
 
@@ -130,12 +134,7 @@ def score_request(
 ) -> reward_pb2.ScoreRequest:
     """One item per completion, prompt-major, each prompt's expert completion after its G."""
     request = reward_pb2.ScoreRequest()
-    for spec in rewards:
-        weight = request.rewards.add(name=spec.name, weight=spec.weight)
-        if spec.kwargs:
-            weight.kwargs.update(spec.kwargs)
-        if spec.timeout_s is not None:
-            weight.timeout.CopyFrom(_duration(spec.timeout_s))
+    _add_rewards(request, rewards)
     for task, result, expert in zip(tasks, results, experts, strict=True):
         text = prompt_text(task)
         completions = [(c.text, c.token_ids) for c in result.completions]
@@ -185,15 +184,52 @@ def build_groups(
     return groups
 
 
+def transcript(episode: Episode) -> str:
+    """An episode's messages but the system prompt, one ``[role] content`` block each."""
+    said = (m for m in episode.messages if m["role"] != "system")
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in said)
+
+
+def transcript_score_request(
+    task: trajectory_pb2.PromptTask,
+    episodes: Sequence[Episode],
+    rewards: Sequence[RewardSpec],
+) -> reward_pb2.ScoreRequest:
+    """One item per episode for the reward functions: its opening's last user message as the
+    prompt, the model's last message as the completion (what answer checks read), and as
+    extra the task's columns, the env's info (its ``answer``, ``outcome``, ...) and the whole
+    ``transcript``."""
+    request = reward_pb2.ScoreRequest()
+    _add_rewards(request, rewards)
+    for episode in episodes:
+        said = [m["content"] for m in episode.messages if m["role"] == "assistant"]
+        asked = [m["content"] for m in _opening(episode) if m["role"] == "user"]
+        item = request.items.add(
+            prompt=asked[-1] if asked else "", completion=said[-1] if said else ""
+        )
+        item.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(episode.prompt_ids, np.int32)))
+        item.completion_token_ids.CopyFrom(tensor.encode(np.asarray(episode.token_ids, np.int32)))
+        extra: dict[str, Any] = {k: v for k, v in episode.info.items() if _plain(v)}
+        extra.update(_struct(task.extra))
+        extra["transcript"] = transcript(episode)
+        item.extra.update({k: v for k, v in extra.items() if k not in BATCH_KEYS})
+    return request
+
+
 def episode_group(
-    run: str, source: str, task: trajectory_pb2.PromptTask, episodes: Sequence[Episode]
+    run: str,
+    source: str,
+    task: trajectory_pb2.PromptTask,
+    episodes: Sequence[Episode],
+    scores: Sequence[reward_pb2.ItemScore] = (),
 ) -> trajectory_pb2.TrajectoryGroup:
     """The TrajectoryGroup of a task's multi-turn episodes: one completion each, holding every
     token after the shared opening (the model's, masked in, and the env's), its reward the sum
-    of the env's rewards (function ``env``)."""
+    of the env's rewards (function ``env``) plus, with ``scores`` (one per episode, from
+    transcript_score_request), the reward functions' weighted total."""
     group = _group(run, source, task, _now())
     group.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(episodes[0].prompt_ids, np.int32)))
-    for episode in episodes:
+    for index, episode in enumerate(episodes):
         version = episode.first_version or 0
         out = trajectory_pb2.TrajectoryCompletion(
             token_ids=tensor.encode(np.asarray(episode.token_ids, np.int32)),
@@ -202,13 +238,48 @@ def episode_group(
             finish_reason=episode.finish_reason,
             policy_version=version,
             end_policy_version=episode.last_version or version,
-            text="\n".join(f"[{m['role']}] {m['content']}" for m in episode.messages[1:]),
+            text=transcript(episode),
             reward=episode.reward,
         )
         out.rewards.add(name="env", status=reward_pb2.SCORE_STATUS_OK, score=episode.reward)
+        if scores:
+            score = scores[index]
+            out.rewards.extend(score.scores)
+            if score.HasField("total"):
+                out.reward = episode.reward + score.total
         group.completions.append(out)
     group.policy_version = min(c.policy_version for c in group.completions)
     return group
+
+
+def _add_rewards(request: reward_pb2.ScoreRequest, rewards: Sequence[RewardSpec]) -> None:
+    for spec in rewards:
+        weight = request.rewards.add(name=spec.name, weight=spec.weight)
+        if spec.kwargs:
+            weight.kwargs.update(spec.kwargs)
+        if spec.timeout_s is not None:
+            weight.timeout.CopyFrom(_duration(spec.timeout_s))
+
+
+def _opening(episode: Episode) -> list[Any]:
+    """The messages before the model's first turn."""
+    for i, message in enumerate(episode.messages):
+        if message["role"] == "assistant":
+            return episode.messages[:i]
+    return episode.messages
+
+
+def _struct(message: Any) -> dict[str, Any]:
+    return dict(json_format.MessageToDict(message))
+
+
+def _plain(value: Any) -> bool:
+    """Whether a value goes into a protobuf Struct unchanged (JSON)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _now() -> timestamp_pb2.Timestamp:

@@ -44,7 +44,7 @@ class SamplingSettings(StrictModel):
 class TextEnvRollout(StrictModel):
     """Multi-turn rollouts: each prompt task (a seed, from the ``env_seeds`` dataset) is a group
     of ``group_size`` episodes of a text environment on an env server (docs/text_envs.md),
-    played turn by turn on one sampler replica (sampler/rollout/episodes.py)."""
+    played turn by turn on one sampler replica (clients/env/episodes.py)."""
 
     env_id: str = Field(min_length=1)  # a text env id the env server creates, e.g. Calculator-v0
     env_server: ServiceRef  # EnvService instance name (its live replicas) or host:port
@@ -74,7 +74,9 @@ class RolloutSettings(StrictModel):
     # call's scoring and publishing, and its slowest completions, with the next call.
     concurrency: int = Field(default=2, ge=1)
     sampling: SamplingSettings = SamplingSettings()
-    rewards: list[RewardSpec] = Field(default_factory=list)  # empty: the server's default set
+    # Single-turn: scored on every completion, empty: the server's default set. With `env`:
+    # scored on every episode's transcript and added to the env's reward, empty: none.
+    rewards: list[RewardSpec] = Field(default_factory=list)
     # Feed the prompt queue from `dataset` (one driver per run; see sampler/rollout/prompts.py).
     feed: bool = False
     queue: str = "prompts"  # prompt work queue name (subject rlfleet.v1.work.<run>.<queue>)

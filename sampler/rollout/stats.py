@@ -11,6 +11,10 @@ they are not the policy's):
     rollout/completion_len             mean completion length in tokens
     rollout/truncated_frac             completions stopped by max_tokens or the context length
     rollout/policy_lag                 mean of (newest announced version - sampling version)
+    rollout/prefix_cache_hit_rate      multi-turn: prompt tokens of the episodes' turns that the
+                                       sampler found in its prefix cache / prompt tokens sent
+    episodes/<outcome>_frac            multi-turn: how the published groups' episodes ended
+    episodes/dropped                   multi-turn: episodes lost with their env server
 The Metrics `step` is the number of completions this driver has published.
 """
 
@@ -71,6 +75,8 @@ class RolloutStats:
         self._score_s: list[float] = []
         self._outcomes: collections.Counter[str] = collections.Counter()  # multi-turn episodes
         self._dropped_episodes = 0
+        self._prompt_tokens = 0  # multi-turn turns' prompts, and the part of them cached
+        self._cached_tokens = 0
 
     def generated(
         self, seconds: float, results: Iterable[sampler_pb2.PromptResult] = (), tokens: int = 0
@@ -86,6 +92,12 @@ class RolloutStats:
     def episodes(self, outcomes: Iterable[str]) -> None:
         """How a published group's multi-turn episodes ended (found, max_turns, ...)."""
         self._outcomes.update(outcomes)
+
+    def prompts_cached(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Multi-turn turns sent ``prompt_tokens`` to the sampler, ``cached_tokens`` of them
+        found in its prefix cache."""
+        self._prompt_tokens += prompt_tokens
+        self._cached_tokens += cached_tokens
 
     def dropped_episodes(self, count: int) -> None:
         """Episodes of a group lost with its env server (its task is played again)."""
@@ -133,6 +145,8 @@ class RolloutStats:
         episodes = sum(self._outcomes.values())
         for outcome, n in sorted(self._outcomes.items()):
             out[f"episodes/{outcome}_frac"] = n / episodes
+        if self._prompt_tokens:
+            out["rollout/prefix_cache_hit_rate"] = self._cached_tokens / self._prompt_tokens
         if self._dropped_episodes:
             out["episodes/dropped"] = float(self._dropped_episodes)
         return out

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (sampler/rollout/episodes.py) on real parts: the session's vLLM sampler
+"""Multi-turn episodes (clients/env/episodes.py) on real parts: the session's vLLM sampler
 and an env server's text envs over gRPC. The model's tokens are kept exactly as sampled, the
 env's come from the chat template, and every cap ends an episode with its outcome."""
 
@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from clients.env.episodes import ChatTokens, EpisodeLimits, play_group
 from clients.env.text import TextSession
 from clients.sampler import SamplerClient
 from common import tensor
 from env_server.service import EnvServerSettings
 from reward_service.service import serve
 from reward_service.settings import RewardSettings
+from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.rollout.episodes import ChatTokens, EpisodeLimits, play_group, sampler_turns
 from sampler.rollout.settings import RolloutSettings
+from sampler.rollout.turns import sampler_turns
 from services.bus import EmbeddedNats
-from services.errors import Unavailable
+from services.errors import ConfigError, Unavailable
 from services.ports import free_port
 from services.registry import ServiceContext
 from tests.fixtures.env_server import env_server_in_process
@@ -58,10 +60,10 @@ class Recorded:
         self.sampled: dict[int, list[list[int]]] = {}
 
     async def __call__(self, episode: Any, prompt_ids: list[int], room: int) -> Any:
-        completion = await self.turns(episode, prompt_ids, room)
-        ids = tensor.decode(completion.token_ids).tolist()
+        result = await self.turns(episode, prompt_ids, room)
+        ids = tensor.decode(result.completions[0].token_ids).tolist()
         self.sampled.setdefault(episode.env_index, []).append(ids)
-        return completion
+        return result
 
 
 async def test_a_group_plays_to_its_ends_keeping_the_sampled_tokens(
@@ -97,6 +99,40 @@ async def test_a_group_plays_to_its_ends_keeping_the_sampled_tokens(
             if message["role"] != "assistant":
                 assert f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>" in text
         assert episode.first_version == episode.last_version == 0
+        assert 0 <= episode.cached_tokens <= episode.prompt_tokens
+    # Every turn after an episode's first resends the conversation so far to the same sampler,
+    # whose prefix cache holds it: most of those prompts' tokens are not computed again.
+    later = [e for e in episodes if e.turns >= 2]
+    first_turns = sum(len(e.prompt_ids) for e in later)
+    resent = sum(e.prompt_tokens for e in later) - first_turns
+    assert sum(e.cached_tokens for e in later) >= 0.5 * resent
+
+
+async def test_the_sampler_reports_its_prefix_cache_hit_rate(lm_stack: LmStack) -> None:
+    """A prompt sent twice is found in the prefix cache the second time; the sampler's Metrics
+    events say so under its own name."""
+    from rlfleet.bus.v1 import events_pb2
+    from services.bus import events_subject
+
+    prompt = sampler_pb2.Prompt(text="12+34=" * 8)
+    request = sampler_pb2.GenerateRequest(
+        prompts=[prompt], sampling=sampler_pb2.SamplingParams(temperature=0, max_tokens=2)
+    )
+    sub = await lm_stack.bus.subscribe(events_subject(lm_stack.run, "metrics"), events_pb2.Metrics)
+    async with sub, SamplerClient(lm_stack.address) as client:
+        await client.generate_request(request)
+        again = await client.generate_request(request)
+        assert again.results[0].cached_prompt_tokens > 0
+        rates: list[float] = []  # until the interval holding the second request is reported
+        async with asyncio.timeout(30):
+            async for delivery in sub:
+                event = delivery.message
+                rate = event.scalars.get("sampler/prefix_cache_hit_rate")
+                if event.source == "sampler-test" and rate is not None:
+                    rates.append(rate)
+                    if rate > 0:
+                        break
+    assert all(0 <= rate <= 1 for rate in rates) and rates[-1] > 0
 
 
 async def test_each_cap_ends_an_episode_with_its_outcome(
@@ -113,6 +149,8 @@ async def test_each_cap_ends_an_episode_with_its_outcome(
         capped = await play_group(session, 1, 2, tokens, generate, short)
         assert [e.outcome for e in capped] == ["max_total_tokens"] * 2
         assert all(e.length <= short.max_total_tokens for e in capped)
+        with pytest.raises(ConfigError, match="leaves no room for a model turn"):
+            await play_group(session, 1, 2, tokens, generate, EpisodeLimits(max_total_tokens=16))
         timed = await play_group(
             session, 1, 2, tokens, generate, EpisodeLimits(max_turns=10, wall_clock_s=0.0)
         )
@@ -144,29 +182,47 @@ async def rewards() -> AsyncIterator[str]:
     await asyncio.wait_for(serving, 30)
 
 
-async def test_the_rollout_driver_publishes_groups_of_episodes(
-    lm_stack: LmStack, env_address: str, rewards: str, nats_server: EmbeddedNats
-) -> None:
-    run = f"t{uuid.uuid4().hex[:10]}"
-    settings = RolloutSettings(
+def uuid_run() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def episode_driver(
+    lm_stack: LmStack,
+    env_address: str,
+    reward_service: str,
+    *,
+    seed: int,
+    max_turns: int,
+    group_size: int,
+    **settings: Any,
+) -> RolloutSettings:
+    """A rollout driver feeding and playing GuessNumber-v0 groups, one at a time."""
+    return RolloutSettings(
         sampler=[lm_stack.address],
-        reward_service=rewards,
+        reward_service=reward_service,
         model_path=str(lm_stack.model_dir),
-        dataset={"generator": "env_seeds", "env_id": "GuessNumber-v0", "seed": 1},
+        dataset={"generator": "env_seeds", "env_id": "GuessNumber-v0", "seed": seed},
         env={
             "env_id": "GuessNumber-v0",
             "env_server": env_address,
-            "max_turns": 3,
+            "max_turns": max_turns,
             "max_total_tokens": MAX_MODEL_LEN,
         },
         sampling={"max_tokens": 8},
         feed=True,
-        group_size=3,
+        group_size=group_size,
         prompts_per_call=2,
         concurrency=1,
         startup_timeout_s=60,
+        **settings,
     )
-    groups = await driver_groups(settings, run, nats_server.url, 3, timeout_s=120)
+
+
+async def test_the_rollout_driver_publishes_groups_of_episodes(
+    lm_stack: LmStack, env_address: str, rewards: str, nats_server: EmbeddedNats
+) -> None:
+    settings = episode_driver(lm_stack, env_address, rewards, seed=1, max_turns=3, group_size=3)
+    groups = await driver_groups(settings, uuid_run(), nats_server.url, 3, timeout_s=120)
     assert len({g.group_id for g in groups}) == 3
     for group in groups:
         assert len(group.completions) == 3
@@ -181,3 +237,28 @@ async def test_the_rollout_driver_publishes_groups_of_episodes(
             assert len(prompt) + len(ids) <= MAX_MODEL_LEN
             assert [r.name for r in completion.rewards] == ["env"]
             assert completion.reward in (0.0, 1.0)
+
+
+async def test_reward_functions_score_the_transcripts_beside_the_env(
+    lm_stack: LmStack, env_address: str, rewards: str, nats_server: EmbeddedNats
+) -> None:
+    """With `rewards`, each episode's final message is scored by the reward service, and the
+    weighted total adds to the env's reward."""
+    settings = episode_driver(
+        lm_stack,
+        env_address,
+        rewards,
+        seed=2,
+        max_turns=2,
+        group_size=2,
+        rewards=[{"name": "format", "weight": 0.5, "kwargs": {"tags": ["answer"]}}],
+    )
+    groups = await driver_groups(settings, uuid_run(), nats_server.url, 2, timeout_s=120)
+    for group in groups:
+        for completion in group.completions:
+            names = [r.name for r in completion.rewards]
+            assert names == ["env", "format"], names
+            env, fmt = (r.score for r in completion.rewards)
+            assert all(r.status == reward_pb2.SCORE_STATUS_OK for r in completion.rewards)
+            assert completion.reward == pytest.approx(env + 0.5 * fmt)
+            assert completion.text.startswith("[user] ")  # the transcript, question first

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from google.protobuf import json_format
 
+from clients.env.episodes import Episode
 from common import tensor
 from common.datasets import Task
 from rlfleet.bus.v1 import trajectory_pb2
@@ -15,11 +16,13 @@ from sampler.rollout.groups import (
     Expert,
     build_groups,
     call_seed,
+    episode_group,
     expert_text,
     generate_request,
     group_id,
     prompt_text,
     score_request,
+    transcript_score_request,
 )
 from sampler.rollout.prompts import prompt_key, prompt_task
 from sampler.rollout.settings import RewardSpec, RolloutSettings, SamplingSettings
@@ -214,3 +217,59 @@ def test_settings_validate_at_load() -> None:
         RolloutSettings(**{**base, "dataset": {"generator": "nope"}})
     with pytest.raises(ValueError, match="extra"):
         RolloutSettings(**base, temperature=1.0)  # sampling params live under `sampling`
+
+
+def _episode(index: int, answer: str, env_reward: float) -> Episode:
+    episode = Episode(
+        index,
+        prompt_ids=[1, 2, 3],
+        messages=[
+            {"role": "system", "content": "use the tool"},
+            {"role": "user", "content": "What is 12 * 34?"},
+            {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+            {"role": "tool", "content": "408"},
+            {"role": "assistant", "content": answer},
+        ],
+        info={"answer": 408, "outcome": "correct", "not_json": object()},
+    )
+    episode.add([7, 8], [-0.5, -0.25])
+    episode.add([9])
+    episode.add([10], [-1.0])
+    episode.rewards.append(env_reward)
+    return episode
+
+
+def test_transcripts_go_to_the_reward_functions_with_the_envs_info() -> None:
+    task = prompt_task(RUN, "env_seeds", 0, Task(prompt_id="e0", prompt="x", extra={"seed": 5}))
+    episodes = [_episode(0, "<answer>408</answer>", 1.0), _episode(1, "no idea", 0.0)]
+    rewards = [RewardSpec(name="accuracy"), RewardSpec(name="format", weight=0.5)]
+    request = transcript_score_request(task, episodes, rewards)
+    assert [(r.name, r.weight) for r in request.rewards] == [("accuracy", 1.0), ("format", 0.5)]
+    first = request.items[0]
+    assert first.prompt == "What is 12 * 34?"
+    assert first.completion == "<answer>408</answer>"  # the model's last message
+    assert tensor.decode(first.completion_token_ids).tolist() == [7, 8, 9, 10]
+    extra = json_format.MessageToDict(first.extra)
+    assert extra["answer"] == 408 and extra["seed"] == 5 and "not_json" not in extra
+    assert extra["transcript"].startswith("[user] What is 12 * 34?\n[assistant] <tool_call>")
+    assert request.items[1].completion == "no idea"
+
+    def score(total: float | None, *values: float) -> reward_pb2.ItemScore:
+        out = reward_pb2.ItemScore(
+            scores=[
+                reward_pb2.FunctionScore(name=name, status=reward_pb2.SCORE_STATUS_OK, score=v)
+                for name, v in zip(["accuracy", "format"], values, strict=False)
+            ]
+        )
+        if total is not None:
+            out.total = total
+        return out
+
+    group = episode_group(RUN, "rollout-0", task, episodes, [score(1.5, 1, 1), score(None)])
+    ok, abstained = group.completions
+    assert [r.name for r in ok.rewards] == ["env", "accuracy", "format"]
+    assert ok.reward == pytest.approx(2.5)  # the env's 1 plus the functions' weighted 1.5
+    assert abstained.reward == 0.0 and [r.name for r in abstained.rewards] == ["env"]
+    assert tensor.decode(ok.loss_mask).tolist() == [True, True, False, True]
+    without = episode_group(RUN, "rollout-0", task, episodes)
+    assert [c.reward for c in without.completions] == [1.0, 0.0]
