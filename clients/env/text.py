@@ -23,6 +23,7 @@ from rlfleet.env.v1 import env_pb2
 from services.errors import InvalidArgument
 
 __all__ = [
+    "DEMONSTRATE",
     "TextSession",
     "TextSessionInfo",
     "info_struct",
@@ -31,6 +32,10 @@ __all__ = [
     "turn_from_proto",
     "turn_to_proto",
 ]
+
+# Reset option the env server handles itself (not passed to the env): each env's expert plays
+# its episode at once, returned in the info (``demonstration``, ``demonstration_return``).
+DEMONSTRATE = "demonstrate"
 
 
 def message_to_proto(message: Message) -> env_pb2.ChatMessage:

@@ -56,6 +56,12 @@ class TextEnv:
     def step(self, message: Message) -> TextStep:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
+    def expert_reply(self) -> Message | None:
+        """What an expert would say now, mid-episode: demonstrations for a supervised warm start
+        (the pool plays them, see `TextPool.reset`'s ``demonstrate`` option). None: this
+        environment has no expert."""
+        return None
+
     def close(self) -> None:
         """Free what the environment holds (processes, sockets); called once."""
 

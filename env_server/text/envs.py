@@ -10,11 +10,14 @@
   the answer holds the fact.
 - ``GymnasiumText-v0``: any gymnasium env with a text rendering (``env_id`` kwarg), see
   env_server/text/gym_text.py.
+- ``OpenEnvText-v0``: an environment written for OpenEnv (``env`` kwarg), see
+  env_server/text/openenv_text.py.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import re
@@ -23,6 +26,7 @@ from typing import Any, ClassVar
 
 from env_server.text.base import Message, TextEnv, TextStep, check_split, split_of
 from env_server.text.gym_text import GymnasiumText
+from env_server.text.openenv_text import OpenEnvText
 from env_server.text.tools import MAX_CALLS_PER_TURN, run_tool, tool_calls, tool_message
 
 __all__ = ["BUILTIN_TEXT_ENVS", "CalculatorEnv", "GuessNumberEnv", "InnkeeperEnv", "calculate"]
@@ -187,6 +191,16 @@ class CalculatorEnv(TextEnv):
         outcome = "correct" if correct else ("no_answer" if given is None else "wrong")
         return [], 1.0 if correct else 0.0, True, False, {"outcome": outcome, "given": given}
 
+    def expert_reply(self) -> Message:
+        """One calculator call for the whole expression, then the answer it gave."""
+        if self.turns == 0:
+            call = {"name": "calculator", "arguments": {"expression": self.task}}
+            return {
+                "role": "assistant",
+                "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
+            }
+        return {"role": "assistant", "content": f"<answer>{self.answer}</answer>"}
+
     def _answer(self, call: Any, index: int) -> Message:
         if index >= MAX_CALLS_PER_TURN:
             return tool_message(call, {"error": f"at most {MAX_CALLS_PER_TURN} calls a turn"})
@@ -214,6 +228,7 @@ class GuessNumberEnv(TextEnv):
             raise ValueError(f"slack_turns must be >= 0, got {slack_turns}")
         self.max_range, self.slack_turns = max_range, slack_turns
         self.low = self.high = self.secret = 0
+        self.lowest = self.highest = 0
         self.turns = self.max_turns = 0
 
     def _task(self) -> tuple[int, int, int]:
@@ -228,6 +243,7 @@ class GuessNumberEnv(TextEnv):
         super().reset(seed=seed)
         self.task = _draw(self.split, self._task)
         self.low, self.high, self.secret = self.task
+        self.lowest, self.highest = self.low, self.high  # where the secret can still be
         # The turns a binary search needs, plus slack: enough when the feedback is used.
         self.max_turns = math.ceil(math.log2(self.high - self.low + 1)) + self.slack_turns
         self.turns = 0
@@ -260,7 +276,17 @@ class GuessNumberEnv(TextEnv):
         else:
             reply = "Higher." if self.secret > guess else "Lower."
         content = f"{reply} {left} guess{'es' if left > 1 else ''} left."
+        if guess is not None and self.low <= guess <= self.high:  # what the feedback narrowed
+            self.lowest, self.highest = (
+                (max(self.lowest, guess + 1), self.highest)
+                if self.secret > guess
+                else (self.lowest, min(self.highest, guess - 1))
+            )
         return [{"role": "user", "content": content}], 0.0, False, False, {"turns": self.turns}
+
+    def expert_reply(self) -> Message:
+        """A binary search: the middle of what the feedback so far leaves."""
+        return {"role": "assistant", "content": str((self.lowest + self.highest) // 2)}
 
 
 # --- Innkeeper-v0 ----------------------------------------------------------------------------
@@ -334,10 +360,17 @@ class InnkeeperEnv(TextEnv):
         outcome = "remembered" if remembered else "forgot"
         return [], 1.0 if remembered else 0.0, True, False, {"outcome": outcome}
 
+    def expert_reply(self) -> Message:
+        """A brief answer to small talk; the fact itself when asked for it."""
+        if self.chat or self.question:
+            return {"role": "assistant", "content": "Indeed. Welcome to the Crooked Lantern."}
+        return {"role": "assistant", "content": self.expected}
+
 
 BUILTIN_TEXT_ENVS: dict[str, type[TextEnv]] = {
     "Calculator-v0": CalculatorEnv,
     "GuessNumber-v0": GuessNumberEnv,
     "Innkeeper-v0": InnkeeperEnv,
     "GymnasiumText-v0": GymnasiumText,  # kwargs: env_id (a gymnasium id rendering "ansi")
+    "OpenEnvText-v0": OpenEnvText,  # kwargs: env (an openenv Environment class by reference)
 }

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from clients.env.text import DEMONSTRATE
 from clients.env.types import EpisodeStats, Message, TextStepResult, TextTurn
 from env_server.pool import check_seeds, env_indices
 from env_server.text.base import TextEnv
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 _ROLES_IN = ("assistant",)  # what a client may send: the model's turn
 _ROLES_OUT = ("system", "user", "assistant", "tool")  # what an env may answer with
 _NEW, _RUNNING, _ENDED, _BROKEN = "new", "running", "ended", "broken"
+MAX_DEMONSTRATION_TURNS = 64  # an expert that never ends its episode is cut off here
 
 
 class TextPool:
@@ -82,7 +84,14 @@ class TextPool:
     ) -> list[TextTurn]:
         """Reset ``indices`` (all when empty); env i gets seed + i, or the k-th its ``seeds[k]``.
         The first reset without a seed uses the pool's. Options an env rejects are
-        InvalidArgument; an env that hangs past ``step_timeout_s`` is Unavailable."""
+        InvalidArgument; an env that hangs past ``step_timeout_s`` is Unavailable.
+
+        Option ``demonstrate: true``: each env's expert plays the episode to its end at once
+        (`TextEnv.expert_reply`, stepped as a client would); the info holds its turns under
+        ``demonstration`` (the expert's messages and the env's answers, in order) and their
+        rewards' sum under ``demonstration_return``, and the env is left ended."""
+        options = dict(options or {})
+        demonstrate = bool(options.pop(DEMONSTRATE, False))
         targets = env_indices(indices, self.num_envs, "reset.env_indices") or list(
             range(self.num_envs)
         )
@@ -97,7 +106,8 @@ class TextPool:
             if self._state[i] == _BROKEN:
                 self._replace(i)
             env = self.envs[i]
-            call = ThreadCall(functools.partial(env.reset, seed=env_seed, options=options))
+            reset = functools.partial(env.reset, seed=env_seed, options=options or None)
+            call = ThreadCall(reset)
             outcome, value = call.outcome(time.monotonic() + self.step_timeout_s)
             if outcome == "timeout":
                 self._state[i] = _BROKEN
@@ -117,8 +127,47 @@ class TextPool:
             messages, info = self._checked_reset(i, value)
             self._state[i] = _RUNNING
             self._returns[i], self._lengths[i] = 0.0, 0
+            if demonstrate:
+                info.update(self._demonstration(i))
             turns.append(TextTurn(i, messages, info))
         return turns
+
+    def _demonstration(self, i: int) -> dict[str, Any]:
+        """Env i's episode played by its expert, under one ``step_timeout_s`` for the whole."""
+        env = self.envs[i]
+
+        def play() -> tuple[list[Message], float]:
+            said: list[Message] = []
+            total = 0.0
+            for _ in range(MAX_DEMONSTRATION_TURNS):
+                reply = env.expert_reply()
+                if reply is None:
+                    raise FailedPrecondition(f"{type(env).__name__} has no expert to demonstrate")
+                messages, reward, terminated, truncated, _ = env.step(reply)
+                said += [reply, *messages]
+                total += float(reward)
+                if terminated or truncated:
+                    return said, total
+            raise ValueError(
+                f"the expert did not end its episode in {MAX_DEMONSTRATION_TURNS} turns"
+            )
+
+        outcome, value = ThreadCall(play).outcome(time.monotonic() + self.step_timeout_s)
+        self._state[i] = _ENDED if outcome == "ok" else _BROKEN
+        if outcome == "timeout":
+            raise Unavailable(
+                f"env {i}'s expert did not finish within {self.step_timeout_s:g}s (step_timeout_s)",
+                field="reset.options.demonstrate",
+            )
+        if outcome == "error":
+            if isinstance(value, FailedPrecondition):
+                raise value
+            raise FailedPrecondition(
+                f"env {i}'s demonstration failed: {type(value).__name__}: {value}",
+                field="reset.options.demonstrate",
+            ) from value
+        said, total = value
+        return {"demonstration": _messages(said, i, "expert_reply"), "demonstration_return": total}
 
     def step(self, indices: Sequence[int], messages: Sequence[Message]) -> TextStepResult:
         """Step the envs ``indices`` (all when empty) with one assistant message each. Every

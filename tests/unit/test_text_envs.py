@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,9 +33,12 @@ def hermes(name: str, **arguments: Any) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
+# An environment written for OpenEnv (openenv-core), by file reference.
+OPENENV_SUMS = f"{Path(__file__).parents[2] / 'examples' / 'openenv_sums.py'}:SumsEnvironment"
 # What each built-in needs besides its defaults.
 KWARGS: dict[str, dict[str, Any]] = {
-    "GymnasiumText-v0": {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
+    "GymnasiumText-v0": {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}},
+    "OpenEnvText-v0": {"env": OPENENV_SUMS},
 }
 
 
@@ -276,3 +280,69 @@ def test_a_gymnasium_env_with_a_text_rendering_plays_in_messages() -> None:
     assert (reward, terminated) == (1.0, True)
     with pytest.raises(InvalidArgument, match="not Discrete"):
         registry.make_text_env("GymnasiumText-v0", kwargs={"env_id": "Pendulum-v1"})
+
+
+def test_an_openenv_environment_plays_in_messages() -> None:
+    env = registry.make_text_env(
+        "OpenEnvText-v0",
+        kwargs={
+            "env": OPENENV_SUMS,
+            "env_kwargs": {"rounds": 2},
+            "system": "Answer with the sum.",
+            "max_turns": 3,
+        },
+    )
+    messages, _ = env.reset(seed=1)
+    assert messages[0] == {"role": "system", "content": "Answer with the sum."}
+    question = messages[1]["content"]  # the observation's one field, as the user's turn
+    a, b = map(int, question.removesuffix("=").split("+"))
+    replies, reward, terminated, truncated, _ = env.step(say(f"It is {a + b}"))
+    assert (reward, terminated, truncated) == (0.5, False, False)  # OpenEnv's reward, as is
+    a, b = map(int, replies[0]["content"].removesuffix("=").split("+"))
+    replies, reward, terminated, _, info = env.step(say(str(a + b)))
+    assert (replies, reward, terminated, info) == ([], 0.5, True, {"outcome": "all_right"})
+    env.reset(seed=2)
+    _, reward, terminated, _, info = env.step(say("no idea"))
+    assert (reward, terminated, info["outcome"]) == (0.0, True, "wrong")
+
+
+def test_the_openenv_adapter_names_what_it_cannot_use() -> None:
+    with pytest.raises(InvalidArgument, match="action_field 'nope' is not a field of SumsAction"):
+        registry.make_text_env(
+            "OpenEnvText-v0", kwargs={"env": OPENENV_SUMS, "action_field": "nope"}
+        )
+    with pytest.raises(InvalidArgument, match="not an openenv Environment subclass"):
+        registry.make_text_env("OpenEnvText-v0", kwargs={"env": "json:dumps"})
+    with pytest.raises(InvalidArgument, match="rounds must be >= 1"):  # the env's own refusal
+        registry.make_text_env(
+            "OpenEnvText-v0", kwargs={"env": OPENENV_SUMS, "env_kwargs": {"rounds": 0}}
+        )
+
+
+@pytest.mark.parametrize("env_id", ["Calculator-v0", "GuessNumber-v0", "Innkeeper-v0"])
+def test_the_builtins_experts_demonstrate_winning_episodes(env_id: str) -> None:
+    pool = TextPool(lambda: registry.make_text_env(env_id), 4)
+    turns = pool.reset(seeds=[10, 11, 12, 13], options={"demonstrate": True})
+    for turn in turns:
+        said = turn.info["demonstration"]
+        assert turn.info["demonstration_return"] == 1.0  # the expert solves every task
+        assert said[0]["role"] == "assistant" and said[-1]["role"] == "assistant"
+    # A demonstrated episode is over: stepping it is refused like any ended episode.
+    with pytest.raises(FailedPrecondition, match="after its episode ended"):
+        pool.step([0], [say("more")])
+    # The same seed played by a client with the expert's words gets the env's same answers.
+    env = registry.make_text_env(env_id)
+    env.reset(seed=10)
+    said = turns[0].info["demonstration"]
+    for k, message in enumerate(said):
+        if message["role"] == "assistant":
+            replies, *_ = env.step(message)
+            following = said[k + 1 : k + 1 + len(replies)]
+            assert replies == following
+
+
+def test_an_env_without_an_expert_refuses_to_demonstrate() -> None:
+    pool = TextPool(lambda: registry.make_text_env("Calculator-v0"), 1)
+    pool.envs[0].expert_reply = lambda: None  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match="has no expert to demonstrate"):
+        pool.reset(seed=1, options={"demonstrate": True})
