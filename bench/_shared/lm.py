@@ -182,8 +182,11 @@ class SamplerProcess:
         self._log.close()
 
 
-def reward_service_process(run_dir: Path, name: str = "reward") -> tuple[subprocess.Popen, str]:
-    """``python -m launch.cli serve reward_service`` on a free port, ready; (process, address)."""
+def service_process(
+    kind: str, run_dir: Path, name: str, timeout_s: float = 120.0
+) -> tuple[subprocess.Popen, str]:
+    """``python -m launch.cli serve KIND`` on a free port, healthy; (process, address). Its
+    log is ``<run_dir>/<name>.log``."""
     from services.ports import free_port
     from services.server import wait_for_health
 
@@ -192,17 +195,22 @@ def reward_service_process(run_dir: Path, name: str = "reward") -> tuple[subproc
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
     env.update(OMP_NUM_THREADS="1", RLFLEET_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
     log = open(run_dir / f"{name}.log", "w")  # noqa: SIM115 - inherited by the child
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "reward_service", "--name", name]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", kind, "--name", name]
     proc = subprocess.Popen(
         [*cmd, "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
     )
     log.close()
     try:
-        wait_for_health(f"127.0.0.1:{port}", timeout_s=120)
+        wait_for_health(f"127.0.0.1:{port}", timeout_s=timeout_s)
     except BaseException:
         proc.kill()
         raise
     return proc, f"127.0.0.1:{port}"
+
+
+def reward_service_process(run_dir: Path, name: str = "reward") -> tuple[subprocess.Popen, str]:
+    """A reward service (service_process)."""
+    return service_process("reward_service", run_dir, name)
 
 
 def stop_process(

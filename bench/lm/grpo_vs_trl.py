@@ -96,7 +96,7 @@ def post_sft_model(settings: Any) -> Path:
     from learner.engine import build_engine
     from learner.lm.jobs import create_model
     from learner.lm.model import load_causal_lm, load_tokenizer
-    from learner.lm.sft import sft_phase
+    from learner.lm.sft import expert_samples, sft_phase
     from learner.settings import DeepSpeedSettings, OptimizerSettings
 
     base = BENCH_DIR / "models" / f"{settings.init_model}-seed{settings.seed}"
@@ -107,7 +107,8 @@ def post_sft_model(settings: Any) -> Path:
     engine = build_engine(model, OptimizerSettings(lr=settings.sft_learning_rate, eps=1e-8),
                           DeepSpeedSettings())  # fmt: skip
     tokenizer = load_tokenizer(base)
-    sft_phase(engine, tokenizer, iter_tasks(settings.dataset, split="train"),
+    demos = expert_samples(iter_tasks(settings.dataset, split="train"), tokenizer)
+    sft_phase(engine, tokenizer, demos,
               steps=settings.sft_steps, batch_size=settings.sft_batch_size,
               learning_rate=settings.sft_learning_rate)  # fmt: skip
     partial = out.with_name(out.name + ".partial")

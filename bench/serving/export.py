@@ -58,7 +58,7 @@ def warm_started_run(sft_steps: int) -> Path:
     from common.datasets import iter_tasks
     from learner.engine import build_engine
     from learner.lm.model import load_causal_lm, load_tokenizer
-    from learner.lm.sft import sft_phase
+    from learner.lm.sft import expert_samples, sft_phase
     from learner.settings import DeepSpeedSettings, OptimizerSettings
 
     run = WORK_DIR / "export-run"
@@ -74,7 +74,8 @@ def warm_started_run(sft_steps: int) -> Path:
         DeepSpeedSettings(zero_stage=0, device="cpu"),
     )
     try:
-        sft_phase(engine, load_tokenizer(base), iter_tasks(DATASET, split="train"),
+        tokenizer = load_tokenizer(base)
+        sft_phase(engine, tokenizer, expert_samples(iter_tasks(DATASET, split="train"), tokenizer),
                   steps=sft_steps, batch_size=32, learning_rate=1e-3)  # fmt: skip
         engine.save(run / "checkpoints", "update-00000000", {"updates": 0, "version": 0})
     finally:

@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from common.datasets import dataset_columns, iter_tasks
-from learner.lm.settings import EvalSettings, LMTrainingKnobs, SFTSettings
+from learner.lm.settings import (
+    LEARNER_SESSION_ENVS,
+    EvalSettings,
+    LMTrainingKnobs,
+    SFTSettings,
+)
 from learner.settings import knob
 from services.config import StrictModel, Switch
 from services.placement import own_cpu_for
@@ -99,7 +104,9 @@ def _check_reward(settings: dict[str, Any], columns: frozenset[str] | None = Non
 
 
 class TextEnvKnob(StrictModel):
-    """Multi-turn RL on a text environment (docs/text_envs.md): every prompt is an episode."""
+    """Multi-turn RL on a text environment (docs/text_envs.md): every prompt is an episode. The
+    learner warm-starts on the env's expert demonstrations (sft_steps) and evaluates greedy
+    episodes of its eval split (eval_count, eval_every; the env must take `split`)."""
 
     env_id: str = Field(min_length=1, description="text env id, e.g. GuessNumber-v0")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="the env's arguments")
@@ -213,7 +220,8 @@ class LMJobSettings(LMTrainingKnobs):
             RewardKnob(name="accuracy"),
             RewardKnob(name="format", weight=0.1, kwargs={"tags": ["answer"]}),
         ],
-        description="rewards summed (weighted) into each completion's score",
+        description="rewards summed (weighted) into each completion's score; with env: "
+        "scored on each episode's transcript and added to the env's reward (default: none)",
     )
     group_size: int = Field(
         default=8, ge=2, description="completions sampled per prompt (one group)"
@@ -274,7 +282,7 @@ class LMJobSettings(LMTrainingKnobs):
     env: TextEnvKnob | None = Field(
         default=None,
         description="multi-turn RL on a text env served by an env server (null: single-turn "
-        "prompts from dataset); its episodes' rewards come from the env",
+        "prompts from dataset); its episodes' rewards come from the env (and `rewards`)",
     )
 
     @field_validator("eval_dataset")
@@ -304,14 +312,20 @@ class LMJobSettings(LMTrainingKnobs):
     def _model_known(self) -> LMJobSettings:
         if not self.model_path.exists() and self.init_model is None:
             raise ValueError(f"model_path {self.model_path} does not exist and init_model is null")
-        if self.env is not None and self.eval_count:
-            raise ValueError(
-                "eval_count: an env job is not evaluated by the learner yet (its episodes' "
-                "returns are the rollout metrics); set eval_count: 0"
-            )
-        if self.env is not None and self.sft_steps:
-            raise ValueError("sft_steps: an env job has no demonstrations to warm-start on yet")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _env_scores_episodes(cls, data: Any) -> Any:
+        """With env, `rewards` defaults to none: the single-turn default (answer checks on a
+        completion) does not apply to episodes, which the env scores."""
+        if isinstance(data, dict) and data.get("env") is not None and "rewards" not in data:
+            return {**data, "rewards": []}
+        return data
+
+
+# vLLM KV block of an env job's samplers, in tokens (see SamplerSettings.block_size).
+ENV_BLOCK_SIZE = 32
 
 
 def _reward_service(s: LMJobSettings) -> dict[str, Any]:
@@ -348,6 +362,8 @@ def _learner(s: LMJobSettings) -> dict[str, Any]:
             "max_tokens": s.max_tokens,
         }
         data["reward_service"] = "reward"
+    if s.env is not None:  # demonstrations and evaluations on the env server of the drivers
+        data["env"] = {"env_server": "env-0", **s.env.model_dump(exclude={"wall_clock_s"})}
     return data
 
 
@@ -381,15 +397,22 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
             "weights_from": "learner",
             "max_n": max(s.group_size, 16),
             "seed": s.seed + i,
+            # Multi-turn prompts resend the conversation: cache it in smaller blocks than
+            # vLLM's CPU default, or a short turn's tail is computed again every time.
+            **({"block_size": ENV_BLOCK_SIZE} if s.env is not None and s.engine == "vllm" else {}),
             **s.sampler,
         }
         entries.append(
             {"name": name, "service": "sampler", "restarts": s.restarts, "settings": sampler}
         )
     if s.env is not None:
-        env_server = {"preload": [s.env.env_id], "max_envs_per_session": max(s.group_size, 16)}
+        env_server = {
+            "preload": [s.env.env_id],
+            "max_envs_per_session": max(s.group_size, LEARNER_SESSION_ENVS),
+        }
+        # Needs nothing; the learner (demonstrations, evaluations) and the drivers wait for it.
         entries.append(
-            {"name": "env-0", "service": "env_server", "restarts": s.restarts,
+            {"name": "env-0", "service": "env_server", "restarts": s.restarts, "after": [],
              "settings": env_server}
         )  # fmt: skip
     dynamic = _resolved(s).dynamic_sampling

@@ -25,9 +25,11 @@ from services.config import ServiceRef, StrictModel, unknown_key
 
 __all__ = [
     "ALGO_ALIASES",
+    "LEARNER_SESSION_ENVS",
     "EvalSettings",
     "LMLearnerSettings",
     "LMTrainingKnobs",
+    "LearnerTextEnv",
     "LoraSettings",
     "SFTSettings",
     "check_micro_batch_size",
@@ -234,6 +236,33 @@ class LMTrainingKnobs(StrictModel):
         return self
 
 
+# Envs of one learner session on the env server: demonstrations and evaluations go this many
+# episodes at a time (the job's env server allows at least this many per session).
+LEARNER_SESSION_ENVS = 32
+
+
+class LearnerTextEnv(StrictModel):
+    """A multi-turn run's text environment, for the learner's own episodes on its env server:
+    SFT on the env's expert demonstrations (its train split) and greedy evaluations (its eval
+    split, the mean episode return as eval/accuracy). The rollout drivers play the same env."""
+
+    env_id: str = Field(min_length=1)
+    env_server: ServiceRef  # EnvService instance name or host:port
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # the env's arguments, split aside
+    max_turns: int = Field(default=8, ge=1)  # model turns per evaluated episode
+    max_total_tokens: int = Field(default=1024, ge=16)  # prompt and every turn, per episode
+    startup_timeout_s: float = Field(default=300.0, gt=0)  # wait this long for the env server
+
+    @field_validator("kwargs")
+    @classmethod
+    def _no_split(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "split" in kwargs:
+            raise ValueError(
+                "kwargs: split is set by the learner (train for SFT, eval to evaluate)"
+            )
+        return kwargs
+
+
 class LMLearnerSettings(LMTrainingKnobs, NonfiniteGuard):
     """The language-model learner (GRPO family); see docs/internals.md, "Language-model RL"."""
 
@@ -241,6 +270,9 @@ class LMLearnerSettings(LMTrainingKnobs, NonfiniteGuard):
     sft: SFTSettings | None = None
     eval: EvalSettings | None = None
     reward_service: ServiceRef | None = None  # scores evaluations; required with eval
+    # Multi-turn: SFT on the env's demonstrations and evaluations on its episodes instead of
+    # the datasets of `sft` and `eval` (whose steps, counts and intervals still apply).
+    env: LearnerTextEnv | None = None
 
     keep_checkpoints: int = Field(default=2, ge=1)
     keep_versions: int = Field(default=4, ge=1)
@@ -250,7 +282,7 @@ class LMLearnerSettings(LMTrainingKnobs, NonfiniteGuard):
 
     @model_validator(mode="after")
     def _consistent(self) -> LMLearnerSettings:
-        if self.eval is not None and self.reward_service is None:
+        if self.eval is not None and self.reward_service is None and self.env is None:
             raise ValueError("eval needs reward_service (the service that scores it)")
         return self
 

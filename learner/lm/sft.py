@@ -1,4 +1,5 @@
-"""The supervised warm start: next-token NLL on a dataset's expert solutions.
+"""The supervised warm start: next-token NLL on expert completions (a dataset's solutions, or a
+text env's demonstrated episodes, whose loss masks keep the env's turns out).
 
 Runs on the same DeepSpeed engine as the RL updates, before the first weight version is
 published, so samplers start from the warm-started model.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from learner.lm.model import sequence_logprobs
 if TYPE_CHECKING:
     from learner.engine import TrainEngine
 
-__all__ = ["expert_sample", "sft_phase"]
+__all__ = ["expert_sample", "expert_samples", "sft_phase"]
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,15 @@ def expert_sample(task: Task, tokenizer: Any, group_id: str = "sft") -> Sample:
     )
 
 
+def expert_samples(tasks: Iterable[Task], tokenizer: Any) -> Iterator[Sample]:
+    """The tasks' solutions as expert completions, lazily (generators never end)."""
+    return (expert_sample(task, tokenizer) for task in tasks)
+
+
 def sft_phase(
     engine: TrainEngine,
     tokenizer: Any,
-    tasks: Iterator[Task],
+    examples: Iterator[Sample],
     *,
     steps: int,
     batch_size: int,
@@ -68,7 +74,7 @@ def sft_phase(
     history: list[dict[str, float]] = []
     started = time.perf_counter()
     for step in range(1, steps + 1):
-        samples = [expert_sample(t, tokenizer) for t in itertools.islice(tasks, batch_size)]
+        samples = list(itertools.islice(examples, batch_size))
         if not samples:
             log.info("SFT data ran out after %d steps", step - 1)
             break

@@ -36,11 +36,12 @@ from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import now
 from learner.engine import Engine, build_engine
 from learner.lm.batch import Sample, decode_group
+from learner.lm.env_episodes import EnvEpisodes
 from learner.lm.evaluate import generate_greedy, held_out_tasks, score_accuracy
 from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer
 from learner.lm.phases import Announcer
 from learner.lm.settings import LMLearnerSettings
-from learner.lm.sft import sft_phase
+from learner.lm.sft import expert_samples, sft_phase
 from learner.lm.update import group_filter, lm_update
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.workload import Envelope, Progress, RunHandle
@@ -148,10 +149,20 @@ class LMWorkload:
                 shown[0] = now_s
                 self.phases.count("sft step", step, steps, [("sft_loss", loss)])
 
+        if s.env is not None:  # the env's expert demonstrations, fetched before training
+            count = steps * s.sft.batch_size
+            self.phases.say(f"fetching {count} demonstrations of {s.env.env_id}")
+            assert self.phases.loop is not None  # opened by setup
+            fetching = asyncio.run_coroutine_threadsafe(
+                self._demonstrations(count), self.phases.loop
+            )
+            samples = iter(fetching.result())
+        else:
+            samples = expert_samples(iter_tasks(s.sft.dataset, split="train"), self.tokenizer)
         history = sft_phase(
             self.engine,
             self.tokenizer,
-            iter_tasks(s.sft.dataset, split="train"),
+            samples,
             steps=s.sft.steps,
             batch_size=s.sft.batch_size,
             learning_rate=s.sft.learning_rate,
@@ -182,8 +193,8 @@ class LMWorkload:
                 f"{finished})",
                 running=True,
             )
-        cfg = self.settings.eval
-        if not self.evals and cfg is not None and self.settings.reward_service is not None:
+        cfg, s = self.settings.eval, self.settings
+        if not self.evals and cfg is not None and (s.reward_service or s.env) is not None:
             self.phases.say(f"evaluating version {p.version} on {cfg.count} held-out prompts")
             await self.evaluate(run)
             last = self.evals[-1]
@@ -329,12 +340,32 @@ class LMWorkload:
         total = self.settings.total_updates
         await run.publish_progress("update", run.progress.updates, total, HEADLINE, values)
 
+    async def _env_episodes(self) -> EnvEpisodes:
+        """The learner's own episodes of the run's text env, once its env server answers."""
+        cfg = self.settings.env
+        assert cfg is not None
+        episodes = EnvEpisodes(cfg, self.ctx.resolve(cfg.env_server), self.tokenizer)
+        await episodes.ready(self.ctx.stop_event)
+        return episodes
+
+    async def _demonstrations(self, count: int) -> list[Sample]:
+        episodes = await self._env_episodes()
+        return await episodes.demonstrations(count, self.settings.seed)
+
     async def evaluate(self, run: RunHandle) -> None:
         """Held-out greedy accuracy of the current weights (logged as eval/accuracy)."""
         s, cfg = self.settings, self.settings.eval
-        if cfg is None or s.reward_service is None:
+        if cfg is None or (s.reward_service is None and s.env is None):
             return
         assert self.engine is not None
+        if s.env is not None:
+            started = time.perf_counter()
+            episodes = await self._env_episodes()
+            accuracy, outcomes = await episodes.evaluate(
+                self.engine.module, cfg.count, s.seed, run.progress.version
+            )
+            await self._record_eval(run, {"eval/accuracy": accuracy, **outcomes}, started)
+            return
         if self._eval_tasks is None:
             self._eval_tasks = held_out_tasks(cfg, s.total_updates * s.groups_per_update)
         tasks = self._eval_tasks
@@ -348,6 +379,7 @@ class LMWorkload:
             batch_size=cfg.batch_size,
         )
 
+        assert s.reward_service is not None  # checked above: no env, so a reward service
         async with RewardClient(self.ctx.resolve(s.reward_service)) as client:
 
             async def score(items: list[dict[str, Any]]) -> list[float | None]:
@@ -355,8 +387,11 @@ class LMWorkload:
                 return [r.scores[cfg.reward].score for r in results]
 
             accuracy = await score_accuracy(score, tasks, texts)
+        await self._record_eval(run, {"eval/accuracy": accuracy}, started)
+
+    async def _record_eval(self, run: RunHandle, values: dict[str, float], started: float) -> None:
         record = {
-            "eval/accuracy": accuracy,
+            **values,
             "eval/version": float(run.progress.version),
             "eval/update": float(run.progress.updates),
             "eval/s": time.perf_counter() - started,

@@ -1,8 +1,9 @@
 """End to end: `rlfleet up` on (a copy of) examples/agent_guess.yaml, the real fleet in
 subprocesses: an env server serving GuessNumber-v0's episodes, a sampler (transformers, as the
 example), a rollout driver playing groups of episodes turn by turn, the LM learner training on
-them. Mid-run the env server is SIGKILLed: the groups it held are dropped and counted, their
-tasks played again once the launcher has restarted it, and the learner applies every group once.
+them, warm-started on the env's expert demonstrations and evaluated on its held-out episodes.
+Mid-run the env server is SIGKILLed: the groups it held are dropped and counted, their tasks
+played again once the launcher has restarted it, and the learner applies every group once.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
     # Room for the driver to run ahead of the learner, so pacing never pauses it: groups are in
     # flight whenever the env server is killed.
     config["job"]["max_policy_lag"] = 8
+    # The learner's own episodes on the same env server: SFT on demonstrations, evaluations.
+    config["job"].update(sft_steps=3, sft_batch_size=8, eval_count=8, eval_every=2)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     up = Up(path, run_dir, services=SERVICES, budget_s=780)
@@ -95,4 +98,13 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
         if '"service": "learner"' in line
     ]
     assert any(v.get("rollout/completion_tokens", 0) > 0 for v in learner)
+    assert "learner: fetching 24 demonstrations of GuessNumber-v0" in up.output
+    evals = [
+        json.loads(line) for line in (run_dir / "learner" / "eval.jsonl").read_text().splitlines()
+    ]
+    assert evals[0]["eval/version"] == 0 and evals[-1]["eval/update"] == UPDATES
+    for record in evals:
+        assert 0 <= record["eval/accuracy"] <= 1
+        fractions = [v for k, v in record.items() if k.endswith("_frac")]
+        assert abs(sum(fractions) - 1) < 1e-6  # every evaluated episode ended one way
     assert_nothing_left(run_dir)

@@ -22,7 +22,9 @@ REQUIRED = "(required)"
 # or meaning): the job derives the learner's value from them.
 OWN = {
     "game": {"env_servers", "fragments_per_update"},
-    "lm": {"preset"},  # a Literal of the job's kind
+    # preset: a Literal of the job's kind; env: the drivers' text env, which the learner gets
+    # with its env server added
+    "lm": {"preset", "env"},
     "dpo": set(),
 }
 GAME_DEFAULTS = {"env_id": (REQUIRED, "CartPole-v1"), "minibatch_size": (256, 128)}
