@@ -239,6 +239,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
             reply.has_chat_template = self.renderer.has_chat_template
             reply.eos_token_ids.extend(info.eos_token_ids)
             reply.vocab_size = info.vocab_size
+            reply.prefix_caching = info.prefix_caching
         return reply
 
 

@@ -103,6 +103,7 @@ class RolloutDriver:
         self.stats: RolloutStats | None = None
         self.tokenizer: Any = None
         self.eos_token_id: int | None = None
+        self.prefix_caching = False  # the samplers' engines keep one (GetInfo)
         self._intake = asyncio.Lock()  # one worker at a time takes credit and prompts
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -147,6 +148,7 @@ class RolloutDriver:
             ):
                 return False
         info = await self.samplers.info()
+        self.prefix_caching = info.prefix_caching
         await self.watch.observe(int(info.policy_version))
         if settings.expert_completions or settings.env is not None:
             await self._load_tokenizer(info)
@@ -420,9 +422,10 @@ class RolloutDriver:
             scores = scored
         group = episode_group(self.run_name, self.ctx.name, task, episodes, scores)
         self.stats.episodes([e.outcome for e in episodes])
-        self.stats.prompts_cached(
-            sum(e.prompt_tokens for e in episodes), sum(e.cached_tokens for e in episodes)
-        )
+        if self.prefix_caching:  # a hit rate of 0 would blame a cache that is not there
+            self.stats.prompts_cached(
+                sum(e.prompt_tokens for e in episodes), sum(e.cached_tokens for e in episodes)
+            )
         if await self._publish(group, delivery):
             await self.queue.ack([delivery])
             self.stats.published(group, self.watch.version)

@@ -188,6 +188,7 @@ async def test_get_info(client: SamplerClient, lm_stack: LmStack, tokenizer: Any
     assert info.engine_version == "vllm 0.32.0"
     assert (info.max_n, info.max_prompts_per_request) == (8, 8)
     assert info.has_chat_template
+    assert info.prefix_caching  # vLLM keeps one, on CPU too
     assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
     assert info.vocab_size == len(tokenizer)
     assert info.policy_version == lm_stack.sampler.servicer.gate.version

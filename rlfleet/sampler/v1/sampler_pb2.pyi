@@ -240,7 +240,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "model_path", "max_context_length", "policy_version", "engine_kind", "engine_version", "max_n", "max_prompts_per_request", "has_chat_template", "eos_token_ids", "vocab_size")
+    __slots__ = ("model_name", "model_path", "max_context_length", "policy_version", "engine_kind", "engine_version", "max_n", "max_prompts_per_request", "has_chat_template", "eos_token_ids", "vocab_size", "prefix_caching")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class GetInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     max_context_length: int
@@ -263,4 +264,5 @@ class GetInfoResponse(_message.Message):
     has_chat_template: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., max_context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., engine_version: _Optional[str] = ..., max_n: _Optional[int] = ..., max_prompts_per_request: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., max_context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., engine_version: _Optional[str] = ..., max_n: _Optional[int] = ..., max_prompts_per_request: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
