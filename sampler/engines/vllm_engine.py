@@ -66,6 +66,7 @@ class VllmEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         import vllm
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -104,6 +105,11 @@ class VllmEngine:
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
+            # Structured outputs (JSON) without insignificant whitespace: a small model must not
+            # spend its tokens on it, or loop in it (an engine-wide setting in vLLM).
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=True
+            ),
             **scheduling,
         )
         started = time.monotonic()
