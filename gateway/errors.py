@@ -185,6 +185,9 @@ _PARAMS = {
     "sampling.presence_penalty": "presence_penalty",
     "sampling.frequency_penalty": "frequency_penalty",
     "sampling.repetition_penalty": "repetition_penalty",
+    # The chat API asks for a structured output by response_format, or by a required or named
+    # tool_choice (serving_chat renames it then).
+    "sampling.structured_output": "response_format",
     "timeout": "timeout",
 }
 

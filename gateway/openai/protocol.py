@@ -2,7 +2,7 @@
 
 Requests follow vLLM's protocol: fields the OpenAI spec defines are typed and range-checked;
 unknown fields are accepted and ignored (``extra="allow"``; the route logs them), as vLLM does;
-fields we parse but cannot honour (``suffix``, ``logit_bias``, tools, images, JSON mode...) are
+fields we parse but cannot honour (``suffix``, ``logit_bias``, images, audio...) are
 rejected by the serving classes with a 400 naming them. Responses mirror OpenAI's objects so the
 official ``openai`` client parses them.
 
@@ -251,6 +251,7 @@ class ChatCompletionResponse(Response):
 class DeltaMessage(Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"index", "id", "type", "function"} pieces
 
 
 class ChatChunkChoice(Response):

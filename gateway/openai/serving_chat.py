@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 from google.protobuf import struct_pb2
@@ -26,6 +27,7 @@ from gateway.openai.protocol import (
 )
 from gateway.openai.serving_engine import (
     FINISH,
+    Choice,
     OpenAIServing,
     RequestContext,
     SSEResponse,
@@ -34,6 +36,14 @@ from gateway.openai.serving_engine import (
     merge,
     sse,
     token_count,
+)
+from gateway.openai.tools import (
+    ToolPlan,
+    call_id,
+    plan_tools,
+    proto_tool_calls,
+    response_tool_calls,
+    tools_structs,
 )
 from rlfleet.sampler.v1 import sampler_pb2
 
@@ -62,17 +72,9 @@ class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
     top_logprobs_param = "top_logprobs"
 
-    def check(self, request: ChatCompletionRequest) -> None:
+    def check(self, request: ChatCompletionRequest) -> ToolPlan:
         self.check_common(request)
-        if request.tools and request.tool_choice != "none":
-            raise BadRequest("tools are not supported by this server", param="tools")
-        if request.functions:
-            raise BadRequest("functions are not supported by this server", param="functions")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise BadRequest(
-                f"response_format {request.response_format.type!r} is not supported",
-                param="response_format",
-            )
+        plan = plan_tools(request)
         if request.audio is not None or (request.modalities and request.modalities != ["text"]):
             raise BadRequest("only text output is supported", param="modalities")
         if request.chat_template is not None:
@@ -87,13 +89,12 @@ class OpenAIServingChat(OpenAIServing):
             )
         if request.top_logprobs and not request.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return plan
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> sampler_pb2.Prompt:
+    def chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> sampler_pb2.Prompt:
         messages = []
         chars = 0
         for i, message in enumerate(request.messages):
-            if message.tool_calls:
-                raise BadRequest("tool calls are not supported", param=f"messages[{i}].tool_calls")
             content = message.content
             if content is None:
                 text = ""
@@ -111,7 +112,26 @@ class OpenAIServingChat(OpenAIServing):
                 text = "\n".join(parts)
             chars += len(text)
             role = _ROLES.get(message.role, message.role)
-            messages.append(sampler_pb2.ChatMessage(role=role, content=text))
+            calls = proto_tool_calls(message.tool_calls or [], f"messages[{i}].tool_calls")
+            chars += sum(len(c.arguments) for c in calls)
+            if calls and role != "assistant":
+                raise BadRequest(
+                    "only assistant messages make tool calls", param=f"messages[{i}].tool_calls"
+                )
+            if role == "tool" and not message.tool_call_id:
+                raise BadRequest(
+                    "a tool message needs the tool_call_id it answers",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            messages.append(
+                sampler_pb2.ChatMessage(
+                    role=role,
+                    content=text,
+                    tool_calls=calls,
+                    tool_call_id=message.tool_call_id or "",
+                    name=message.name or "",
+                )
+            )
         if chars > self.limits.max_prompt_chars:
             raise BadRequest(
                 f"the messages have {chars} characters; at most {self.limits.max_prompt_chars} "
@@ -124,7 +144,9 @@ class OpenAIServingChat(OpenAIServing):
                 "continue_final_message needs an assistant message last", param="messages"
             )
         chat = sampler_pb2.ChatPrompt(
-            messages=messages, continue_final_message=request.continue_final_message
+            messages=messages,
+            continue_final_message=request.continue_final_message,
+            tools=tools_structs(plan.listed),
         )
         if request.chat_template_kwargs:
             kwargs = struct_pb2.Struct()
@@ -138,9 +160,17 @@ class OpenAIServingChat(OpenAIServing):
         return sampler_pb2.Prompt(chat=chat)
 
     async def create(self, request: ChatCompletionRequest, ctx: RequestContext) -> Response:
+        try:
+            return await self._create(request, ctx)
+        except ApiError as exc:
+            if exc.param == "response_format" and request.response_format is None:
+                exc.param = "tool_choice"  # the structured output a tool_choice asked for
+            raise
+
+    async def _create(self, request: ChatCompletionRequest, ctx: RequestContext) -> Response:
         model = self.check_model(request.model)
-        self.check(request)
-        prompt = self.chat_prompt(request)
+        plan = self.check(request)
+        prompt = self.chat_prompt(request, plan)
         if request.max_completion_tokens is not None:
             max_tokens = self.max_tokens(request.max_completion_tokens, "max_completion_tokens")
         else:
@@ -149,32 +179,47 @@ class OpenAIServingChat(OpenAIServing):
         sampling = self.sampling(
             request, max_tokens=max_tokens, logprobs=request.logprobs, top_logprobs=top
         )
+        if plan.structured_output is not None:
+            sampling.structured_output.CopyFrom(plan.structured_output)
         stream_request = sampler_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling)
         echo = ""
         if request.echo and request.messages[-1].role == "assistant":
             echo = prompt.chat.messages[-1].content
         if request.stream:
             streams = await self.open_all([stream_request], max_tokens, ctx)
-            return SSEResponse(self.stream(request, model, streams[0], echo, ctx), ctx)
+            return SSEResponse(self.stream(request, plan, model, streams[0], echo, ctx), ctx)
         _, choices = await self.collect(stream_request, max_tokens, ctx)
         body = ChatCompletionResponse(
             model=model,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=echo + "".join(c.text)),
-                    logprobs=chat_logprobs(c.logprobs) if request.logprobs else None,
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
+            choices=[self._choice(c, plan, echo, request.logprobs) for c in choices],
             usage=ctx.usage(),
         )
         return JSONResponse(body.model_dump(mode="json"))
 
+    @staticmethod
+    def _choice(c: Choice, plan: ToolPlan, echo: str, logprobs: bool) -> ChatChoice:
+        """A finished completion as a choice: its text, or the calls it made."""
+        text = echo + "".join(c.text)
+        calls = plan.calls(text) if plan.constrained else [c.calls[k] for k in sorted(c.calls)]
+        if not plan.parallel:
+            calls = calls[:1]
+        content: str | None = text
+        if calls and (plan.constrained or not text.strip()):
+            content = None  # the text was the calls
+        finish = c.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return ChatChoice(
+            index=c.index,
+            message=AssistantMessage(content=content, tool_calls=response_tool_calls(calls)),
+            logprobs=chat_logprobs(c.logprobs) if logprobs else None,
+            finish_reason=finish,
+        )
+
     async def stream(
         self,
         request: ChatCompletionRequest,
+        plan: ToolPlan,
         model: str,
         opened: OpenedStream,
         echo: str,
@@ -204,25 +249,33 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 if echo:
                     yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=echo)))
+            calls = [_StreamedCalls(plan) for _ in range(request.n)]
             async for _, delta in merge([opened]):
                 ctx.add_completion(token_count(delta))
                 lp = chat_logprobs(delta_logprobs(delta)) if request.logprobs else None
-                if delta.text or (lp is not None and lp.content):
+                streamed = calls[delta.index]
+                content, pieces = streamed.feed(delta)
+                if content or pieces or (lp is not None and lp.content):
+                    message = DeltaMessage(content=content or None, tool_calls=pieces or None)
+                    if not content and not pieces:
+                        message.content = ""
                     yield TokenChunk(
-                        chunk(
-                            ChatChunkChoice(
-                                index=delta.index,
-                                delta=DeltaMessage(content=delta.text),
-                                logprobs=lp,
-                            )
-                        )
+                        chunk(ChatChunkChoice(index=delta.index, delta=message, logprobs=lp))
                     )
                 if delta.finish_reason:
+                    pieces = streamed.finish()
+                    if pieces:
+                        yield chunk(
+                            ChatChunkChoice(
+                                index=delta.index, delta=DeltaMessage(tool_calls=pieces)
+                            )
+                        )
+                    finish = FINISH.get(delta.finish_reason, "stop")
+                    if streamed.made and finish == "stop":
+                        finish = "tool_calls"
                     yield chunk(
                         ChatChunkChoice(
-                            index=delta.index,
-                            delta=DeltaMessage(),
-                            finish_reason=FINISH.get(delta.finish_reason, "stop"),
+                            index=delta.index, delta=DeltaMessage(), finish_reason=finish
                         )
                     )
             if include_usage:
@@ -233,3 +286,50 @@ class OpenAIServingChat(OpenAIServing):
         except (BackendLost, ApiError) as exc:
             yield self.stream_error(exc, ctx)
         yield sse("[DONE]")
+
+
+class _StreamedCalls:
+    """One streamed completion's content and tool-call chunks (OpenAI's delta format): the
+    sampler's call fragments as they come (auto), the text as the named function's arguments
+    (named), or every call once the output is complete (required: its JSON array)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text: list[str] = []
+        self.made = False  # a call was sent
+        self.named_id = call_id() if plan.mode == "named" else ""
+
+    def feed(self, delta: sampler_pb2.CompletionDelta) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool-call pieces) of one sampler delta."""
+        if self.plan.mode == "required":
+            self.text.append(delta.text)
+            return "", []
+        if self.plan.mode == "named":
+            if not delta.text:
+                return "", []
+            piece: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+            if not self.made:
+                piece.update(id=self.named_id, type="function")
+                piece["function"]["name"] = self.plan.name
+                self.made = True
+            return "", [piece]
+        pieces = []
+        for fragment in delta.tool_calls:
+            if fragment.index > 0 and not self.plan.parallel:
+                continue  # parallel_tool_calls false: the first call only
+            piece = {"index": fragment.index, "function": {"arguments": fragment.arguments}}
+            if fragment.id:
+                piece.update(id=fragment.id, type="function")
+            if fragment.name:
+                piece["function"]["name"] = fragment.name
+            pieces.append(piece)
+            self.made = True
+        return delta.text, pieces
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Pieces held until the end (a required choice's calls)."""
+        if self.plan.mode != "required":
+            return []
+        calls = self.plan.calls("".join(self.text))
+        self.made = bool(calls)
+        return [{"index": k, **call} for k, call in enumerate(response_tool_calls(calls))]

@@ -212,6 +212,16 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
     text_len: int = 0  # characters sent so far (completions' text_offset)
+    # Function calls read from the text (chat with tools): index -> {"id", "name", "arguments"}.
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    def add_calls(self, pieces: Any) -> None:
+        """Accumulate a delta's tool-call fragments."""
+        for piece in pieces:
+            call = self.calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = call["id"] or piece.id
+            call["name"] = call["name"] or piece.name
+            call["arguments"] += piece.arguments
 
 
 def delta_logprobs(
@@ -436,6 +446,7 @@ class OpenAIServing:
                     ctx.last_token_at = time.monotonic()
                     choice = choices[delta.index]
                     choice.text.append(delta.text)
+                    choice.add_calls(delta.tool_calls)
                     choice.tokens += token_count(delta)
                     if request.sampling.logprobs:
                         choice.logprobs.extend(delta_logprobs(delta))

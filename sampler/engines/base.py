@@ -57,6 +57,9 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     deadline: float | None = None
+    # ("json_schema", the schema's JSON text) or ("json_object", ""): the completion's format,
+    # for engines whose EngineInfo says structured_output; None: free text.
+    structured_output: tuple[str, str] | None = None
 
 
 @dataclass
@@ -112,6 +115,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     prefix_caching: bool = False  # whether repeated prompt prefixes skip their prefill
+    structured_output: bool = False  # whether it takes SamplingOptions.structured_output
 
 
 # The weight dtypes an engine runs in (SamplerSettings.dtype); every engine takes all three.

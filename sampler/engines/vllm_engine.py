@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sampler.engines.base import (
@@ -39,6 +39,7 @@ from sampler.engines.base import (
     SamplingOptions,
 )
 from sampler.engines.model_files import model_facts
+from services.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,7 @@ class VllmEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         import vllm
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -103,6 +105,11 @@ class VllmEngine:
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
+            # Structured outputs (JSON) without insignificant whitespace: a small model must not
+            # spend its tokens on it, or loop in it (an engine-wide setting in vLLM).
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=True
+            ),
             **scheduling,
         )
         started = time.monotonic()
@@ -119,6 +126,7 @@ class VllmEngine:
             vocab_size=int(model_config.get_vocab_size()),
             eos_token_ids=facts.eos_token_ids,
             prefix_caching=bool(self.llm.vllm_config.cache_config.enable_prefix_caching),
+            structured_output=True,
         )
         self.counts = PromptCounts()
         log.info("vLLM %s started in %.1fs", config.model_path, self.start_seconds)
@@ -150,8 +158,9 @@ class VllmEngine:
         final = None
         try:
             stream = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
-            async for output in stream:
-                final = output
+            with _format_refused(options):
+                async for output in stream:
+                    final = output
         finally:
             if abort_timer is not None:
                 abort_timer.cancel()
@@ -193,14 +202,15 @@ class VllmEngine:
         counted = False
         outputs = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
         try:
-            async for output in outputs:
-                if not counted:
-                    self._count(prompt, output)
-                    counted = True
-                batch = [_delta(o, options) for o in output.outputs]
-                finished.update(d.index for d in batch if d.finish_reason is not None)
-                if batch:
-                    yield batch
+            with _format_refused(options):
+                async for output in outputs:
+                    if not counted:
+                        self._count(prompt, output)
+                        counted = True
+                    batch = [_delta(o, options) for o in output.outputs]
+                    finished.update(d.index for d in batch if d.finish_reason is not None)
+                    if batch:
+                        yield batch
             # Aborted (timeout, shutdown): every completion still ends with a finish reason.
             rest = [Delta(i, [], "abort") for i in range(options.n) if i not in finished]
             if rest:
@@ -277,7 +287,33 @@ def _sampling_params(o: SamplingOptions, max_tokens: int, *, delta: bool = False
         repetition_penalty=o.repetition_penalty,
         skip_special_tokens=True,
         output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=_structured(o.structured_output),
     )
+
+
+@contextlib.contextmanager
+def _format_refused(options: SamplingOptions) -> Iterator[None]:
+    """vLLM's ValueError for a structured output it cannot compile, as InvalidArgument."""
+    try:
+        yield
+    except ValueError as exc:
+        if options.structured_output is None:
+            raise
+        raise InvalidArgument(
+            f"sampling.structured_output: {exc}", field="sampling.structured_output"
+        ) from exc
+
+
+def _structured(wanted: tuple[str, str] | None) -> Any:
+    """vLLM's StructuredOutputsParams for SamplingOptions.structured_output."""
+    if wanted is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, schema = wanted
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=schema)
 
 
 def _delta(output: Any, o: SamplingOptions) -> Delta:

@@ -8,6 +8,7 @@ Tokenization and chat templates happen here, once, so every engine sees the same
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -84,7 +85,10 @@ class PromptRenderer:
                 field=f"{field}.continue_final_message",
             )
         kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        messages = [_message(m) for m in chat.messages]
+        tools = self.tools(chat, field)
+        if tools:
+            kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -97,6 +101,45 @@ class PromptRenderer:
             raise InvalidArgument(f"{field}: chat template failed: {exc}", field=field) from None
         # The template wrote any special tokens itself.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @staticmethod
+    def tools(chat: sampler_pb2.ChatPrompt, field: str = "prompt.chat") -> list[dict[str, Any]]:
+        """The chat prompt's tools as plain dicts, each checked to name its function."""
+        tools = [json_format.MessageToDict(tool) for tool in chat.tools]
+        for i, tool in enumerate(tools):
+            function = tool.get("function")
+            if not isinstance(function, dict) or not function.get("name"):
+                where = f"{field}.tools[{i}]"
+                raise InvalidArgument(f"{where}: a tool needs function.name", field=where)
+        return tools
+
+
+def _message(m: sampler_pb2.ChatMessage) -> dict[str, Any]:
+    """A ChatMessage as the template reads it (OpenAI's shape)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+            }
+            for call in m.tool_calls
+        ]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments for the template: templates render a mapping (``| tojson``), so
+    JSON text is parsed; text that is not JSON is passed as it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _token_ids(msg: tensor_pb2.Tensor, field: str, vocab_size: int) -> list[int]:
@@ -165,8 +208,29 @@ def _sampling(s: sampler_pb2.SamplingParams, limits: Limits) -> dict[str, Any]:
         seed=opt("seed", None),
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
+        structured_output=_structured_output(s),
     )
     return out
+
+
+def _structured_output(s: sampler_pb2.SamplingParams) -> tuple[str, str] | None:
+    """SamplingOptions.structured_output; a schema that is not a JSON object is refused."""
+    if not s.HasField("structured_output"):
+        return None
+    wanted = s.structured_output
+    kind = wanted.WhichOneof("format")
+    if kind == "json_schema":
+        field = "sampling.structured_output.json_schema"
+        try:
+            schema = json.loads(wanted.json_schema)
+        except ValueError as exc:
+            raise InvalidArgument(f"{field} is not JSON: {exc}", field=field) from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(f"{field} must be a JSON object (a schema)", field=field)
+        return "json_schema", wanted.json_schema
+    if kind == "json_object" and wanted.json_object:
+        return "json_object", ""
+    return None
 
 
 def parse_request(

@@ -32,7 +32,8 @@ from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import Completion, Delta, GenerationEngine, SamplingOptions
 from sampler.lm.gate import VersionGate
 from sampler.lm.requests import Limits, PromptRenderer, parse_request, parse_stream_request
-from services.errors import ResourceExhausted, Unavailable
+from sampler.lm.tool_calls import ToolCallReader
+from services.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         self.settings = settings
         self.engine: GenerationEngine | None = None
         self.renderer: PromptRenderer | None = None
+        self.tool_calls: ToolCallReader | None = None  # with the renderer, by `attach`
         self.limits: Limits | None = None
         self.gate = VersionGate(0)
         self.ready = False
@@ -74,6 +76,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         """The engine is up (with the weights from disk, version 0)."""
         self.engine = engine
         self.renderer = PromptRenderer(tokenizer)
+        self.tool_calls = ToolCallReader(tokenizer, self.settings.tool_parser)
         info = engine.info
         self.limits = Limits(
             max_n=self.settings.max_n,
@@ -120,6 +123,15 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         log.info("engine warmed up in %.1fs", seconds)
         return seconds
 
+    def _check_format(self, options: SamplingOptions) -> None:
+        assert self.engine is not None
+        if options.structured_output is not None and not self.engine.info.structured_output:
+            raise InvalidArgument(
+                f"sampling.structured_output: the {self.engine.info.kind} engine cannot "
+                "constrain its output (the vllm engine can)",
+                field="sampling.structured_output",
+            )
+
     def _check_ready(self) -> None:
         if not self.ready or self.engine is None:
             raise Unavailable(f"sampler not ready: waiting for {self.waiting_for}; retry later")
@@ -141,6 +153,11 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         assert self.engine is not None
         assert self.renderer is not None and self.limits is not None
         prompts, options = parse_request(request, self.limits, self.renderer, received)
+        self._check_format(options)
+        tools = [
+            self.renderer.tools(p.chat, f"prompts[{i}].chat") if p.HasField("chat") else []
+            for i, p in enumerate(request.prompts)
+        ]
         self._admit(len(prompts))
         try:
             async with self.gate.reading() as version:
@@ -148,13 +165,18 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         finally:
             self.queued -= len(prompts)
         response = sampler_pb2.GenerateResponse()
-        for prompt, completions in zip(prompts, results, strict=True):
+        for prompt, completions, listed in zip(prompts, results, tools, strict=True):
             result = response.results.add()
             result.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(prompt, np.int32)))
             if completions:
                 result.cached_prompt_tokens = completions[0].cached_prompt_tokens
             for completion in completions:
-                _fill(result.completions.add(), completion, version, options)
+                out = result.completions.add()
+                _fill(out, completion, version, options)
+                if listed:
+                    assert self.tool_calls is not None
+                    out.text, calls = self.tool_calls.parse(out.text, listed)
+                    out.tool_calls.extend(calls)
         return response
 
     async def GenerateStream(
@@ -165,11 +187,15 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         assert self.engine is not None
         assert self.renderer is not None and self.limits is not None
         prompt, options = parse_stream_request(request, self.limits, self.renderer, received)
+        self._check_format(options)
+        listed = self.renderer.tools(request.prompt.chat) if request.prompt.HasField("chat") else []
         # Greedy n > 1: one engine completion, sent under every index (as Generate does).
         copies = options.n if options.temperature == 0 and options.n > 1 else 1
         engine_options = dataclasses.replace(options, n=1) if copies > 1 else options
         tokenizer = self.renderer.tokenizer
         texts = [_StreamText(tokenizer, options.stop) for _ in range(engine_options.n)]
+        assert self.tool_calls is not None
+        readers = [self.tool_calls.stream(listed) if listed else None for _ in texts]
         self._admit(1)
         try:
             async with self.gate.reading() as version:
@@ -183,6 +209,10 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
                     async for batch in stream:
                         for delta in batch:
                             out = _delta_message(delta, texts[delta.index], tokenizer, options)
+                            reader = readers[delta.index]
+                            if reader is not None:  # calls out of the text, as decided
+                                out.text, calls = reader.feed(out.text, delta.token_ids)
+                                out.tool_calls.extend(calls)
                             for index in range(copies) if copies > 1 else (delta.index,):
                                 message = sampler_pb2.GenerateStreamResponse(delta=out)
                                 message.delta.index = index

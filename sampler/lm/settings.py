@@ -44,6 +44,9 @@ class SamplerSettings(StrictModel):
     # Generate once before reporting SERVING (the first requests of a fresh engine are slow).
     warmup: bool = True
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1 << 20)
+    # How tool calls are read back from completions of chat prompts with tools: a vLLM tool
+    # parser name (hermes: Qwen2.5 / Hermes <tool_call> blocks, the tiny models' format).
+    tool_parser: str = Field(default="hermes", min_length=1)
     # Period of the engine's Metrics events (prefix-cache hit rate, prompt tokens/s, queue).
     metrics_interval_s: float = Field(default=10.0, gt=0)
     # Where vLLM and torch inductor cache what they compile (VLLM_CACHE_ROOT,

@@ -256,12 +256,12 @@ def test_bad_requests(gw: ThreadedGateway) -> None:
             json={
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
-                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tools": [{"type": "function", "function": {"description": "no name"}}],
             },
         ),
         400,
     )
-    assert e["param"] == "tools"
+    assert e["param"] == "tools[0].function.name"
     # unknown fields are ignored, as vLLM does
     ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, "whatever": 1})
     assert ok.status_code == 200

@@ -113,6 +113,34 @@ class FakeReplica:
         text = "".join(f"<{m.role}>{m.content}" for m in prompt.chat.messages)
         return [ord(c) % 97 for c in text]
 
+    def tool_call_deltas(
+        self, request: sampler_pb2.GenerateStreamRequest
+    ) -> list[sampler_pb2.CompletionDelta]:
+        """Each completion: "Sure. ", then a call of the first tool with {"a": 1} in two
+        argument pieces (index 0), then a call of the last tool with {} (index 1)."""
+        tools = [t["function"]["name"] for t in request.prompt.chat.tools]
+        out = []
+        for i in range(max(1, request.sampling.n)):
+            ToolDelta = sampler_pb2.ToolCallDelta
+            out += [
+                sampler_pb2.CompletionDelta(index=i, text="Sure. "),
+                sampler_pb2.CompletionDelta(
+                    index=i, tool_calls=[ToolDelta(index=0, id=f"call_{i}a", name=tools[0])]
+                ),
+                sampler_pb2.CompletionDelta(
+                    index=i, tool_calls=[ToolDelta(index=0, arguments='{"a": ')]
+                ),
+                sampler_pb2.CompletionDelta(
+                    index=i,
+                    tool_calls=[
+                        ToolDelta(index=0, arguments="1}"),
+                        ToolDelta(index=1, id=f"call_{i}b", name=tools[-1], arguments="{}"),
+                    ],
+                ),
+                sampler_pb2.CompletionDelta(index=i, finish_reason=sampler_pb2.FINISH_REASON_STOP),
+            ]
+        return out
+
     async def _stream(
         self, request: sampler_pb2.GenerateStreamRequest
     ) -> AsyncIterator[sampler_pb2.GenerateStreamResponse]:
@@ -140,6 +168,11 @@ class FakeReplica:
                     prompt_token_ids=tensor.encode(np.asarray(ids, np.int32))
                 )
             )
+            if request.prompt.chat.tools:  # as a sampler reads a model that calls a tool
+                for delta in self.tool_call_deltas(request):
+                    yield sampler_pb2.GenerateStreamResponse(delta=delta)
+                finished = True
+                return
             room = self.MAX_CONTEXT - len(ids)
             length = min(s.max_tokens or room, room)
             n = max(1, s.n)
