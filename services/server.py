@@ -127,10 +127,11 @@ def wrap_method_handler(
                     async for response in responses:
                         try:
                             await context.write(response)
-                        except Exception:
-                            if context.cancelled():  # the caller left while it was sent
-                                raise asyncio.CancelledError from None
-                            raise
+                        except grpc.aio.InternalError:
+                            # A send fails only when the call is over (the caller left, the
+                            # deadline passed, the connection dropped); grpc may report it
+                            # before it marks the call cancelled (context.cancelled() False).
+                            raise asyncio.CancelledError from None
 
     elif inspect.iscoroutinefunction(behaviour):
 

@@ -207,29 +207,34 @@ async def test_a_cancelled_stream_is_no_error_span_and_logs_no_traceback(spans, 
     import gc
     import logging
 
-    spans.clear()
     caplog.set_level(logging.DEBUG)
     server = GrpcServer("tele")
     server.add_service(add_tele, FEED, SERVICE)
+    name = f"{SERVICE}/Feed"
+    # Repeated: grpc may fail the handler's send before it marks the call cancelled, a race
+    # one cancel in twenty used to lose (the span said INTERNAL and the server logged a failure).
     async with server:
         server.set_serving()
         async with channel(server.address) as ch:
-            call = ch.unary_stream(f"/{SERVICE}/Feed")(b"", timeout=10)
-            await call.read()
-            call.cancel()
-            name = f"{SERVICE}/Feed"
-            for _ in range(300):
-                gc.collect()
-                if by_name(spans, name, trace.SpanKind.SERVER):
-                    break
-                await asyncio.sleep(0.01)
-    (span,) = by_name(spans, name, trace.SpanKind.SERVER)
-    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
-    assert span.status.status_code != trace.StatusCode.ERROR
-    (client,) = by_name(spans, name, trace.SpanKind.CLIENT)
-    assert client.status.status_code != trace.StatusCode.ERROR  # the caller cancelled it
+            for attempt in range(40):
+                spans.clear()
+                call = ch.unary_stream(f"/{SERVICE}/Feed")(b"", timeout=10)
+                await call.read()
+                call.cancel()
+                for _ in range(300):
+                    gc.collect()
+                    if by_name(spans, name, trace.SpanKind.SERVER):
+                        break
+                    await asyncio.sleep(0.01)
+                (span,) = by_name(spans, name, trace.SpanKind.SERVER)
+                code = span.attributes["rpc.grpc.status_code"]
+                assert code == grpc.StatusCode.CANCELLED.value[0], f"attempt {attempt}: {code}"
+                assert span.status.status_code != trace.StatusCode.ERROR
+                (client,) = by_name(spans, name, trace.SpanKind.CLIENT)
+                assert client.status.status_code != trace.StatusCode.ERROR  # the caller cancelled
     assert not [r for r in caplog.records if "Failed to detach context" in r.getMessage()]
     assert not [r for r in caplog.records if r.exc_info]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_health_checks_are_not_traced(spans):
