@@ -4,6 +4,7 @@ tokenizer, for runs without a model hub. Cheap to import: torch loads in the han
 from __future__ import annotations
 
 import argparse
+import json
 
 from services.commands import Command
 from services.errors import ConfigError
@@ -14,6 +15,14 @@ def _init_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", help="tiny (~1M params), small, base100m")
     parser.add_argument("--generator", default="arith", help="dataset generator for the tokenizer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--env",
+        metavar="ENV_ID",
+        help="a text env whose episodes (with its tools) also train the tokenizer",
+    )
+    parser.add_argument(
+        "--env-kwargs", metavar="JSON", default="{}", help="the text env's arguments"
+    )
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -21,8 +30,18 @@ def _init_model(args: argparse.Namespace) -> int:
 
     if args.size not in MODEL_SIZES:
         raise ConfigError(f"--size: unknown size {args.size!r}; known: {', '.join(MODEL_SIZES)}")
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"--env-kwargs: not JSON: {exc}") from exc
+    if not isinstance(env_kwargs, dict):
+        raise ConfigError("--env-kwargs: a JSON object of the env's arguments")
     out = init_model(
-        args.out_dir, size=args.size, dataset={"generator": args.generator}, seed=args.seed
+        args.out_dir,
+        size=args.size,
+        dataset={"generator": args.generator},
+        seed=args.seed,
+        env={"env_id": args.env, "kwargs": env_kwargs} if args.env else None,
     )
     print(f"wrote {out}")
     return 0

@@ -10,13 +10,21 @@ a model that vLLM would refuse is never written.
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["MODEL_SIZES", "ModelSize", "init_model", "train_tokenizer"]
+__all__ = [
+    "CORPORA_GROUP",
+    "MODEL_SIZES",
+    "ModelSize",
+    "chat_text",
+    "init_model",
+    "train_tokenizer",
+]
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 EOS, CHAT_START, CHAT_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -110,6 +118,38 @@ def _corpus(tasks: Iterable[Any], limit: int) -> Iterator[str]:
     yield "<think> </think> <answer> </answer> user assistant system"
 
 
+# Tokenizer training text that other packages provide (name -> function(**spec) -> texts): the
+# env server's `text_env` renders a text environment's episodes.
+CORPORA_GROUP = "rlfleet.tokenizer_corpora"
+
+
+def chat_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """A conversation as this module's chat template writes it (with ``tools`` offered)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    offered: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+    # (texts, generation indices) at runtime, whatever the annotation says
+    rendered = cast(
+        tuple[list[str], Any],
+        render_jinja_template([messages], tools=offered, chat_template=CHAT_TEMPLATE),
+    )
+    return rendered[0][0]
+
+
+def _env_corpus(env: dict[str, Any], seed: int) -> Iterator[str]:
+    from services.errors import ConfigError
+    from services.registry import entry_point_registry
+
+    corpora = entry_point_registry(CORPORA_GROUP)
+    if "text_env" not in corpora:
+        raise ConfigError(
+            f"env: no 'text_env' in entry-point group {CORPORA_GROUP!r} (the env server's "
+            "package provides it: reinstall rlfleet)"
+        )
+    corpus = cast(Callable[..., Iterator[str]], corpora["text_env"])
+    return corpus(env_id=env["env_id"], kwargs=env.get("kwargs"), seed=seed)
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     """A byte-level BPE tokenizer with one token per digit (arithmetic stays learnable)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -149,11 +189,13 @@ def init_model(
     seed: int = 0,
     corpus_size: int = 20_000,
     dtype: str = "float32",
+    env: dict[str, Any] | None = None,
 ) -> Path:
     """Write a randomly initialised Qwen2 causal LM and its tokenizer to ``out_dir``.
 
     ``dataset`` is a dataset spec (``common.datasets.iter_tasks``) whose text trains the
-    tokenizer; default: the arithmetic generator.
+    tokenizer; default: the arithmetic generator. ``env`` (``{"env_id", "kwargs"}``) adds a text
+    environment's episodes, rendered with its tools, so its prompts stay short.
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -165,7 +207,10 @@ def init_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tasks = iter_tasks(dataset or {"generator": "arith", "seed": seed})
-    tokenizer = train_tokenizer(_corpus(tasks, corpus_size), arch.vocab_size)
+    texts = _corpus(tasks, corpus_size)
+    if env is not None:
+        texts = itertools.chain(texts, _env_corpus(env, seed))
+    tokenizer = train_tokenizer(texts, arch.vocab_size)
     arch = replace(arch, vocab_size=len(tokenizer))
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     # Keywords that are not dataclass fields of Qwen2Config, so not in its typed __init__:

@@ -22,13 +22,15 @@ import random
 from typing import Any, ClassVar
 
 from clients.env.types import Message
+from services.errors import FailedPrecondition
 
-__all__ = ["SPLITS", "Message", "TextEnv", "TextStep", "check_split", "split_of"]
+__all__ = ["SPLITS", "Message", "TextEnv", "TextStep", "check_split", "play_expert", "split_of"]
 
 # (messages, reward, terminated, truncated, info): what `TextEnv.step` returns.
 TextStep = tuple[list[Message], float, bool, bool, dict[str, Any]]
 
 SPLITS = ("train", "eval")
+MAX_EXPERT_TURNS = 64  # an expert that never ends its episode is cut off here
 # One task in this many falls in the eval split (by a hash of the task, see `split_of`).
 _EVAL_ONE_IN = 8
 
@@ -64,6 +66,23 @@ class TextEnv:
 
     def close(self) -> None:
         """Free what the environment holds (processes, sockets); called once."""
+
+
+def play_expert(env: TextEnv) -> tuple[list[Message], float]:
+    """The rest of ``env``'s episode played by its expert: what the expert and the env said, in
+    order, and the rewards summed. FailedPrecondition when the env has no expert."""
+    said: list[Message] = []
+    total = 0.0
+    for _ in range(MAX_EXPERT_TURNS):
+        reply = env.expert_reply()
+        if reply is None:
+            raise FailedPrecondition(f"{type(env).__name__} has no expert to demonstrate")
+        messages, reward, terminated, truncated, _ = env.step(reply)
+        said += [reply, *messages]
+        total += float(reward)
+        if terminated or truncated:
+            return said, total
+    raise ValueError(f"the expert did not end its episode in {MAX_EXPERT_TURNS} turns")
 
 
 def check_split(split: str) -> str:

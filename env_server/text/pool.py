@@ -22,7 +22,7 @@ from typing import Any
 from clients.env.text import DEMONSTRATE
 from clients.env.types import EpisodeStats, Message, TextStepResult, TextTurn
 from env_server.pool import check_seeds, env_indices
-from env_server.text.base import TextEnv
+from env_server.text.base import TextEnv, play_expert
 from env_server.text.tools import ThreadCall
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable
 
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 _ROLES_IN = ("assistant",)  # what a client may send: the model's turn
 _ROLES_OUT = ("system", "user", "assistant", "tool")  # what an env may answer with
 _NEW, _RUNNING, _ENDED, _BROKEN = "new", "running", "ended", "broken"
-MAX_DEMONSTRATION_TURNS = 64  # an expert that never ends its episode is cut off here
 
 
 class TextPool:
@@ -134,25 +133,9 @@ class TextPool:
 
     def _demonstration(self, i: int) -> dict[str, Any]:
         """Env i's episode played by its expert, under one ``step_timeout_s`` for the whole."""
-        env = self.envs[i]
-
-        def play() -> tuple[list[Message], float]:
-            said: list[Message] = []
-            total = 0.0
-            for _ in range(MAX_DEMONSTRATION_TURNS):
-                reply = env.expert_reply()
-                if reply is None:
-                    raise FailedPrecondition(f"{type(env).__name__} has no expert to demonstrate")
-                messages, reward, terminated, truncated, _ = env.step(reply)
-                said += [reply, *messages]
-                total += float(reward)
-                if terminated or truncated:
-                    return said, total
-            raise ValueError(
-                f"the expert did not end its episode in {MAX_DEMONSTRATION_TURNS} turns"
-            )
-
-        outcome, value = ThreadCall(play).outcome(time.monotonic() + self.step_timeout_s)
+        outcome, value = ThreadCall(functools.partial(play_expert, self.envs[i])).outcome(
+            time.monotonic() + self.step_timeout_s
+        )
         self._state[i] = _ENDED if outcome == "ok" else _BROKEN
         if outcome == "timeout":
             raise Unavailable(

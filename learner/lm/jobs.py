@@ -461,11 +461,18 @@ def prepare(settings: LMJobSettings, run_dir: Path) -> None:
     s = settings
     if (s.model_path / "config.json").is_file() or s.init_model is None:
         return
-    create_model(s.model_path, s.init_model, dataset=s.dataset, seed=s.seed)
+    # An env job's episodes train the tokenizer too: its tool text stays a few tokens.
+    env = {"env_id": s.env.env_id, "kwargs": s.env.kwargs} if s.env is not None else None
+    create_model(s.model_path, s.init_model, dataset=s.dataset, seed=s.seed, env=env)
 
 
 def create_model(
-    path: Path, size: str, *, dataset: dict[str, Any] | None = None, seed: int = 0
+    path: Path,
+    size: str,
+    *,
+    dataset: dict[str, Any] | None = None,
+    seed: int = 0,
+    env: dict[str, Any] | None = None,
 ) -> None:
     """init-model at ``path``, said on the launcher's console before and after (it takes
     10-30 s with the imports, before any service is up: there is no bus to announce it on yet)."""
@@ -475,7 +482,7 @@ def create_model(
     print(f"init-model: creating a {size} model at {path} (model_path is missing)", flush=True)
     from common.models import init_model
 
-    init_model(path, size=size, dataset=dataset, seed=seed)
+    init_model(path, size=size, dataset=dataset, seed=seed, env=env)
     print(f"init-model: {path} created in {time.perf_counter() - started:.1f} s", flush=True)
 
 

@@ -156,3 +156,51 @@ def test_init_model_refuses_a_size_vllm_cannot_serve(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="head size"):
         init_model(tmp_path / "m", size=ModelSize(96, 1, 2, 1, 64))
     assert not (tmp_path / "m" / "config.json").exists()
+
+
+def test_an_env_trains_the_tokenizer_so_its_tool_prompts_stay_short(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from env_server.text.envs import CalculatorEnv
+
+    size = ModelSize(64, 1, 2, 1, 64)  # the tokenizer is what counts here
+    plain = init_model(tmp_path / "plain", size=size, corpus_size=2_000)
+    with_env = init_model(
+        tmp_path / "env", size=size, corpus_size=2_000, env={"env_id": "Calculator-v0"}
+    )
+    env = CalculatorEnv(split="eval")
+    opening, _ = env.reset(seed=5)
+    lengths = {}
+    for name, folder in (("plain", plain), ("env", with_env)):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        text = tokenizer.apply_chat_template(
+            opening, tools=CalculatorEnv.tools, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text)["input_ids"]
+        assert tokenizer.decode(ids) == text  # still lossless
+        lengths[name] = len(ids)
+        # digits stay one token each: arithmetic is as learnable as before
+        assert [tokenizer.decode([i]) for i in tokenizer(env.task)["input_ids"][:3]] == list(
+            env.task[:3]
+        )
+    assert lengths["env"] < 0.5 * lengths["plain"], lengths
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--env", "Calculator-v0", "--env-kwargs", "{digits: 3"], "--env-kwargs: not JSON"),
+        (["--env", "Calculator-v0", "--env-kwargs", "[3]"], "--env-kwargs: a JSON object"),
+        (["--env", "Calculator-v0", "--env-kwargs", '{"digits": 30}'], "digits"),
+        (["--env", "NoSuchEnv-v9"], "NoSuchEnv-v9"),
+    ],
+)
+def test_init_model_env_errors_name_what_was_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from launch import cli
+
+    code = cli.main(["init-model", str(tmp_path / "m"), *argv])
+    _, err = capsys.readouterr()
+    assert code != 0 and message in err, err
+    assert not (tmp_path / "m" / "config.json").exists()
