@@ -40,7 +40,8 @@ class TextEnv:
 
     # OpenAI function tools the environment offers (the same for every episode), e.g.
     # {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}.
-    tools: ClassVar[list[dict[str, Any]]] = []
+    # Usually a class attribute; an env whose offer depends on its arguments sets its own.
+    tools: list[dict[str, Any]] = []
     metadata: ClassVar[dict[str, Any]] = {}
 
     def __init__(self) -> None:

@@ -22,7 +22,7 @@ import math
 import operator
 import re
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from env_server.text.base import Message, TextEnv, TextStep, check_split, split_of
 from env_server.text.gym_text import GymnasiumText
@@ -108,7 +108,7 @@ def calculate(expression: str) -> int | float:
 class CalculatorEnv(TextEnv):
     """Multi-digit arithmetic with a ``calculator`` tool (see the module docstring)."""
 
-    tools: ClassVar[list[dict[str, Any]]] = [
+    tools: list[dict[str, Any]] = [
         {
             "type": "function",
             "function": {
@@ -128,6 +128,7 @@ class CalculatorEnv(TextEnv):
         "You are a careful assistant. Use the calculator tool for arithmetic, then give the "
         "final answer as <answer>NUMBER</answer>."
     )
+    SYSTEM_WITHOUT_TOOL = "You are a careful assistant. Give the answer as <answer>NUMBER</answer>."
 
     def __init__(
         self,
@@ -136,7 +137,9 @@ class CalculatorEnv(TextEnv):
         terms: int = 2,
         max_turns: int = 4,
         tool_timeout_s: float = 5.0,
+        tool: bool = True,
     ) -> None:
+        """``tool=False`` is the baseline without the tool: one turn, the answer from the head."""
         super().__init__()
         self.split = check_split(split)
         if not 1 <= digits <= 9:
@@ -150,6 +153,8 @@ class CalculatorEnv(TextEnv):
         self.digits, self.terms = digits, terms
         self.max_turns, self.tool_timeout_s = max_turns, tool_timeout_s
         self.tool_functions: dict[str, Callable[..., Any]] = {"calculator": calculate}
+        if not tool:
+            self.tools, self.tool_functions = [], {}
         self.turns = 0
         self.answer = 0
 
@@ -170,15 +175,16 @@ class CalculatorEnv(TextEnv):
         self.task = task = _draw(self.split, self._task)
         self.answer = int(calculate(task))
         self.turns = 0
+        system = self.SYSTEM if self.tools else self.SYSTEM_WITHOUT_TOOL
         messages = [
-            {"role": "system", "content": self.SYSTEM},
+            {"role": "system", "content": system},
             {"role": "user", "content": f"What is {task}?"},
         ]
         return messages, {"task": task, "answer": self.answer}
 
     def step(self, message: Message) -> TextStep:
         self.turns += 1
-        calls = tool_calls(message)
+        calls = tool_calls(message) if self.tools else []
         if calls:
             replies = [self._answer(call, i) for i, call in enumerate(calls)]
             truncated = self.turns >= self.max_turns
@@ -193,7 +199,7 @@ class CalculatorEnv(TextEnv):
 
     def expert_reply(self) -> Message:
         """One calculator call for the whole expression, then the answer it gave."""
-        if self.turns == 0:
+        if self.turns == 0 and self.tools:
             call = {"name": "calculator", "arguments": {"expression": self.task}}
             return {
                 "role": "assistant",

@@ -56,7 +56,7 @@ class TextPool:
             self.close()
             raise
         self.num_envs = num_envs
-        self.tools: list[dict[str, Any]] = list(type(self.envs[0]).tools)
+        self.tools: list[dict[str, Any]] = list(self.envs[0].tools)
         self.metadata: dict[str, Any] = dict(type(self.envs[0]).metadata)
         self.step_timeout_s = step_timeout_s
         self.max_message_chars = max_message_chars

@@ -32,6 +32,6 @@ def text_env_corpus(
                 said, _ = play_expert(env)
             except FailedPrecondition:  # no expert: the openings still carry the tool text
                 said = []
-            yield chat_text([*opening, *said], type(env).tools)
+            yield chat_text([*opening, *said], env.tools)
     finally:
         env.close()

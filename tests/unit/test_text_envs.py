@@ -346,3 +346,20 @@ def test_an_env_without_an_expert_refuses_to_demonstrate() -> None:
     pool.envs[0].expert_reply = lambda: None  # type: ignore[method-assign]
     with pytest.raises(FailedPrecondition, match="has no expert to demonstrate"):
         pool.reset(seed=1, options={"demonstrate": True})
+
+
+def test_calculator_without_its_tool_is_one_turn_from_the_head() -> None:
+    pool = TextPool(lambda: registry.make_text_env("Calculator-v0", kwargs={"tool": False}), 2)
+    assert pool.tools == []
+    assert registry.make_text_env("Calculator-v0").tools  # the default still offers it
+    (first, second) = pool.reset(seeds=[3, 4], options={"demonstrate": True})
+    assert "calculator" not in first.messages[0]["content"]
+    assert [m["role"] for m in first.info["demonstration"]] == ["assistant"]
+    assert first.info["demonstration_return"] == 1.0
+    # A tool call is no call here: it is the answer, and a wrong one.
+    env = registry.make_text_env("Calculator-v0", kwargs={"tool": False})
+    env.reset(seed=3)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
+    replies, reward, terminated, truncated, info = env.step(say(call))
+    assert (replies, reward, terminated, truncated) == ([], 0.0, True, False)
+    assert info["outcome"] == "wrong"
