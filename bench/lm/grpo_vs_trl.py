@@ -122,14 +122,21 @@ def post_sft_model(settings: Any) -> Path:
 # --------------------------------------------------------------------------- the two sides
 
 
-def run_rlfleet(job: dict[str, Any], model: Path, budget_s: float, eval_every: int) -> dict:
+def run_rlfleet(
+    job: dict[str, Any],
+    model: Path,
+    budget_s: float,
+    eval_every: int,
+    *,
+    run_dir: Path = BENCH_DIR / "rlfleet",
+    run_name: str = "grpo-vs-trl",
+) -> dict:
     """``rlfleet up`` for ``budget_s`` from launch; its eval and update records."""
-    run_dir = BENCH_DIR / "rlfleet"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     job = {**job, "model_path": str(model), "init_model": None, "sft_steps": 0,
            "total_updates": 1_000_000, "eval_every": eval_every}  # fmt: skip
-    config = {"run": {"name": "grpo-vs-trl", "dir": str(run_dir)}, "job": job}
+    config = {"run": {"name": run_name, "dir": str(run_dir)}, "job": job}
     (run_dir / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     # As a user's shell: the launcher gives each service its threads.
     env = {k: v for k, v in CHILD_ENV.items() if k != "OMP_NUM_THREADS"}

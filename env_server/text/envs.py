@@ -29,7 +29,14 @@ from env_server.text.gym_text import GymnasiumText
 from env_server.text.openenv_text import OpenEnvText
 from env_server.text.tools import MAX_CALLS_PER_TURN, run_tool, tool_calls, tool_message
 
-__all__ = ["BUILTIN_TEXT_ENVS", "CalculatorEnv", "GuessNumberEnv", "InnkeeperEnv", "calculate"]
+__all__ = [
+    "BUILTIN_TEXT_ENVS",
+    "CalculatorEnv",
+    "GuessNumberEnv",
+    "InnkeeperEnv",
+    "answer_of",
+    "calculate",
+]
 
 _INTEGER = re.compile(r"-?\d+")
 _ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
@@ -43,7 +50,7 @@ def _draw(split: str, draw: Callable[[], Any]) -> Any:
             return task
 
 
-def _last_integer(text: str) -> int | None:
+def answer_of(text: str) -> int | None:
     """The answer a reply gives: an ``<answer>N</answer>`` tag, else its last integer."""
     tagged = _ANSWER.findall(text)
     found = tagged or _INTEGER.findall(text)
@@ -192,7 +199,7 @@ class CalculatorEnv(TextEnv):
             if truncated:
                 info["outcome"] = "max_turns"
             return replies, 0.0, False, truncated, info
-        given = _last_integer(message.get("content") or "")
+        given = answer_of(message.get("content") or "")
         correct = given == self.answer
         outcome = "correct" if correct else ("no_answer" if given is None else "wrong")
         return [], 1.0 if correct else 0.0, True, False, {"outcome": outcome, "given": given}
@@ -269,7 +276,7 @@ class GuessNumberEnv(TextEnv):
 
     def step(self, message: Message) -> TextStep:
         self.turns += 1
-        guess = _last_integer(message.get("content") or "")
+        guess = answer_of(message.get("content") or "")
         left = self.max_turns - self.turns
         if guess == self.secret:
             return [], 1.0, True, False, {"outcome": "found", "turns": self.turns}

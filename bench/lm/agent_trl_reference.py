@@ -1,0 +1,219 @@
+"""The reference side of bench/lm/agent_vs_trl.py: TRL's GRPOTrainer with an environment.
+
+Run by agent_vs_trl.py as ``python -m bench.lm.agent_trl_reference`` in ``bench/.venv-trl``
+(TRL is never a project dependency), with the repository root on PYTHONPATH:
+
+- dataset: the env's openings (system prompt and question) for the train-split episode seeds
+  the rollout drivers draw (``common.datasets.env_seeds``), with each task's ``answer``;
+- ``environment_factory``: an object whose ``calculator`` method is the tool, with Calculator-v0's
+  function and result format (``run_tool(calculate, ...)`` as JSON); TRL renders its schema
+  from the method's signature and docstring, parses the model's tool calls with the Hermes /
+  Qwen response template (the format of the tiny model's chat template) and loops generation and
+  tool calls up to ``max_turns - 1`` times;
+- reward: Calculator-v0's own check of the final answer (``answer_of``);
+- evaluation: the learner's ``EnvEpisodes.evaluate`` (greedy episodes of the eval split on an env
+  server this process starts, the same seeds as rlfleet's learner) at update 0 and every
+  ``--eval-every`` updates, its time counted.
+Training stops at the first update that ends past ``--budget-s`` seconds after ``--started``.
+
+Writes ``<out>/eval.jsonl`` and ``<out>/log.jsonl`` as bench/lm/grpo_trl_reference.py does.
+Not run by hand; see agent_vs_trl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+TOOL_TIMEOUT_S = 5.0  # Calculator-v0's default tool_timeout_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", type=Path, required=True, help="the job as JSON (agent_vs_trl)")
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, required=True)
+    parser.add_argument("--started", type=float, required=True)
+    parser.add_argument("--eval-every", type=int, required=True)
+    args = parser.parse_args()
+    job = json.loads(args.job.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    from bench._shared.lm import service_process, stop_process
+
+    server, address = service_process("env_server", args.out, "env-eval")
+    try:
+        train(job, args, address)
+    finally:
+        stop_process(server)
+
+
+class CalculatorTools:
+    """Calculator-v0's tool as a TRL environment (one instance per rollout)."""
+
+    def reset(self, **_: Any) -> None:
+        return None  # the dataset's prompt already asks the question
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression exactly.
+
+        Args:
+            expression: e.g. 123 * 456
+        """
+        from env_server.text.envs import calculate
+        from env_server.text.tools import run_tool
+
+        return json.dumps(run_tool(calculate, {"expression": expression}, TOOL_TIMEOUT_S),
+                          sort_keys=True)  # fmt: skip
+
+
+def train_rows(env: dict[str, Any], seed: int, count: int) -> list[dict[str, Any]]:
+    """The openings of ``count`` train-split episodes, as rollout drivers draw their seeds."""
+    from common.datasets import ENV_SEED_KEY, env_seeds
+    from env_server.registry import make_text_env
+
+    made = make_text_env(env["env_id"], kwargs={**env["kwargs"], "split": "train"})
+    rows = []
+    for task in env_seeds(env_id=env["env_id"], seed=seed, split="train", count=count):
+        messages, info = made.reset(seed=int(task.extra[ENV_SEED_KEY]))
+        rows.append({"prompt": messages, "answer": info["answer"]})
+    return rows
+
+
+def answer_reward(completions: list[Any], answer: list[int], **_: Any) -> list[float]:
+    """1 when the last assistant message's answer is right (Calculator-v0's rule)."""
+    from env_server.text.envs import answer_of
+
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        said = [m for m in completion if m.get("role") == "assistant"]
+        text = (said[-1].get("content") or "") if said else ""
+        scores.append(1.0 if answer_of(text) == expected else 0.0)
+    return scores
+
+
+def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    from learner.lm.env_episodes import EnvEpisodes
+    from learner.lm.settings import LearnerTextEnv
+
+    env = job["env"]
+    group, prompts_per_update = job["group_size"], job["groups_per_update"]
+    updates = job["max_updates"]
+    train_set = Dataset.from_list(train_rows(env, job["seed"], updates * prompts_per_update))
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    # The tiny model's template writes tool calls as Qwen does: <tool_call>{json}</tool_call>.
+    tokenizer.response_template = qwen3_template
+    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
+    episodes = EnvEpisodes(LearnerTextEnv(env_server=env_address, **env), env_address, tokenizer)
+    from env_server.registry import make_text_env
+
+    tools = make_text_env(env["env_id"], kwargs=env["kwargs"]).tools
+    opening = max(
+        len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for text in (
+            tokenizer.apply_chat_template(
+                row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            for row in train_set.select(range(min(64, len(train_set))))
+        )
+    )
+    config = GRPOConfig(
+        output_dir=str(args.out / "trainer"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=job["seed"],
+        max_steps=updates,
+        per_device_train_batch_size=prompts_per_update * group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=job["epochs"],
+        num_generations=group,
+        # The episode's token budget after its opening (rlfleet caps each turn at max_tokens
+        # and the whole episode at max_total_tokens; TRL caps the completion as a whole).
+        max_completion_length=env["max_total_tokens"] - opening,
+        max_tool_calling_iterations=env["max_turns"] - 1,
+        temperature=job["temperature"],
+        top_p=1.0,
+        top_k=0,
+        shuffle_dataset=False,
+        learning_rate=job["learning_rate"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.04,  # the grpo preset, as bench/lm/grpo_trl_reference.py
+        epsilon=0.2,
+        scale_rewards="group",
+        loss_type="grpo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+    class Clock(TrainerCallback):
+        """Held-out accuracy at update 0 and every eval_every updates; the stop at the budget."""
+
+        def __init__(self) -> None:
+            self.evals = (args.out / "eval.jsonl").open("w")
+            self.logs = (args.out / "log.jsonl").open("w")
+
+        def evaluate(self, model: Any, update: int) -> None:
+            began = time.perf_counter()
+            model.eval()
+            accuracy, outcomes = asyncio.run(
+                episodes.evaluate(model, job["eval_count"], job["seed"], update)
+            )
+            model.train()
+            record = {
+                "time_s": time.time() - args.started,
+                "update": update,
+                "accuracy": accuracy,
+                "eval_s": time.perf_counter() - began,
+                **outcomes,
+            }
+            self.evals.write(json.dumps(record) + "\n")
+            self.evals.flush()
+            print(f"update {update}: eval accuracy {accuracy:.3f}", flush=True)
+
+        def on_train_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.evaluate(kw["model"], 0)
+
+        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            record = {"time_s": time.time() - args.started, "update": state.global_step}
+            self.logs.write(json.dumps({**record, **(logs or {})}) + "\n")
+            self.logs.flush()
+
+        def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step % args.eval_every == 0:
+                self.evaluate(kw["model"], state.global_step)
+            if time.time() - args.started >= args.budget_s:
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[answer_reward],
+        args=config,
+        train_dataset=train_set,
+        processing_class=tokenizer,
+        environment_factory=CalculatorTools,
+        callbacks=[Clock()],
+    )
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
