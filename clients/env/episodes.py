@@ -101,9 +101,15 @@ class ChatTokens:
     (the template's end-of-turn after them included, when the model stopped without it).
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.template_kwargs = template_kwargs or {}
         self.turn_end = _turn_end(tokenizer)
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
@@ -113,6 +119,7 @@ class ChatTokens:
                 tools=self.tools,
                 add_generation_prompt=generation_prompt,
                 tokenize=False,
+                **self.template_kwargs,
             )
         )
 
@@ -130,16 +137,26 @@ class ChatTokens:
     def answer(self, episode: Episode, env_messages: list[Message]) -> list[int]:
         """Tokens after the model's last one: the rest of its turn as the template ends it, the
         env's messages and the next generation prompt."""
-        said = self.tokenizer.decode(
-            episode.prompt_ids + episode.token_ids, skip_special_tokens=False
+        return self.continuation(
+            episode.prompt_ids + episode.token_ids, episode.messages, env_messages
         )
-        after = self._render([*episode.messages, *env_messages], True)
+
+    def continuation(
+        self, ids: Sequence[int], before: list[Message], new: list[Message]
+    ) -> list[int]:
+        """The tokens that follow ``ids`` (the conversation ``before``, its last model turn as
+        sampled) when the ``new`` messages come, up to the next generation prompt: the rest of
+        the model's turn as the template ends it, then ``new`` as the template writes them.
+        ``ids`` themselves are never re-tokenized."""
+        said = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        after = self._render([*before, *new], True)
         if after.startswith(said):
             return self._ids(after[len(said) :])
         # The template writes the model's turn otherwise than it was sampled (it strips or
-        # reformats it): end the turn as the template does, then the env's part alone.
-        before = self._render(episode.messages, False)
-        return self._ids(self.tokenizer.eos_token or "") + self._ids(after[len(before) :])
+        # reformats it): end the turn as the template does, then the new part alone.
+        ended = len(ids) >= len(self.turn_end) and list(ids[-len(self.turn_end) :]) == self.turn_end
+        rendered = self._render(before, False)
+        return ([] if ended else list(self.turn_end)) + self._ids(after[len(rendered) :])
 
 
 # One model turn for each episode given: (episode, prompt token ids, room in tokens) -> the

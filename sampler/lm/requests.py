@@ -16,6 +16,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from clients.env.episodes import ChatTokens
 from common import tensor
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.sampler.v1 import sampler_pb2
@@ -59,6 +60,8 @@ class PromptRenderer:
             ids = list(self.tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
         elif kind == "token_ids":
             ids = _token_ids(prompt.token_ids, field, limits.vocab_size)
+        elif prompt.chat.HasField("prefix_token_ids"):
+            ids = self._continued_chat(prompt.chat, field, limits)
         else:
             ids = self._chat(prompt.chat, field)
         if not ids:
@@ -71,7 +74,10 @@ class PromptRenderer:
             )
         return ids
 
-    def _chat(self, chat: sampler_pb2.ChatPrompt, field: str) -> list[int]:
+    def _chat_inputs(
+        self, chat: sampler_pb2.ChatPrompt, field: str
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
+        """The checked messages, template keywords and tools of a chat prompt."""
         if not self.has_chat_template:
             raise InvalidArgument(
                 f"{field}: the model has no chat template; send text or token_ids", field=field
@@ -85,8 +91,10 @@ class PromptRenderer:
                 field=f"{field}.continue_final_message",
             )
         kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
-        messages = [_message(m) for m in chat.messages]
-        tools = self.tools(chat, field)
+        return [_message(m) for m in chat.messages], kwargs, self.tools(chat, field)
+
+    def _chat(self, chat: sampler_pb2.ChatPrompt, field: str) -> list[int]:
+        messages, kwargs, tools = self._chat_inputs(chat, field)
         if tools:
             kwargs["tools"] = tools
         try:
@@ -101,6 +109,32 @@ class PromptRenderer:
             raise InvalidArgument(f"{field}: chat template failed: {exc}", field=field) from None
         # The template wrote any special tokens itself.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _continued_chat(
+        self, chat: sampler_pb2.ChatPrompt, field: str, limits: Limits
+    ) -> list[int]:
+        """A session's prompt: its earlier tokens as sampled, then only the new messages."""
+        messages, kwargs, tools = self._chat_inputs(chat, field)
+        count = chat.prefix_messages
+        if not 1 <= count <= len(messages):
+            where = f"{field}.prefix_messages"
+            raise InvalidArgument(
+                f"{where} must be in [1, {len(messages)}] (the messages given), got {count}",
+                field=where,
+            )
+        if chat.continue_final_message:
+            where = f"{field}.continue_final_message"
+            raise InvalidArgument(f"{where} cannot go with prefix_token_ids", field=where)
+        where = f"{field}.prefix_token_ids"
+        prefix = _token_ids(chat.prefix_token_ids, where, limits.vocab_size)
+        if not prefix:
+            raise InvalidArgument(f"{where} is empty", field=where)
+        tokens = ChatTokens(self.tokenizer, tools, kwargs)
+        try:
+            after = tokens.continuation(prefix, messages[:count], messages[count:])
+        except Exception as exc:  # as _chat: the template's own checks, bad kwargs
+            raise InvalidArgument(f"{field}: chat template failed: {exc}", field=field) from None
+        return prefix + after
 
     @staticmethod
     def tools(chat: sampler_pb2.ChatPrompt, field: str = "prompt.chat") -> list[dict[str, Any]]:
