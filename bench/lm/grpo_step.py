@@ -178,9 +178,9 @@ class Learner:
 
 
 async def one_step(ctx: dict[str, Any], step: int, a: argparse.Namespace) -> dict[str, Any]:
+    from clients.trajectories.prompts import prompt_task
     from learner.weights import announce
     from sampler.rollout.groups import build_groups, generate_request, score_request
-    from sampler.rollout.prompts import prompt_task
     from sampler.rollout.settings import RewardSpec, SamplingSettings
 
     learner: Learner = ctx["learner"]
@@ -244,9 +244,9 @@ async def one_step(ctx: dict[str, Any], step: int, a: argparse.Namespace) -> dic
 async def running_system(ctx: dict[str, Any], first: int, a: argparse.Namespace) -> dict[str, Any]:
     """``a.warmup + a.updates`` updates with generation overlapping training (see the module
     docstring); medians over the last ``a.updates``."""
+    from clients.trajectories.prompts import prompt_task
     from learner.weights import announce
     from sampler.rollout.groups import build_groups, generate_request, score_request
-    from sampler.rollout.prompts import prompt_task
     from sampler.rollout.settings import RewardSpec, SamplingSettings
 
     learner: Learner = ctx["learner"]

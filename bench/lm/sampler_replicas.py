@@ -96,8 +96,8 @@ def omp_cores(proc: SamplerProcess) -> str | None:
 
 def build_requests(a: argparse.Namespace) -> list[Any]:
     """The Generate requests of one round: the driver's, ``prompts_per_call`` prompts each."""
+    from clients.trajectories.prompts import prompt_task
     from sampler.rollout.groups import generate_request
-    from sampler.rollout.prompts import prompt_task
     from sampler.rollout.settings import SamplingSettings
 
     tasks = [prompt_task("bench", "arith", 0, t) for t in arith_tasks(a.prompts)]

@@ -40,7 +40,7 @@ __all__ = ["LM_JOBS", "LMJobSettings"]
 
 # One job kind per built-in LM preset (each is an rlfleet.jobs entry point in pyproject.toml).
 PRESET_NAMES = ("grpo", "dapo", "dr_grpo", "gspo", "sapo", "cispo", "rloo", "reinforce_pp", "chord")
-# Rollout drivers' version_wait_s (sampler/rollout/pacing.py) with dynamic sampling.
+# Rollout drivers' version_wait_s (clients/trajectories/pacing.py) with dynamic sampling.
 DYNAMIC_SAMPLING_VERSION_WAIT_S = 120.0
 
 

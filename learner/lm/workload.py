@@ -8,7 +8,7 @@ DAPO's dynamic sampling (groups without signal are filtered), and held-out greed
 
 Groups filtered out or invalid are announced (``bus.v1.GroupsDropped`` on
 ``rlfleet.v1.events.<run>.dropped``, per producing driver, coalesced): rollout drivers pace on
-the groups they published (sampler/rollout/pacing.py) and take each such group as credit for
+the groups they published (clients/trajectories/pacing.py) and take each such group as credit for
 another, or they would wait for a version that cannot come. Stale and duplicate groups are not
 announced (see pacing.py for why).
 
@@ -56,7 +56,9 @@ log = logging.getLogger(__name__)
 
 # SFT progress records at most this often: the console shows one per interval, more are noise.
 SFT_PROGRESS_EVERY_S = 1.0
-DROPPED_EVENTS = "dropped"  # GroupsDropped's event kind (the drivers' sampler/rollout/pacing.py)
+DROPPED_EVENTS = (
+    "dropped"  # GroupsDropped's event kind (the drivers' clients/trajectories/pacing.py)
+)
 # The progress line `rlfleet up` shows (services.progress): (label, metric) in display order.
 HEADLINE = (
     ("reward", "reward/total"),

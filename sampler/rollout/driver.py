@@ -33,6 +33,9 @@ from clients.reward import SERVICE_NAME as REWARD_SERVICE
 from clients.reward import RewardPool
 from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from clients.sampler import SamplerPool
+from clients.trajectories.groups import episode_group, group_id
+from clients.trajectories.pacing import Pacer, VersionWatch
+from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
 from common.datasets import ENV_SEED_KEY
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
@@ -40,16 +43,12 @@ from rlfleet.sampler.v1 import sampler_pb2
 from sampler.rollout.groups import (
     Expert,
     build_groups,
-    episode_group,
     expert_text,
     generate_request,
-    group_id,
     sampling_params,
     score_request,
     transcript_score_request,
 )
-from sampler.rollout.pacing import Pacer, VersionWatch
-from sampler.rollout.prompts import PromptFeeder, PromptQueue, prompt_key
 from sampler.rollout.settings import RolloutSettings
 from sampler.rollout.stats import RolloutStats
 from sampler.rollout.turns import sampler_turns

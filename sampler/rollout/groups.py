@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from google.protobuf import duration_pb2, json_format, timestamp_pb2
+from google.protobuf import duration_pb2, json_format
 
 from clients.env.episodes import Episode
 from clients.reward import BATCH_KEYS
+from clients.trajectories.groups import group_header, now, opening, prompt_text, transcript
+from clients.trajectories.prompts import SOLUTION_KEY, prompt_key
 from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.rollout.prompts import SOLUTION_KEY, prompt_key
 from sampler.rollout.settings import RewardSpec, SamplingSettings
 from services.errors import InvalidArgument
 
@@ -35,11 +36,8 @@ __all__ = [
     "Expert",
     "build_groups",
     "call_seed",
-    "episode_group",
     "expert_text",
     "generate_request",
-    "group_id",
-    "prompt_text",
     "sampling_params",
     "score_request",
     "transcript_score_request",
@@ -52,22 +50,6 @@ class Expert:
 
     text: str
     token_ids: np.ndarray  # int32 [T]
-
-
-def group_id(run: str, task: trajectory_pb2.PromptTask) -> str:
-    """``<run>/<dataset>/<epoch>/<prompt_id>``: one group per prompt and epoch. Deterministic,
-    so a prompt redelivered after its group was published (the driver died before acking)
-    yields the same id, which the stream and the learner drop as a duplicate."""
-    return f"{run}/{prompt_key(task)}"
-
-
-def prompt_text(task: trajectory_pb2.PromptTask) -> str:
-    """The prompt as reward functions see it: the raw text, or for a chat prompt the last user
-    message (the task itself; the rendered template is the sampler's business)."""
-    if task.WhichOneof("prompt") == "text":
-        return task.text
-    users = [m.content for m in task.chat.messages if m.role == "user"]
-    return users[-1] if users else "\n".join(m.content for m in task.chat.messages)
 
 
 def expert_text(task: trajectory_pb2.PromptTask) -> str | None:
@@ -164,10 +146,10 @@ def build_groups(
             f"the reward service returned {len(scores)} scores for {expected} completions",
             field="results",
         )
-    now = _now()
+    created = now()
     groups, at = [], 0
     for index, (task, result, expert) in enumerate(zip(tasks, results, experts, strict=True)):
-        group = _group(run, source, task, now)
+        group = group_header(run, source, task, created)
         group.prompt_token_ids.CopyFrom(
             tensor.encode(_ids(result.prompt_token_ids, f"results[{index}].prompt_token_ids"))
         )
@@ -184,12 +166,6 @@ def build_groups(
     return groups
 
 
-def transcript(episode: Episode) -> str:
-    """An episode's messages but the system prompt, one ``[role] content`` block each."""
-    said = (m for m in episode.messages if m["role"] != "system")
-    return "\n".join(f"[{m['role']}] {m['content']}" for m in said)
-
-
 def transcript_score_request(
     task: trajectory_pb2.PromptTask,
     episodes: Sequence[Episode],
@@ -203,7 +179,7 @@ def transcript_score_request(
     _add_rewards(request, rewards)
     for episode in episodes:
         said = [m["content"] for m in episode.messages if m["role"] == "assistant"]
-        asked = [m["content"] for m in _opening(episode) if m["role"] == "user"]
+        asked = [m["content"] for m in opening(episode) if m["role"] == "user"]
         item = request.items.add(
             prompt=asked[-1] if asked else "", completion=said[-1] if said else ""
         )
@@ -216,42 +192,6 @@ def transcript_score_request(
     return request
 
 
-def episode_group(
-    run: str,
-    source: str,
-    task: trajectory_pb2.PromptTask,
-    episodes: Sequence[Episode],
-    scores: Sequence[reward_pb2.ItemScore] = (),
-) -> trajectory_pb2.TrajectoryGroup:
-    """The TrajectoryGroup of a task's multi-turn episodes: one completion each, holding every
-    token after the shared opening (the model's, masked in, and the env's), its reward the sum
-    of the env's rewards (function ``env``) plus, with ``scores`` (one per episode, from
-    transcript_score_request), the reward functions' weighted total."""
-    group = _group(run, source, task, _now())
-    group.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(episodes[0].prompt_ids, np.int32)))
-    for index, episode in enumerate(episodes):
-        version = episode.first_version or 0
-        out = trajectory_pb2.TrajectoryCompletion(
-            token_ids=tensor.encode(np.asarray(episode.token_ids, np.int32)),
-            logprobs=tensor.encode(np.asarray(episode.logprobs, np.float32)),
-            loss_mask=tensor.encode(np.asarray(episode.loss_mask, np.bool_)),
-            finish_reason=episode.finish_reason,
-            policy_version=version,
-            end_policy_version=episode.last_version or version,
-            text=transcript(episode),
-            reward=episode.reward,
-        )
-        out.rewards.add(name="env", status=reward_pb2.SCORE_STATUS_OK, score=episode.reward)
-        if scores:
-            score = scores[index]
-            out.rewards.extend(score.scores)
-            if score.HasField("total"):
-                out.reward = episode.reward + score.total
-        group.completions.append(out)
-    group.policy_version = min(c.policy_version for c in group.completions)
-    return group
-
-
 def _add_rewards(request: reward_pb2.ScoreRequest, rewards: Sequence[RewardSpec]) -> None:
     for spec in rewards:
         weight = request.rewards.add(name=spec.name, weight=spec.weight)
@@ -259,14 +199,6 @@ def _add_rewards(request: reward_pb2.ScoreRequest, rewards: Sequence[RewardSpec]
             weight.kwargs.update(spec.kwargs)
         if spec.timeout_s is not None:
             weight.timeout.CopyFrom(_duration(spec.timeout_s))
-
-
-def _opening(episode: Episode) -> list[Any]:
-    """The messages before the model's first turn."""
-    for i, message in enumerate(episode.messages):
-        if message["role"] == "assistant":
-            return episode.messages[:i]
-    return episode.messages
 
 
 def _struct(message: Any) -> dict[str, Any]:
@@ -280,27 +212,6 @@ def _plain(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def _now() -> timestamp_pb2.Timestamp:
-    now = timestamp_pb2.Timestamp()
-    now.GetCurrentTime()
-    return now
-
-
-def _group(
-    run: str, source: str, task: trajectory_pb2.PromptTask, now: timestamp_pb2.Timestamp
-) -> trajectory_pb2.TrajectoryGroup:
-    """A group's header: its ids, its prompt and where it comes from (no completions yet)."""
-    return trajectory_pb2.TrajectoryGroup(
-        run=run,
-        group_id=group_id(run, task),
-        prompt_id=task.prompt_id,
-        prompt_text=prompt_text(task),
-        source=source,
-        dataset=task.dataset,
-        create_time=now,
-    )
 
 
 def _sampled(

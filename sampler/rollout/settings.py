@@ -77,7 +77,7 @@ class RolloutSettings(StrictModel):
     # Single-turn: scored on every completion, empty: the server's default set. With `env`:
     # scored on every episode's transcript and added to the env's reward, empty: none.
     rewards: list[RewardSpec] = Field(default_factory=list)
-    # Feed the prompt queue from `dataset` (one driver per run; see sampler/rollout/prompts.py).
+    # Feed the prompt queue from `dataset` (one driver per run; clients/trajectories/prompts.py).
     feed: bool = False
     queue: str = "prompts"  # prompt work queue name (subject rlfleet.v1.work.<run>.<queue>)
     # Prompts kept in the queue stream at most (waiting plus taken but not yet acked): bounds how
@@ -89,7 +89,7 @@ class RolloutSettings(StrictModel):
     # An unacked prompt goes back to the queue this long after its driver stopped heartbeating
     # (a driver that died); live drivers heartbeat every third of it while they work.
     prompt_ack_wait_s: float = Field(default=60.0, ge=3)
-    # Pacing (see sampler/rollout/pacing.py). Groups of this driver the learner turns into one
+    # Pacing (see clients/trajectories/pacing.py). Groups of this driver the learner turns into one
     # weight version; None: never wait for the learner (standalone rollouts, benchmarks).
     groups_per_version: int | None = Field(default=None, ge=1)
     # Oldest version a group may be sampled with, counted back from the version that trains on

@@ -1,4 +1,4 @@
-"""The prompt work queue (sampler/rollout/prompts.py) against a real nats-server.
+"""The prompt work queue (clients/trajectories/prompts.py) against a real nats-server.
 
 Every test uses its own run name, hence its own queue stream, durable and feeder cursor.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
 from sampler.rollout.driver import RolloutDriver
-from sampler.rollout.prompts import PromptFeeder, PromptQueue, prompt_key
 from sampler.rollout.settings import RolloutSettings
 from services.bus import Bus, EmbeddedNats, work_queue_stream
 from services.ports import free_port

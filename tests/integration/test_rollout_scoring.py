@@ -16,6 +16,7 @@ import pytest_asyncio
 
 from clients.reward import SERVICE_NAME as REWARD_SERVICE
 from clients.reward import RewardClient
+from clients.trajectories.prompts import prompt_task
 from common import tensor
 from common.datasets import Task
 from reward_service.service import serve
@@ -23,7 +24,6 @@ from reward_service.settings import RewardSettings
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from sampler.rollout.groups import build_groups, score_request
-from sampler.rollout.prompts import prompt_task
 from sampler.rollout.settings import RewardSpec
 from services.bus import Bus, EmbeddedNats, stream_name, traj_subject
 from services.calls import call_with_retry, wait_healthy

@@ -7,6 +7,8 @@ import pytest
 from google.protobuf import json_format
 
 from clients.env.episodes import Episode
+from clients.trajectories.groups import episode_group, group_id, prompt_text
+from clients.trajectories.prompts import prompt_key, prompt_task
 from common import tensor
 from common.datasets import Task
 from rlfleet.bus.v1 import trajectory_pb2
@@ -16,15 +18,11 @@ from sampler.rollout.groups import (
     Expert,
     build_groups,
     call_seed,
-    episode_group,
     expert_text,
     generate_request,
-    group_id,
-    prompt_text,
     score_request,
     transcript_score_request,
 )
-from sampler.rollout.prompts import prompt_key, prompt_task
 from sampler.rollout.settings import RewardSpec, RolloutSettings, SamplingSettings
 from services.errors import InvalidArgument
 

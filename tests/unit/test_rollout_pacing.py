@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sampler.rollout.pacing import Pacer, VersionWatch
+from clients.trajectories.pacing import Pacer, VersionWatch
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -352,7 +352,7 @@ def test_calculator_without_its_tool_is_one_turn_from_the_head() -> None:
     pool = TextPool(lambda: registry.make_text_env("Calculator-v0", kwargs={"tool": False}), 2)
     assert pool.tools == []
     assert registry.make_text_env("Calculator-v0").tools  # the default still offers it
-    (first, second) = pool.reset(seeds=[3, 4], options={"demonstrate": True})
+    (first, _) = pool.reset(seeds=[3, 4], options={"demonstrate": True})
     assert "calculator" not in first.messages[0]["content"]
     assert [m["role"] for m in first.info["demonstration"]] == ["assistant"]
     assert first.info["demonstration_return"] == 1.0
