@@ -14,6 +14,7 @@ from clients.trajectories.prompts import prompt_key
 from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
+from services.errors import InvalidArgument
 
 __all__ = [
     "episode_group",
@@ -83,26 +84,41 @@ def episode_group(
     task: trajectory_pb2.PromptTask,
     episodes: Sequence[Episode],
     scores: Sequence[reward_pb2.ItemScore] = (),
+    *,
+    reward_name: str = "env",
 ) -> trajectory_pb2.TrajectoryGroup:
     """The TrajectoryGroup of a task's multi-turn episodes: one completion each, holding every
-    token after the shared opening (the model's, masked in, and the env's), its reward the sum
-    of the env's rewards (function ``env``) plus, with ``scores`` (one per episode, from
-    transcript_score_request), the reward functions' weighted total."""
+    token after the opening the episodes share (the model's, masked in, and the rest), its
+    reward the sum of the episode's rewards (function ``reward_name``: the env's, or an agent's
+    own) plus, with ``scores`` (one per episode, from transcript_score_request), the reward
+    functions' weighted total. Episodes whose openings differ (an agent's sessions) share the
+    longest common prefix of their openings; the rest of each opening goes before its tokens,
+    outside the loss mask."""
+    shared = _common_prefix([episode.prompt_ids for episode in episodes])
+    if not shared:
+        raise InvalidArgument(
+            f"the episodes of {task.prompt_id!r} share no opening token", field="episodes"
+        )
     group = group_header(run, source, task, now())
-    group.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(episodes[0].prompt_ids, np.int32)))
+    group.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(shared, np.int32)))
     for index, episode in enumerate(episodes):
         version = episode.first_version or 0
+        rest = episode.prompt_ids[len(shared) :]
         out = trajectory_pb2.TrajectoryCompletion(
-            token_ids=tensor.encode(np.asarray(episode.token_ids, np.int32)),
-            logprobs=tensor.encode(np.asarray(episode.logprobs, np.float32)),
-            loss_mask=tensor.encode(np.asarray(episode.loss_mask, np.bool_)),
+            token_ids=tensor.encode(np.asarray([*rest, *episode.token_ids], np.int32)),
+            logprobs=tensor.encode(
+                np.asarray([0.0] * len(rest) + list(episode.logprobs), np.float32)
+            ),
+            loss_mask=tensor.encode(
+                np.asarray([False] * len(rest) + list(episode.loss_mask), np.bool_)
+            ),
             finish_reason=episode.finish_reason,
             policy_version=version,
             end_policy_version=episode.last_version or version,
             text=transcript(episode),
             reward=episode.reward,
         )
-        out.rewards.add(name="env", status=reward_pb2.SCORE_STATUS_OK, score=episode.reward)
+        out.rewards.add(name=reward_name, status=reward_pb2.SCORE_STATUS_OK, score=episode.reward)
         if scores:
             score = scores[index]
             out.rewards.extend(score.scores)
@@ -111,3 +127,15 @@ def episode_group(
         group.completions.append(out)
     group.policy_version = min(c.policy_version for c in group.completions)
     return group
+
+
+def _common_prefix(sequences: Sequence[Sequence[int]]) -> list[int]:
+    first = list(sequences[0]) if sequences else []
+    length = len(first)
+    for other in sequences[1:]:
+        length = min(length, len(other))
+        for k in range(length):
+            if other[k] != first[k]:
+                length = k
+                break
+    return first[:length]

@@ -271,3 +271,24 @@ def test_transcripts_go_to_the_reward_functions_with_the_envs_info() -> None:
     assert tensor.decode(ok.loss_mask).tolist() == [True, True, False, True]
     without = episode_group(RUN, "rollout-0", task, episodes)
     assert [c.reward for c in without.completions] == [1.0, 0.0]
+
+
+def test_episodes_whose_openings_differ_share_their_common_prefix() -> None:
+    task = prompt_task(RUN, "agent", 0, Task(prompt_id="t0", prompt="x"))
+    same, other = _episode(0, "<answer>408</answer>", 1.0), _episode(1, "no idea", 0.0)
+    other.prompt_ids = [1, 2, 5, 6]  # an agent that wrote its opening otherwise
+    group = episode_group(RUN, "gateway", task, [same, other], reward_name="agent")
+    assert tensor.decode(group.prompt_token_ids).tolist() == [1, 2]
+    first, second = group.completions
+    assert tensor.decode(first.token_ids).tolist() == [3, 7, 8, 9, 10]
+    assert tensor.decode(first.loss_mask).tolist() == [False, True, True, False, True]
+    assert tensor.decode(first.logprobs).tolist() == [0.0, -0.5, -0.25, 0.0, -1.0]
+    assert tensor.decode(second.token_ids).tolist() == [5, 6, 7, 8, 9, 10]
+    assert [r.name for r in second.rewards] == ["agent"]
+    # The model's own tokens never become the shared prompt, even when every episode begins
+    # its first turn alike.
+    alike = episode_group(RUN, "rollout-0", task, [same, _episode(2, "x", 0.0)])
+    assert tensor.decode(alike.prompt_token_ids).tolist() == [1, 2, 3]
+    other.prompt_ids = [9]
+    with pytest.raises(InvalidArgument, match="share no opening token"):
+        episode_group(RUN, "gateway", task, [same, other])
