@@ -134,7 +134,7 @@ async def test_sessions_without_a_reward_in_time_are_dropped_and_counted() -> No
     lost.busy = False
     await sessions.sweep()
     ((group, rewarded),) = recorder.published
-    assert rewarded == [kept] and sessions.dropped == {"timeout": 1}
+    assert group is kept.group and rewarded == [kept] and sessions.dropped == {"timeout": 1}
     with pytest.raises(SessionEnded, match="dropped \\(timeout\\)"):
         lost.check_open()
     # A group none of whose sessions was rewarded goes out empty (its task is acked).
