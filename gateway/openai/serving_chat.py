@@ -45,6 +45,7 @@ from gateway.openai.tools import (
     response_tool_calls,
     tools_structs,
 )
+from gateway.training.recording import SessionCall, reply_message
 from rlfleet.sampler.v1 import sampler_pb2
 
 __all__ = ["OpenAIServingChat"]
@@ -159,15 +160,26 @@ class OpenAIServingChat(OpenAIServing):
             chat.chat_template_kwargs.CopyFrom(kwargs)
         return sampler_pb2.Prompt(chat=chat)
 
-    async def create(self, request: ChatCompletionRequest, ctx: RequestContext) -> Response:
+    async def create(
+        self,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        session: SessionCall | None = None,
+    ) -> Response:
+        """Serve a chat completion; a training session's call (``session``) is recorded."""
         try:
-            return await self._create(request, ctx)
+            return await self._create(request, ctx, session)
         except ApiError as exc:
             if exc.param == "response_format" and request.response_format is None:
                 exc.param = "tool_choice"  # the structured output a tool_choice asked for
             raise
+        finally:
+            if session is not None and not request.stream:
+                session.release()  # recorded or failed: the session may call again
 
-    async def _create(self, request: ChatCompletionRequest, ctx: RequestContext) -> Response:
+    async def _create(
+        self, request: ChatCompletionRequest, ctx: RequestContext, session: SessionCall | None
+    ) -> Response:
         model = self.check_model(request.model)
         plan = self.check(request)
         prompt = self.chat_prompt(request, plan)
@@ -181,19 +193,31 @@ class OpenAIServingChat(OpenAIServing):
         )
         if plan.structured_output is not None:
             sampling.structured_output.CopyFrom(plan.structured_output)
+        if session is not None:
+            session.prepare(request.n, prompt, sampling)
         stream_request = sampler_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling)
         echo = ""
         if request.echo and request.messages[-1].role == "assistant":
             echo = prompt.chat.messages[-1].content
         if request.stream:
-            streams = await self.open_all([stream_request], max_tokens, ctx)
-            return SSEResponse(self.stream(request, plan, model, streams[0], echo, ctx), ctx)
-        _, choices = await self.collect(stream_request, max_tokens, ctx)
-        body = ChatCompletionResponse(
-            model=model,
-            choices=[self._choice(c, plan, echo, request.logprobs) for c in choices],
-            usage=ctx.usage(),
-        )
+            try:
+                streams = await self.open_all([stream_request], max_tokens, ctx)
+            except BaseException:
+                if session is not None:
+                    session.release()
+                raise
+            events = self.stream(request, plan, model, streams[0], echo, ctx, session)
+            return SSEResponse(events, ctx)
+        opened, choices = await self.collect(stream_request, max_tokens, ctx)
+        answers = [self._choice(c, plan, echo, request.logprobs) for c in choices]
+        if session is not None:
+            (choice,), (answer,) = choices, answers
+            calls = [{"id": c["id"], **c["function"]} for c in answer.message.tool_calls or []]
+            reply = reply_message(answer.message.content, calls)
+            await session.finish(
+                opened.start, choice.token_ids, choice.token_logprobs, choice.finish_code, reply
+            )
+        body = ChatCompletionResponse(model=model, choices=answers, usage=ctx.usage())
         return JSONResponse(body.model_dump(mode="json"))
 
     @staticmethod
@@ -224,8 +248,10 @@ class OpenAIServingChat(OpenAIServing):
         opened: OpenedStream,
         echo: str,
         ctx: RequestContext,
+        session: SessionCall | None = None,
     ) -> AsyncIterator[str]:
         rid, created = random_id("chatcmpl"), int(time.time())
+        sampled = Choice(0)  # what a training session records (n is 1 then)
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options and options.continuous_usage_stats)
@@ -252,6 +278,8 @@ class OpenAIServingChat(OpenAIServing):
             calls = [_StreamedCalls(plan) for _ in range(request.n)]
             async for _, delta in merge([opened]):
                 ctx.add_completion(token_count(delta))
+                if session is not None:
+                    sampled.add_tokens(delta)
                 lp = chat_logprobs(delta_logprobs(delta)) if request.logprobs else None
                 streamed = calls[delta.index]
                 content, pieces = streamed.feed(delta)
@@ -273,6 +301,15 @@ class OpenAIServingChat(OpenAIServing):
                     finish = FINISH.get(delta.finish_reason, "stop")
                     if streamed.made and finish == "stop":
                         finish = "tool_calls"
+                    if session is not None:
+                        reply = reply_message(streamed.content(), streamed.calls())
+                        await session.finish(
+                            opened.start,
+                            sampled.token_ids,
+                            sampled.token_logprobs,
+                            sampled.finish_code,
+                            reply,
+                        )
                     yield chunk(
                         ChatChunkChoice(
                             index=delta.index, delta=DeltaMessage(), finish_reason=finish
@@ -285,6 +322,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(body)
         except (BackendLost, ApiError) as exc:
             yield self.stream_error(exc, ctx)
+        finally:
+            if session is not None:
+                session.release()  # recorded, failed or left by the client
         yield sse("[DONE]")
 
 
@@ -298,9 +338,33 @@ class _StreamedCalls:
         self.text: list[str] = []
         self.made = False  # a call was sent
         self.named_id = call_id() if plan.mode == "named" else ""
+        self.sent: list[str] = []  # content sent
+        self.sent_calls: dict[int, dict[str, str]] = {}  # calls sent, by index
+
+    def content(self) -> str:
+        return "".join(self.sent)
+
+    def calls(self) -> list[dict[str, str]]:
+        """The calls sent, as ``{"id", "name", "arguments"}``."""
+        return [self.sent_calls[k] for k in sorted(self.sent_calls)]
+
+    def _keep(self, content: str, pieces: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+        self.sent.append(content)
+        for piece in pieces:
+            call = self.sent_calls.setdefault(
+                piece["index"], {"id": "", "name": "", "arguments": ""}
+            )
+            call["id"] = call["id"] or piece.get("id", "")
+            function = piece.get("function") or {}
+            call["name"] = call["name"] or function.get("name", "")
+            call["arguments"] += function.get("arguments", "")
+        return content, pieces
 
     def feed(self, delta: sampler_pb2.CompletionDelta) -> tuple[str, list[dict[str, Any]]]:
         """(content, tool-call pieces) of one sampler delta."""
+        return self._keep(*self._read(delta))
+
+    def _read(self, delta: sampler_pb2.CompletionDelta) -> tuple[str, list[dict[str, Any]]]:
         if self.plan.mode == "required":
             self.text.append(delta.text)
             return "", []
@@ -332,4 +396,5 @@ class _StreamedCalls:
             return []
         calls = self.plan.calls("".join(self.text))
         self.made = bool(calls)
-        return [{"index": k, **call} for k, call in enumerate(response_tool_calls(calls))]
+        pieces = [{"index": k, **call} for k, call in enumerate(response_tool_calls(calls))]
+        return self._keep("", pieces)[1]

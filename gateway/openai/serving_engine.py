@@ -214,6 +214,20 @@ class Choice:
     text_len: int = 0  # characters sent so far (completions' text_offset)
     # Function calls read from the text (chat with tools): index -> {"id", "name", "arguments"}.
     calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    # The sampled tokens and their logprobs (with SamplingParams.logprobs), and the sampler's
+    # finish reason: what a training session records.
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    finish_code: int = 0
+
+    def add_tokens(self, delta: sampler_pb2.CompletionDelta) -> None:
+        """Keep a delta's token ids and logprobs."""
+        if delta.HasField("token_ids"):
+            self.token_ids.extend(tensor.decode(delta.token_ids).tolist())
+        if delta.HasField("logprobs"):
+            self.token_logprobs.extend(tensor.decode(delta.logprobs).tolist())
+        if delta.finish_reason:
+            self.finish_code = int(delta.finish_reason)
 
     def add_calls(self, pieces: Any) -> None:
         """Accumulate a delta's tool-call fragments."""
@@ -448,6 +462,7 @@ class OpenAIServing:
                     choice.text.append(delta.text)
                     choice.add_calls(delta.tool_calls)
                     choice.tokens += token_count(delta)
+                    choice.add_tokens(delta)
                     if request.sampling.logprobs:
                         choice.logprobs.extend(delta_logprobs(delta))
                     if delta.finish_reason:

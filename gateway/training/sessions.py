@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clients.env.episodes import Episode
+from gateway.errors import ApiError
 from rlfleet.bus.v1 import trajectory_pb2
 
 __all__ = [
+    "SESSION_HEADER",
     "AgentSession",
     "Call",
     "SessionBook",
@@ -47,16 +49,21 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Where a call names its session: this header, or else the request's `user` field.
+SESSION_HEADER = "x-rlfleet-session"
+SESSION_PARAM = "X-Rlfleet-Session"
+
 # Why a session ended without a reward (the `dropped` counts' labels).
 TIMEOUT, CALL_CAP, TOKEN_CAP, CLOSED = "timeout", "max_calls", "max_tokens", "closed"
 
 
-class SessionError(Exception):
-    """A request about a session that cannot be served; ``status`` is the HTTP status."""
+class SessionError(ApiError):
+    """A request about a session that cannot be served (an OpenAI-shaped error, ``status``)."""
+
+    type = "invalid_request_error"
 
     def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status=status, param=SESSION_PARAM, code="session")
 
 
 class SessionEnded(SessionError):
