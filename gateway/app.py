@@ -41,6 +41,8 @@ from gateway.openai.routes import authenticate, param_of, router
 from gateway.openai.serving_chat import OpenAIServingChat
 from gateway.openai.serving_completion import OpenAIServingCompletion
 from gateway.settings import GatewaySettings, Limits
+from gateway.training.routes import router as sessions_router
+from gateway.training.trainer import AgentTrainer
 from services import telemetry
 
 __all__ = ["Gateway", "GuardedH11Protocol", "HttpServer", "build_app"]
@@ -48,6 +50,7 @@ __all__ = ["Gateway", "GuardedH11Protocol", "HttpServer", "build_app"]
 log = logging.getLogger(__name__)
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_SESSIONS = "/rlfleet/v1/sessions"  # every session route's label
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Gateway:
     chat: OpenAIServingChat
     limits: Limits
     settings: GatewaySettings
+    training: AgentTrainer | None = None  # the training mode, started by the service
 
     @classmethod
     def create(
@@ -188,11 +192,14 @@ class ObservabilityMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = (
-            path
-            if path in _ROUTES
-            else ("/v1/models" if path.startswith("/v1/models/") else "other")
-        )
+        if path in _ROUTES:
+            route = path
+        elif path.startswith("/v1/models/"):
+            route = "/v1/models"
+        elif path.startswith(_SESSIONS):
+            route = _SESSIONS
+        else:
+            route = "other"
         status = 500
         started = time.monotonic()
 
@@ -232,6 +239,7 @@ def build_app(gateway: Gateway, *, cors_origins: list[str] | None = None) -> Fas
     app = FastAPI(title="rlfleet gateway", docs_url=None, redoc_url=None)
     app.state.gateway = gateway
     app.include_router(router)
+    app.include_router(sessions_router)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -16,7 +16,9 @@ import logging
 from gateway.app import Gateway, HttpServer, build_app
 from gateway.backends import SamplerReplica
 from gateway.settings import GatewaySettings
+from gateway.training.trainer import AgentTrainer
 from services.bus import Bus
+from services.errors import ConfigError
 from services.membership import Members, PeerView
 from services.registry import ServiceContext, ServiceSpec
 from services.server import GrpcServer
@@ -42,7 +44,7 @@ async def main(ctx: ServiceContext[GatewaySettings]) -> None:
             peers.wait(ctx.stop_event, settings.startup_timeout_s),
         )
         if addresses:
-            await _serve(ctx, peers, addresses)
+            await _serve(ctx, peers, addresses, bus)
     finally:
         if members is not None:
             await members.close()
@@ -52,7 +54,10 @@ async def main(ctx: ServiceContext[GatewaySettings]) -> None:
 
 
 async def _serve(
-    ctx: ServiceContext[GatewaySettings], peers: PeerView, addresses: list[str]
+    ctx: ServiceContext[GatewaySettings],
+    peers: PeerView,
+    addresses: list[str],
+    bus: Bus | None,
 ) -> None:
     settings = ctx.settings
     gateway = Gateway.create(settings, addresses=addresses)
@@ -64,6 +69,8 @@ async def _serve(
         gateway.pool.follow(
             peers, lambda a: SamplerReplica(a, timeout_s=settings.request_timeout_s)
         )
+        if settings.training is not None:
+            gateway.training = await _start_training(ctx, gateway, bus)
         await http.start()
         freeze_heap()
         log.info(
@@ -82,8 +89,35 @@ async def _serve(
                 await asyncio.wait_for(ctx.stop_event.wait(), settings.health_interval_s)
     finally:
         await http.stop()
+        if gateway.training is not None:
+            await gateway.training.close()
         await gateway.pool.close()
         await health.stop()
+
+
+async def _start_training(
+    ctx: ServiceContext[GatewaySettings], gateway: Gateway, bus: Bus | None
+) -> AgentTrainer:
+    """The training mode's bus side, from the samplers' version (settings.training)."""
+    settings = ctx.settings.training
+    assert settings is not None
+    if bus is None:
+        raise ConfigError("gateway: training needs the run's bus (RLFLEET_NATS_URL)")
+
+    async def sampler_version() -> int:
+        """The lowest version the healthy samplers serve (pacing waits for it)."""
+        infos = [await b.replica.info() for b in gateway.pool.healthy_backends()]
+        return min((int(i.policy_version) for i in infos), default=0)
+
+    trainer = AgentTrainer(bus, ctx.run_name, ctx.name, settings, ctx.stop_event, sampler_version)
+    await trainer.start(await sampler_version())
+    log.info(
+        "gateway %s: training mode, %d sessions per task from queue %s",
+        ctx.name,
+        settings.group_size,
+        settings.queue,
+    )
+    return trainer
 
 
 def freeze_heap() -> None:

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from services.config import ServiceRef, StrictModel
 from services.errors import ConfigError
 
-__all__ = ["DEFAULT_HTTP_PORT", "ApiKey", "GatewaySettings", "Limits"]
+__all__ = ["DEFAULT_HTTP_PORT", "AgentTraining", "ApiKey", "GatewaySettings", "Limits"]
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's own OpenAI server listens here too
 
@@ -79,6 +79,37 @@ class Limits(StrictModel):
     )
 
 
+class AgentTraining(StrictModel):
+    """The training mode: agents' sessions are recorded and sent to the learner as groups
+    (docs/agents.md). The samplers are the run's training samplers."""
+
+    group_size: int = Field(ge=1, description="sessions per task (a GRPO group)")
+    queue: str = Field(default="prompts", min_length=1, description="the run's prompt queue")
+    prompt_ack_wait_s: float = Field(
+        default=300.0, gt=0, description="a held task returns to the queue after this long"
+    )
+    task_wait_s: float = Field(
+        default=60.0, gt=0, description="a session start waits this long for a task (503 then)"
+    )
+    session_timeout_s: float = Field(
+        default=600.0, gt=0, description="a session not rewarded within this long is dropped"
+    )
+    max_calls_per_session: int = Field(
+        default=32, ge=1, description="model calls per session (a runaway agent is dropped)"
+    )
+    max_session_tokens: int = Field(
+        default=4096, ge=16, description="tokens per session (its episode) before it is dropped"
+    )
+    groups_per_version: int | None = Field(
+        default=None, ge=1, description="groups of this gateway per learner version (pacing)"
+    )
+    max_policy_lag: int = Field(default=1, ge=0, description="versions a group may lag")
+    version_wait_s: float = Field(
+        default=300.0, gt=0, description="wait this long for a version before pacing restarts"
+    )
+    metrics_interval_s: float = Field(default=10.0, gt=0, description="Metrics event period")
+
+
 class GatewaySettings(StrictModel):
     """OpenAI HTTP API in front of serving samplers."""
 
@@ -142,4 +173,9 @@ class GatewaySettings(StrictModel):
         ge=1,
         description="open connections plus requests in progress past which new requests get "
         "503 (uvicorn's limit_concurrency; null: no limit)",
+    )
+    training: AgentTraining | None = Field(
+        default=None,
+        description="record agents' sessions and train on them (needs the run's bus); null: "
+        "serving only",
     )

@@ -251,14 +251,19 @@ class PromptQueue:
                     log.debug("heartbeat of prompt seq %s: %s", delivery.seq, exc)
 
     async def take(
-        self, count: int, stop: asyncio.Event, *, linger_s: float = 0.05
+        self,
+        count: int,
+        stop: asyncio.Event,
+        *,
+        linger_s: float = 0.05,
+        first_timeout_s: float | None = None,
     ) -> list[Delivery[trajectory_pb2.PromptTask]]:
-        """Up to ``count`` prompts: waits for the first (empty list when ``stop`` is set
-        meanwhile), then up to ``linger_s`` for each further one, so a call is not held back
-        long by a nearly empty queue."""
+        """Up to ``count`` prompts: waits for the first (up to ``first_timeout_s``; an empty
+        list when ``stop`` is set meanwhile or it times out), then up to ``linger_s`` for each
+        further one, so a call is not held back long by a nearly empty queue."""
         taken: list[Delivery[trajectory_pb2.PromptTask]] = []
         while len(taken) < count:
-            timeout = None if not taken else linger_s
+            timeout = first_timeout_s if not taken else linger_s
             item = await self._next(stop, timeout)
             if item is None:
                 break

@@ -22,6 +22,7 @@ from gateway.limits import KeyLimiter
 from gateway.openai.body import parse_body
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving_engine import RequestContext, SSEResponse
+from gateway.training.recording import session_call
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -158,4 +159,7 @@ async def create_completion(request: Request) -> Response:
 async def create_chat_completion(request: Request) -> Response:
     ctx = admit(request, "/v1/chat/completions")
     body = await parse(request, ChatCompletionRequest)
-    return await serve(ctx, body.stream, gateway_of(request).chat.create(body, ctx))
+    gateway = gateway_of(request)
+    book = gateway.training.book if gateway.training is not None else None
+    session = session_call(book, request.headers, body.user)
+    return await serve(ctx, body.stream, gateway.chat.create(body, ctx, session))

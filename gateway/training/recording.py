@@ -3,7 +3,7 @@ continued from the session's tokens, what it sampled recorded when it finishes."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +12,16 @@ from google.protobuf import json_format
 
 from common import tensor
 from gateway.errors import BadRequest
-from gateway.training.sessions import AgentSession, Call, SessionBook, SessionError
+from gateway.training.sessions import (
+    SESSION_HEADER,
+    AgentSession,
+    Call,
+    SessionBook,
+    SessionError,
+)
 from rlfleet.sampler.v1 import sampler_pb2
 
-__all__ = ["SessionCall", "reply_message"]
+__all__ = ["SessionCall", "reply_message", "session_call"]
 
 
 def _message(m: sampler_pb2.ChatMessage) -> dict[str, Any]:
@@ -99,3 +105,21 @@ class SessionCall:
         """The call is over (recorded or failed): the session may call again."""
         if self.holding:
             self.session.busy = self.holding = False
+
+
+def session_call(
+    book: SessionBook | None, headers: Mapping[str, str], user: str | None
+) -> SessionCall | None:
+    """The training session a chat call belongs to, if any: an ``X-Rlfleet-Session`` header
+    must name an open one (404, 410 otherwise); a ``user`` field names one only when it is a
+    session id."""
+    if book is None:
+        return None
+    named = headers.get(SESSION_HEADER)
+    if named is None:
+        if not user or user not in book.sessions:
+            return None
+        named = user
+    session = book.get(named)
+    session.check_open()
+    return SessionCall(book, session)
