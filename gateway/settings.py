@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -108,6 +108,12 @@ class AgentTraining(StrictModel):
         default=300.0, gt=0, description="wait this long for a version before pacing restarts"
     )
     metrics_interval_s: float = Field(default=10.0, gt=0, description="Metrics event period")
+    dataset: dict[str, Any] | None = Field(
+        default=None,
+        description="feed the prompt queue from this dataset spec (as a run's first rollout "
+        "driver does; null: something else feeds it)",
+    )
+    queue_depth: int = Field(default=256, ge=1, description="tasks kept in the queue, fed")
 
 
 class GatewaySettings(StrictModel):

@@ -15,7 +15,7 @@ from google.protobuf import timestamp_pb2
 
 from clients.trajectories.groups import episode_group, group_id
 from clients.trajectories.pacing import Pacer, VersionWatch
-from clients.trajectories.prompts import PromptQueue, prompt_key
+from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
 from gateway.settings import AgentTraining
 from gateway.training.sessions import AgentSession, SessionBook, SessionLimits, TaskGroup
 from rlfleet.bus.v1 import events_pb2
@@ -71,11 +71,20 @@ class AgentTrainer:
         await self.watch.start(self.bus, self.run)
         if self.settings.groups_per_version:
             await self.pacer.follow_drops(self.bus, self.run, self.source)
-        await self.queue.start()
         self._tasks = [
             asyncio.create_task(self._sweep(), name="agent-sessions-sweep"),
             asyncio.create_task(self._report(), name="agent-sessions-report"),
         ]
+        if self.settings.dataset is not None:
+            feeder = PromptFeeder(
+                self.bus,
+                self.run,
+                self.settings.queue,
+                self.settings.dataset,
+                depth=self.settings.queue_depth,
+            )
+            self._tasks.append(asyncio.create_task(feeder.run_until(self.stop), name="feeder"))
+        await self.queue.start()
 
     async def close(self) -> None:
         for task in self._tasks:

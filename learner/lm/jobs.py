@@ -14,6 +14,7 @@ samplers', drivers', SFT's and evaluation's knobs and the table of other tools' 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
@@ -115,6 +116,30 @@ class TextEnvKnob(StrictModel):
         default=1024, ge=16, description="tokens per episode: prompt and every turn"
     )
     wall_clock_s: float = Field(default=600.0, gt=0, description="time cap of a group")
+
+
+class AgentKnob(StrictModel):
+    """Train an agent program that speaks the OpenAI API (docs/agents.md): the run's gateway in
+    training mode in front of the training samplers, `runners` copies of `command` pointed at
+    it (OPENAI_BASE_URL, OPENAI_API_KEY in their environment). Each copy starts sessions, calls
+    the model through the gateway and reports each session's reward; G sessions of one task
+    (group_size) form a group. With `env` too, that env serves the learner only (its expert's
+    demonstrations for sft_steps, its eval split for eval_count, its episodes for the
+    tokenizer of init_model): the agent's own episodes are what RL trains on."""
+
+    command: list[str] = Field(
+        min_length=1, description="the agent program's argv (from the run file's folder)"
+    )
+    runners: int = Field(default=2, ge=1, description="copies of the agent program")
+    env: dict[str, str] = Field(default_factory=dict, description="added to their environment")
+    http_port: int = Field(
+        default=0, ge=0, le=65535, description="the gateway's HTTP port (0: a free one)"
+    )
+    session_timeout_s: float = Field(
+        default=600.0, gt=0, description="a session not rewarded within this long is dropped"
+    )
+    max_calls_per_session: int = Field(default=32, ge=1, description="model calls per session")
+    max_session_tokens: int = Field(default=4096, ge=16, description="tokens per session")
 
 
 class LMJobSettings(LMTrainingKnobs):
@@ -284,6 +309,11 @@ class LMJobSettings(LMTrainingKnobs):
         description="multi-turn RL on a text env served by an env server (null: single-turn "
         "prompts from dataset); its episodes' rewards come from the env (and `rewards`)",
     )
+    agent: AgentKnob | None = Field(
+        default=None,
+        description="train an agent program through the gateway's training mode instead of "
+        "rollout drivers (null: drivers)",
+    )
 
     @field_validator("eval_dataset")
     @classmethod
@@ -415,6 +445,9 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
             {"name": "env-0", "service": "env_server", "restarts": s.restarts, "after": [],
              "settings": env_server}
         )  # fmt: skip
+    if s.agent is not None:
+        entries += _agent(s, samplers)
+        return own_cpu_for(entries, "learner") if s.cpu_placement == "auto" else entries
     dynamic = _resolved(s).dynamic_sampling
     for i in range(s.num_drivers):
         driver = {
@@ -454,6 +487,47 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
              "settings": driver}
         )  # fmt: skip
     return own_cpu_for(entries, "learner") if s.cpu_placement == "auto" else entries
+
+
+def _agent(s: LMJobSettings, samplers: list[str]) -> list[dict[str, Any]]:
+    """The gateway in training mode (it feeds the prompt queue) and the agent's runners."""
+    from services.ports import free_port
+
+    agent = s.agent
+    assert agent is not None
+    port = agent.http_port or free_port()
+    training = {
+        "group_size": s.group_size,
+        "dataset": s.dataset,
+        "groups_per_version": s.groups_per_update,  # the only producer of the run's groups
+        "max_policy_lag": s.max_policy_lag,
+        "session_timeout_s": agent.session_timeout_s,
+        "max_calls_per_session": agent.max_calls_per_session,
+        "max_session_tokens": agent.max_session_tokens,
+    }
+    gateway = {"samplers": samplers, "http_host": "127.0.0.1", "http_port": port,
+               "training": training}  # fmt: skip
+    entries = [
+        {"name": "gateway", "service": "gateway", "restarts": s.restarts, "settings": gateway}
+    ]
+    # A Python agent runs in the run's own interpreter (its venv has the openai client).
+    command = list(agent.command)
+    if command[0] in ("python", "python3"):
+        command[0] = sys.executable
+    for i in range(agent.runners):
+        env = {
+            "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1",
+            "OPENAI_API_KEY": "none",  # the training gateway takes no key on loopback
+            "RLFLEET_AGENT_RUNNER": f"agent-{i}",
+            # Named so the runner starts once the gateway is healthy (a sampler serves).
+            "RLFLEET_GATEWAY": "{address:gateway}",
+            **agent.env,
+        }
+        entries.append(
+            {"name": f"agent-{i}", "service": "process", "restarts": s.restarts,
+             "settings": {"command": command, "env": env}}
+        )  # fmt: skip
+    return entries
 
 
 def prepare(settings: LMJobSettings, run_dir: Path) -> None:
