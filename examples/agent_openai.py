@@ -77,20 +77,25 @@ def solve(client: openai.OpenAI, model: str, ask: str, headers: dict[str, str]) 
         {"role": "user", "content": ask},
     ]
     for _ in range(MAX_CALLS):
-        reply = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            tools=TOOLS,
-            max_tokens=48,
-            temperature=1.0,
-            extra_headers=headers,
-        ).choices[0].message
+        reply = (
+            client.chat.completions.create(
+                model=model,
+                messages=messages,
+                tools=TOOLS,
+                max_tokens=48,
+                temperature=1.0,
+                extra_headers=headers,
+            )
+            .choices[0]
+            .message
+        )
         if not reply.tool_calls:
             return reply.content or ""
         messages.append(reply.model_dump(exclude_none=True))
         for call in reply.tool_calls:
             try:
-                result: Any = {"result": calculate(json.loads(call.function.arguments)["expression"])}
+                expression = json.loads(call.function.arguments)["expression"]
+                result: Any = {"result": calculate(expression)}
             except (ValueError, KeyError, TypeError, SyntaxError) as exc:
                 result = {"error": str(exc)}
             messages.append(
