@@ -16,7 +16,7 @@ import logging
 from gateway.app import Gateway, HttpServer, build_app
 from gateway.backends import SamplerReplica
 from gateway.settings import GatewaySettings
-from gateway.training.trainer import AgentTrainer
+from gateway.training.trainer import AgentTrainer, start_training
 from services.bus import Bus
 from services.errors import ConfigError
 from services.membership import Members, PeerView
@@ -98,26 +98,10 @@ async def _serve(
 async def _start_training(
     ctx: ServiceContext[GatewaySettings], gateway: Gateway, bus: Bus | None
 ) -> AgentTrainer:
-    """The training mode's bus side, from the samplers' version (settings.training)."""
-    settings = ctx.settings.training
-    assert settings is not None
+    """The training mode's bus side (settings.training)."""
     if bus is None:
         raise ConfigError("gateway: training needs the run's bus (RLFLEET_NATS_URL)")
-
-    async def sampler_version() -> int:
-        """The lowest version the healthy samplers serve (pacing waits for it)."""
-        infos = [await b.replica.info() for b in gateway.pool.healthy_backends()]
-        return min((int(i.policy_version) for i in infos), default=0)
-
-    trainer = AgentTrainer(bus, ctx.run_name, ctx.name, settings, ctx.stop_event, sampler_version)
-    await trainer.start(await sampler_version())
-    log.info(
-        "gateway %s: training mode, %d sessions per task from queue %s",
-        ctx.name,
-        settings.group_size,
-        settings.queue,
-    )
-    return trainer
+    return await start_training(gateway, bus, ctx.run_name, ctx.name, ctx.stop_event)
 
 
 def freeze_heap() -> None:

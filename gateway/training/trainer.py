@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import timestamp_pb2
 
@@ -22,7 +22,10 @@ from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, events_subject, stream_name, traj_subject
 from services.errors import InvalidArgument, Unavailable
 
-__all__ = ["AgentTrainer"]
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+__all__ = ["AgentTrainer", "start_training"]
 
 log = logging.getLogger(__name__)
 
@@ -175,3 +178,27 @@ class AgentTrainer:
             out["agent/reward_mean"] = sum(self._rewards) / len(self._rewards)
             self._rewards = []
         return out
+
+
+async def start_training(
+    gateway: Gateway, bus: Bus, run: str, source: str, stop: asyncio.Event
+) -> AgentTrainer:
+    """An AgentTrainer for ``gateway`` (its settings.training), started from the version its
+    samplers serve."""
+    settings = gateway.settings.training
+    assert settings is not None
+
+    async def sampler_version() -> int:
+        """The lowest version the healthy samplers serve (pacing waits for it)."""
+        infos = [await b.replica.info() for b in gateway.pool.healthy_backends()]
+        return min((int(i.policy_version) for i in infos), default=0)
+
+    trainer = AgentTrainer(bus, run, source, settings, stop, sampler_version)
+    await trainer.start(await sampler_version())
+    log.info(
+        "%s: training mode, %d sessions per task from queue %s",
+        source,
+        settings.group_size,
+        settings.queue,
+    )
+    return trainer

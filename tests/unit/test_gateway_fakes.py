@@ -28,20 +28,40 @@ class ThreadedGateway:
         replicas: list[Any] | None = None,
         addresses: list[str] | None = None,
         wait_healthy_s: float = 60.0,
+        *,
+        nats_url: str | None = None,
+        run: str = "gateway-test",
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        self.bus: Any = None
         self.gateway: Gateway = self.call(
-            self._start(settings, replicas, addresses, wait_healthy_s)
+            self._start(settings, replicas, addresses, wait_healthy_s, nats_url, run)
         )
 
     async def _start(
-        self, settings: GatewaySettings, replicas: Any, addresses: Any, wait_s: float
+        self,
+        settings: GatewaySettings,
+        replicas: Any,
+        addresses: Any,
+        wait_s: float,
+        nats_url: str | None,
+        run: str,
     ) -> Gateway:
         gateway = Gateway.create(settings, replicas, addresses=addresses)
         await gateway.pool.start()
         await gateway.pool.wait_healthy(wait_s)
+        if settings.training is not None:  # as the service starts it, on the run's bus
+            from gateway.training.trainer import start_training
+            from services.bus import Bus
+
+            assert nats_url is not None, "the training mode needs a bus"
+            self.bus = await Bus.connect(nats_url, name="gateway-test")
+            self.stop_event = asyncio.Event()
+            gateway.training = await start_training(
+                gateway, self.bus, run, "gateway", self.stop_event
+            )
         self.http = HttpServer(build_app(gateway), settings, host="127.0.0.1", port=0)
         await self.http.start()
         return gateway
@@ -57,6 +77,10 @@ class ThreadedGateway:
     def close(self) -> None:
         async def stop() -> None:
             await self.http.stop()
+            if self.gateway.training is not None:
+                self.stop_event.set()
+                await self.gateway.training.close()
+                await self.bus.close()
             await self.gateway.pool.close()
 
         self.call(stop())
