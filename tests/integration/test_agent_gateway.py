@@ -7,6 +7,7 @@ never rewarded are dropped and counted."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -159,7 +160,7 @@ async def test_a_tasks_sessions_are_recorded_and_reach_the_learner_once(
         logprobs = ids(completion.logprobs)
         assert len(tokens) == len(mask) == len(logprobs) and prompt
         # Two model turns with the agent's turn between: masked in, out, in.
-        runs = [mask[0]] + [b for a, b in zip(mask, mask[1:], strict=False) if a != b]
+        runs = [mask[0]] + [b for a, b in itertools.pairwise(mask) if a != b]
         assert runs == [True, False, True], mask
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
         assert all(lp <= 0.0 for lp in logprobs)
