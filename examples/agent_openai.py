@@ -17,6 +17,7 @@ import argparse
 import ast
 import json
 import operator
+import os
 import re
 from typing import Any
 
@@ -108,9 +109,11 @@ def train(client: openai.OpenAI) -> None:
     """Sessions until the run ends (the gateway goes away)."""
     root = client.with_options(base_url=str(client.base_url).rstrip("/").removesuffix("/v1"))
     model = client.models.list().data[0].id
+    # Who starts the sessions: after a crash, the restarted runner's sessions replace these.
+    me = {"runner": os.environ.get("RLFLEET_AGENT_RUNNER", ""), "incarnation": str(os.getpid())}
     while True:
         try:
-            session = root.post("/rlfleet/v1/sessions", cast_to=object, body={})
+            session = root.post("/rlfleet/v1/sessions", cast_to=object, body=me)
         except openai.APIConnectionError:
             return  # the run is over
         except openai.APIStatusError as exc:

@@ -1,6 +1,8 @@
 """The training mode's own routes, under ``/rlfleet/v1/`` and authenticated like the rest:
 
-- ``POST /rlfleet/v1/sessions``: start a session; the answer names it and its task
+- ``POST /rlfleet/v1/sessions`` (optionally ``{"runner", "incarnation"}``: a runner that starts
+  again as a new incarnation has its older sessions dropped at once): start a session; the
+  answer names it and its task
   (``{"session_id", "task": {"prompt_id", "dataset", "prompt" | "messages", "extra"},
   "timeout_s"}``). 503 while no task can start (the queue is empty, the learner is behind).
 - ``POST /rlfleet/v1/sessions/{id}/reward`` with ``{"reward": number}``: the session's reward,
@@ -35,6 +37,13 @@ __all__ = ["router"]
 router = APIRouter()
 
 
+class StartRequest(StrictModel):
+    runner: str = Field(default="", max_length=256, description="the agent program's name")
+    incarnation: str = Field(
+        default="", max_length=256, description="which start of that program (e.g. its pid)"
+    )
+
+
 class RewardRequest(StrictModel):
     reward: float = Field(description="the session's reward (a finite number)")
 
@@ -65,8 +74,9 @@ def task_body(task: trajectory_pb2.PromptTask) -> dict[str, Any]:
 async def start_session(request: Request) -> JSONResponse:
     authenticate(request)
     trainer = _trainer(request)
+    asked = await parse(request, StartRequest)
     try:
-        session = await trainer.book.start()
+        session = await trainer.book.start(asked.runner, asked.incarnation)
     except Unavailable as exc:
         raise ApiError(
             str(exc), status=503, type="service_unavailable", headers={"Retry-After": "1"}

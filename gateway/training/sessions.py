@@ -55,6 +55,7 @@ SESSION_PARAM = "X-Rlfleet-Session"
 
 # Why a session ended without a reward (the `dropped` counts' labels).
 TIMEOUT, CALL_CAP, TOKEN_CAP, CLOSED = "timeout", "max_calls", "max_tokens", "closed"
+RUNNER_RESTARTED = "runner_restarted"
 
 
 class SessionError(ApiError):
@@ -128,6 +129,8 @@ class AgentSession:
     reward: float | None = None
     dropped: str = ""  # why it ended unrewarded
     busy: bool = False  # a call is in flight
+    runner: str = ""  # the program that started it, as it said (with its incarnation)
+    incarnation: str = ""
 
     @property
     def ended(self) -> bool:
@@ -236,10 +239,20 @@ class SessionBook:
         self._opening = asyncio.Lock()
         self.counts: dict[str, int] = {"started": 0, "rewarded": 0, "groups": 0, "restarts": 0}
         self.dropped: dict[str, int] = {}
+        self._incarnations: dict[str, str] = {}  # runner -> its latest incarnation
         self.empty_groups = 0
 
-    async def start(self) -> AgentSession:
-        """A new session of the open group's task (a new task when it is full)."""
+    async def start(self, runner: str = "", incarnation: str = "") -> AgentSession:
+        """A new session of the open group's task (a new task when it is full). A ``runner``
+        that comes back as a new ``incarnation`` (restarted after a crash) had its older
+        sessions cut short: they are dropped now rather than at their deadline."""
+        if runner:
+            before = self._incarnations.get(runner)
+            self._incarnations[runner] = incarnation
+            if before is not None and before != incarnation:
+                for old in list(self.sessions.values()):
+                    if old.runner == runner and old.incarnation == before:
+                        await self.drop(old, RUNNER_RESTARTED)
         async with self._opening:
             if self._open is None or self._open.full:
                 self._open = TaskGroup(await self._take_task(), self.group_size)
@@ -249,6 +262,8 @@ class SessionBook:
                 group=group,
                 deadline=self._clock() + self.limits.session_timeout_s,
                 limits=self.limits,
+                runner=runner,
+                incarnation=incarnation,
             )
             group.sessions.append(session)
             self.sessions[session.id] = session

@@ -169,3 +169,20 @@ async def test_a_reward_must_be_finite(value: float) -> None:
     with pytest.raises(SessionError, match="finite") as bad:
         await sessions.reward(session.id, value)
     assert bad.value.status == 400
+
+
+async def test_a_restarted_runner_has_its_old_sessions_dropped_at_once() -> None:
+    sessions, recorder = book()
+    old = await sessions.start("agent-0", "101")
+    other = await sessions.start("agent-1", "202")
+    for session in (old, other):
+        session.record(OPENING, None, False, call([1, 2], [5]), REPLY)
+    assert old.group is other.group
+    await sessions.reward(other.id, 1.0)
+    assert recorder.published == []
+    again = await sessions.start("agent-0", "103")  # the same runner, started again
+    assert old.dropped == "runner_restarted" and not again.ended
+    ((group, rewarded),) = recorder.published
+    assert group is other.group and rewarded == [other]
+    await sessions.start("agent-0", "103")  # the same incarnation: nothing dropped
+    assert not again.ended and sessions.dropped == {"runner_restarted": 1}
