@@ -74,7 +74,8 @@ def task_body(task: trajectory_pb2.PromptTask) -> dict[str, Any]:
 async def start_session(request: Request) -> JSONResponse:
     authenticate(request)
     trainer = _trainer(request)
-    asked = await parse(request, StartRequest)
+    raw = await request.body()
+    asked = await parse(request, StartRequest) if raw.strip() else StartRequest()
     try:
         session = await trainer.book.start(asked.runner, asked.incarnation)
     except Unavailable as exc:

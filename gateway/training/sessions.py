@@ -28,6 +28,7 @@ import logging
 import math
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,8 @@ SESSION_PARAM = "X-Rlfleet-Session"
 # Why a session ended without a reward (the `dropped` counts' labels).
 TIMEOUT, CALL_CAP, TOKEN_CAP, CLOSED = "timeout", "max_calls", "max_tokens", "closed"
 RUNNER_RESTARTED = "runner_restarted"
+REWARDED = "rewarded"
+MAX_ENDED = 100_000  # ended sessions remembered (for 409/410 rather than 404)
 
 
 class SessionError(ApiError):
@@ -240,6 +243,8 @@ class SessionBook:
         self.counts: dict[str, int] = {"started": 0, "rewarded": 0, "groups": 0, "restarts": 0}
         self.dropped: dict[str, int] = {}
         self._incarnations: dict[str, str] = {}  # runner -> its latest incarnation
+        # Sessions whose group went out, and how they ended: a late call or reward is told so.
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self.empty_groups = 0
 
     async def start(self, runner: str = "", incarnation: str = "") -> AgentSession:
@@ -273,6 +278,9 @@ class SessionBook:
     def get(self, session_id: str) -> AgentSession:
         session = self.sessions.get(session_id)
         if session is None:
+            ended = self._ended.get(session_id)
+            if ended is not None:
+                raise SessionEnded(f"session {session_id} ended ({ended}); start a new one")
             raise SessionError(f"no session {session_id!r} (start one first)", 404)
         return session
 
@@ -280,6 +288,8 @@ class SessionBook:
         """Record a session's reward, once; its group goes out when it is the last."""
         if not math.isfinite(value):
             raise SessionError(f"the reward must be a finite number, got {value}", 400)
+        if self._ended.get(session_id) == REWARDED:
+            raise SessionError(f"session {session_id} is already rewarded", 409)
         session = self.get(session_id)
         if session.reward is not None:
             raise SessionError(f"session {session_id} is already rewarded", 409)
@@ -322,6 +332,10 @@ class SessionBook:
         for session in group.sessions:
             self.sessions.pop(session.id, None)
             self.counts["restarts"] += session.restarts
+            state = REWARDED if session.reward is not None else f"dropped: {session.dropped}"
+            self._ended[session.id] = state
+            if len(self._ended) > MAX_ENDED:
+                self._ended.popitem(last=False)
         rewarded = [s for s in group.sessions if s.reward is not None]
         if not rewarded:
             self.empty_groups += 1

@@ -213,4 +213,4 @@ async def test_sessions_never_rewarded_are_dropped_and_their_group_goes_out(
     assert group is not None and group.prompt_id == kept["task"]["prompt_id"]
     assert [c.reward for c in group.completions] == [1.0]  # the lost one was dropped
     late = await agent.reward(lost["session_id"], 1.0)
-    assert late.status_code in (404, 410)  # dropped, then forgotten with its group
+    assert late.status_code == 410 and "dropped: timeout" in late.json()["error"]["message"]

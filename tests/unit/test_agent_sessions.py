@@ -111,9 +111,14 @@ async def test_a_group_is_its_tasks_sessions_and_goes_out_when_all_are_rewarded(
     ((group, rewarded),) = recorder.published
     assert group is first.group and rewarded == [first, second]
     assert [s.episode.reward for s in rewarded] == [1.0, 0.0]
-    with pytest.raises(SessionError, match="no session") as gone:
-        await sessions.reward(first.id, 1.0)  # its group is out: it is forgotten
-    assert gone.value.status == 404
+    with pytest.raises(SessionError, match="already rewarded") as late:
+        await sessions.reward(first.id, 1.0)  # its group is out: still told so
+    assert late.value.status == 409
+    with pytest.raises(SessionEnded, match="ended \\(rewarded\\)"):
+        sessions.get(second.id)
+    with pytest.raises(SessionError, match="no session") as unknown:
+        sessions.get("sess-unknown")
+    assert unknown.value.status == 404
     assert sessions.counts["groups"] == 1 and sessions.counts["rewarded"] == 2
 
 
