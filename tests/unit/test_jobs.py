@@ -513,3 +513,27 @@ def test_validate_print_shows_every_expanded_service_with_its_settings(
     assert [s["name"] for s in printed] == [entry.name for entry in config.services]
     learner = next(s for s in printed if s["name"] == "learner")
     assert learner["settings"] == config.service("learner").settings.model_dump(mode="json")
+
+
+def test_an_agent_job_runs_the_training_gateway_and_the_programs_instead_of_drivers(
+    tmp_path: Path,
+) -> None:
+    import sys
+
+    body = (ROOT / "examples" / "agent_openai.yaml").read_text()
+    config = load_run_config(_write(tmp_path, body), environ={})
+    names = [e.name for e in config.services]
+    assert names == ["reward", "learner", "sampler-0", "env-0", "gateway", "agent-0", "agent-1"]
+    gateway = config.service("gateway").settings
+    training = gateway.training
+    assert training.group_size == 8 and training.groups_per_version == 4
+    assert training.dataset["generator"] == "arith" and training.max_calls_per_session == 3
+    port = gateway.http_port
+    assert port > 0 and gateway.samplers == ["sampler-0"]
+    runner = config.service("agent-1").settings
+    assert runner.command == [sys.executable, "agent_openai.py"]  # the run's own Python
+    assert runner.env["OPENAI_BASE_URL"] == f"http://127.0.0.1:{port}/v1"
+    assert runner.env["RLFLEET_AGENT_RUNNER"] == "agent-1"
+    # The env serves the learner only: its demonstrations and evaluations.
+    learner = config.service("learner").settings
+    assert learner.env.env_id == "Calculator-v0" and learner.sft.steps == 300
