@@ -1,12 +1,13 @@
 """The rollout driver: prompts in, scored TrajectoryGroups out.
 
-Each of `concurrency` workers loops: wait for pacing credit (pacing.py; the learner gives credit
-back for groups it drops untrained), take up to `prompts_per_call` prompts from the queue
-(prompts.py), Generate G completions of each on the next sampler, Score every completion (plus an
-expert completion per prompt with `expert_completions`), publish one TrajectoryGroup per prompt
-to `rlfleet.v1.traj.<run>` with Nats-Msg-Id = group_id, then ack its prompt. Publishing before
-acking makes delivery at-least-once; the deterministic group_id (groups.group_id) makes the
-repeat a duplicate.
+Each of `concurrency` workers loops: wait for pacing credit (clients/trajectories/pacing.py; the
+learner gives credit back for groups it drops untrained), take up to `prompts_per_call` prompts
+from the queue (clients/trajectories/prompts.py), Generate G completions of each on the next
+sampler, Score every completion (plus an expert completion per prompt with
+`expert_completions`), publish one TrajectoryGroup per prompt to `rlfleet.v1.traj.<run>` with
+Nats-Msg-Id = group_id, then ack its prompt. Publishing before acking makes delivery
+at-least-once; the deterministic group_id (clients/trajectories/groups.py) makes the repeat a
+duplicate.
 
 Errors: transient ones (UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED) are retried with
 backoff; a sampler's INVALID_ARGUMENT about one prompt (too long for the context) drops that
