@@ -314,8 +314,9 @@ def test_progress_line_once_per_interval_and_metrics_jsonl(
         for stamp, line in zip(up.stamps, up.lines, strict=True)
         if PROGRESS_LINE.match(line)
     ]
-    # ~4 s of 10 records a second: a line a second, not one a record (the last comes at the end).
-    assert 2 <= len(progress) <= 7, out
+    # 10 records a second: a line a second, not one a record (the last comes at the end). How
+    # many seconds the run lasts depends on the machine's load: the bounds are rates, not counts.
+    assert len(progress) >= 2, out
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(progress[:-1])]
     assert all(gap >= 0.8 for gap in gaps), (gaps, out)
     assert any("ETA " in line for _, line in progress), out
@@ -328,7 +329,7 @@ def test_progress_line_once_per_interval_and_metrics_jsonl(
     services = {row["service"] for row in rows}
     assert services == {"learner", "hb-main"}, services
     learner = [row for row in rows if row["service"] == "learner"]
-    assert len(learner) > len(progress)  # every event, not one per interval
+    assert len(learner) >= 5 * len(progress), (len(learner), len(progress))  # every event
     assert learner[0]["kind"] == "metrics" and learner[0]["values"]["losses/approx_kl"] == 0.01
     assert all(isinstance(row["time"], float) for row in rows)
     assert_nothing_left(run_dir)
