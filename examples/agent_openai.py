@@ -61,9 +61,9 @@ def calculate(expression: str) -> int:
 
 
 def question(task: dict[str, Any]) -> str:
-    """The arith generator's "Q: 964*494=?\\nA:" as a question."""
-    found = re.search(r"Q:\s*(.+?)=\?", task.get("prompt") or "")
-    return f"What is {found.group(1)}?" if found else str(task.get("prompt"))
+    """The arith generator's "Q: 964*494=?\\nA:" as a question: "What is 964 * 494?"."""
+    found = re.search(r"Q:\s*(\d+)\s*([-+*])\s*(\d+)\s*=\?", task.get("prompt") or "")
+    return f"What is {' '.join(found.groups())}?" if found else str(task.get("prompt"))
 
 
 def answer_of(text: str) -> int | None:
@@ -121,13 +121,22 @@ def train(client: openai.OpenAI) -> None:
                 continue  # no task yet: the learner is behind
             raise
         headers = {"X-Rlfleet-Session": session["session_id"]}
-        said = solve(client, model, question(session["task"]), headers)
+        try:
+            said = solve(client, model, question(session["task"]), headers)
+        except openai.APIStatusError as exc:
+            if exc.status_code != 410:  # 410: the session may call no more (a cap, a timeout)
+                raise
+            said = ""
         right = answer_of(said) == int(session["task"]["extra"]["answer"])
-        root.post(
-            f"/rlfleet/v1/sessions/{session['session_id']}/reward",
-            cast_to=object,
-            body={"reward": 1.0 if right else 0.0},
-        )
+        try:
+            root.post(
+                f"/rlfleet/v1/sessions/{session['session_id']}/reward",
+                cast_to=object,
+                body={"reward": 1.0 if right else 0.0},
+            )
+        except openai.APIStatusError as exc:
+            if exc.status_code != 410:  # dropped meanwhile (its deadline passed)
+                raise
 
 
 def evaluate(client: openai.OpenAI, count: int) -> float:

@@ -44,6 +44,7 @@ from gateway.settings import GatewaySettings, Limits
 from gateway.training.routes import router as sessions_router
 from gateway.training.trainer import AgentTrainer
 from services import telemetry
+from services.errors import ConfigError
 
 __all__ = ["Gateway", "GuardedH11Protocol", "HttpServer", "build_app"]
 
@@ -404,7 +405,13 @@ class HttpServer:
         self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.socket.bind((host, port))
+        try:
+            self.socket.bind((host, port))
+        except OSError as exc:
+            self.socket.close()
+            raise ConfigError(
+                f"http_port: cannot listen on {host}:{port} ({exc.strerror}); set another port"
+            ) from None
         self.socket.listen(2048)
         self.socket.setblocking(False)
         self.host = host

@@ -13,7 +13,8 @@ so the history is never re-tokenized; an agent that rewrites its history starts 
 over from that call (counted: the earlier calls are not trained on).
 
 A group is complete when every session of its task is rewarded or dropped (no reward within
-`session_timeout_s`, a runner gone, a session over its call or token caps). Its rewarded
+`session_timeout_s`, a runner gone). A session at its call or token cap may not call the model
+again (410) but is still rewarded: a runaway agent is stopped, its episode kept. Its rewarded
 sessions are published as one TrajectoryGroup whose id is the task's (exactly once: a task
 redelivered after a crash yields the same id), then the task is acked; a group with no rewarded
 session is acked without one.
@@ -140,10 +141,16 @@ class AgentSession:
         return self.reward is not None or bool(self.dropped)
 
     def check_open(self) -> None:
+        """May the session call the model again? (SessionEnded says why not.)"""
         if self.reward is not None:
             raise SessionEnded(f"session {self.id} was rewarded; start a new one")
         if self.dropped:
             raise SessionEnded(f"session {self.id} was dropped ({self.dropped})")
+        cap = self.over_cap()
+        if cap:
+            raise SessionEnded(
+                f"session {self.id} reached its {cap} cap: no more calls, report its reward"
+            )
 
     def prefix(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -186,7 +193,8 @@ class AgentSession:
         episode.messages = list(self.messages)
 
     def over_cap(self) -> str:
-        """The cap the session has reached ("" while under them all)."""
+        """The cap the session has reached ("" while under them all): it may not call the
+        model again, but its reward still counts."""
         if self.calls >= self.limits.max_calls:
             return CALL_CAP
         if self.episode is not None and self.episode.length >= self.limits.max_tokens:
@@ -242,6 +250,7 @@ class SessionBook:
         self._opening = asyncio.Lock()
         self.counts: dict[str, int] = {"started": 0, "rewarded": 0, "groups": 0, "restarts": 0}
         self.dropped: dict[str, int] = {}
+        self.capped: dict[str, int] = {}  # sessions that reached a cap, by cap
         self._incarnations: dict[str, str] = {}  # runner -> its latest incarnation
         # Sessions whose group went out, and how they ended: a late call or reward is told so.
         self._ended: OrderedDict[str, str] = OrderedDict()
@@ -312,10 +321,10 @@ class SessionBook:
         await self._settle(session.group)
 
     async def after_call(self, session: AgentSession) -> None:
-        """A call was recorded: a session that reached a cap is dropped now."""
+        """A call was recorded: a session at a cap is counted once (its next call is refused)."""
         why = session.over_cap()
         if why:
-            await self.drop(session, why)
+            self.capped[why] = self.capped.get(why, 0) + 1
 
     async def sweep(self) -> None:
         """Drop the sessions past their deadline (no reward in time)."""

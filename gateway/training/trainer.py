@@ -174,6 +174,8 @@ class AgentTrainer:
         }
         for why, count in book.dropped.items():
             out[f"agent/sessions_dropped_{why}"] = float(count)
+        for cap, count in book.capped.items():
+            out[f"agent/sessions_capped_{cap}"] = float(count)
         if self._rewards:
             out["agent/reward_mean"] = sum(self._rewards) / len(self._rewards)
             self._rewards = []

@@ -15,6 +15,7 @@ samplers', drivers', SFT's and evaluation's knobs and the table of other tools' 
 from __future__ import annotations
 
 import sys
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
@@ -133,7 +134,10 @@ class AgentKnob(StrictModel):
     runners: int = Field(default=2, ge=1, description="copies of the agent program")
     env: dict[str, str] = Field(default_factory=dict, description="added to their environment")
     http_port: int = Field(
-        default=0, ge=0, le=65535, description="the gateway's HTTP port (0: a free one)"
+        default=0,
+        ge=0,
+        le=65535,
+        description="the gateway's HTTP port (0: one derived from the run name)",
     )
     session_timeout_s: float = Field(
         default=600.0, gt=0, description="a session not rewarded within this long is dropped"
@@ -354,6 +358,9 @@ class LMJobSettings(LMTrainingKnobs):
         return data
 
 
+# Where an agent job's gateway port is derived from its run name (below the ephemeral range).
+AGENT_PORTS = (20000, 30000)
+
 # vLLM KV block of an env job's samplers, in tokens (see SamplerSettings.block_size).
 ENV_BLOCK_SIZE = 32
 
@@ -446,7 +453,7 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
              "settings": env_server}
         )  # fmt: skip
     if s.agent is not None:
-        entries += _agent(s, samplers)
+        entries += _agent(s, samplers, run_name)
         return own_cpu_for(entries, "learner") if s.cpu_placement == "auto" else entries
     dynamic = _resolved(s).dynamic_sampling
     for i in range(s.num_drivers):
@@ -489,13 +496,22 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
     return own_cpu_for(entries, "learner") if s.cpu_placement == "auto" else entries
 
 
-def _agent(s: LMJobSettings, samplers: list[str]) -> list[dict[str, Any]]:
-    """The gateway in training mode (it feeds the prompt queue) and the agent's runners."""
-    from services.ports import free_port
+def agent_http_port(s: LMJobSettings, run_name: str) -> int:
+    """The training gateway's HTTP port: the knob's, else one derived from the run name. Every
+    process of a run expands the job itself, so the port must be the same in all of them (a
+    free port picked at expansion would differ). One in use fails the gateway's start, naming
+    it."""
+    assert s.agent is not None
+    if s.agent.http_port:
+        return s.agent.http_port
+    return AGENT_PORTS[0] + zlib.crc32(run_name.encode()) % (AGENT_PORTS[1] - AGENT_PORTS[0])
 
+
+def _agent(s: LMJobSettings, samplers: list[str], run_name: str) -> list[dict[str, Any]]:
+    """The gateway in training mode (it feeds the prompt queue) and the agent's runners."""
     agent = s.agent
     assert agent is not None
-    port = agent.http_port or free_port()
+    port = agent_http_port(s, run_name)
     training = {
         "group_size": s.group_size,
         "dataset": s.dataset,

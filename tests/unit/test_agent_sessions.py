@@ -152,18 +152,25 @@ async def test_sessions_without_a_reward_in_time_are_dropped_and_counted() -> No
 
 
 async def test_runaway_sessions_are_cut_off_at_their_caps() -> None:
-    sessions, _ = book(SessionLimits(max_calls=2, max_tokens=100))
+    sessions, recorder = book(SessionLimits(max_calls=2, max_tokens=100))
     session = await sessions.start()
     session.record(OPENING, None, False, call([1, 2], [5]), REPLY)
     await sessions.after_call(session)
-    assert not session.ended
+    session.check_open()  # one more call allowed
     session.record([*OPENING, REPLY, TOOL], None, True, call([1, 2, 5, 6], [7]), REPLY)
     await sessions.after_call(session)
-    assert session.dropped == "max_calls"
+    with pytest.raises(SessionEnded, match="max_calls cap") as capped:
+        session.check_open()  # no third call ...
+    assert capped.value.status == 410 and sessions.capped == {"max_calls": 1}
+    await sessions.reward(session.id, 1.0)  # ... but its episode still counts
     tokens = await sessions.start()
     tokens.record(OPENING, None, False, call(list(range(90)), list(range(10))), REPLY)
     await sessions.after_call(tokens)
-    assert tokens.dropped == "max_tokens"
+    with pytest.raises(SessionEnded, match="max_tokens cap"):
+        tokens.check_open()
+    await sessions.reward(tokens.id, 0.0)
+    ((_, rewarded),) = recorder.published
+    assert rewarded == [session, tokens]
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
