@@ -8,9 +8,11 @@ Tokenization and chat templates happen here, once, so every engine sees the same
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,20 @@ class PromptRenderer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def turn_end(self) -> tuple[int, ...]:
+        """The token the chat template ends an assistant turn with: a chat prompt's
+        completion stops there, as chat servers stop a model's turn."""
+        return tuple(ChatTokens(self.tokenizer).turn_end) if self.has_chat_template else ()
+
+    def stop_ids(
+        self, prompts: Sequence[sampler_pb2.Prompt], stop: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """``stop`` plus the end of turn when a prompt is a chat."""
+        if not any(p.WhichOneof("input") == "chat" for p in prompts):
+            return stop
+        return stop + tuple(t for t in self.turn_end if t not in stop)
 
     def token_ids(self, prompt: sampler_pb2.Prompt, field: str, limits: Limits) -> list[int]:
         kind = prompt.WhichOneof("input")
@@ -297,6 +313,7 @@ def parse_request(
     prompts = [
         renderer.token_ids(p, f"prompts[{i}]", limits) for i, p in enumerate(request.prompts)
     ]
+    sampling["stop_token_ids"] = renderer.stop_ids(request.prompts, sampling["stop_token_ids"])
     # 0 = until the context runs out; more than the room left is cut to it (finish: length).
     wanted = request.sampling.max_tokens
     max_tokens = [
@@ -325,6 +342,7 @@ def parse_stream_request(
         deadline = received + seconds
     sampling = _sampling(request.sampling, limits)
     prompt = renderer.token_ids(request.prompt, "prompt", limits)
+    sampling["stop_token_ids"] = renderer.stop_ids([request.prompt], sampling["stop_token_ids"])
     room = limits.max_context - len(prompt)
     wanted = request.sampling.max_tokens
     max_tokens = [min(wanted, room) if wanted else room]

@@ -123,3 +123,17 @@ def test_bad_prefixes_name_the_field(
     with pytest.raises(InvalidArgument, match=message) as caught:
         PromptRenderer(tokenizer).token_ids(prompt, "prompt", limits(tokenizer))
     assert caught.value.field == field
+
+
+def test_a_chat_completion_stops_at_the_templates_end_of_turn(tokenizer: Any) -> None:
+    from sampler.lm.requests import parse_stream_request
+
+    renderer = PromptRenderer(tokenizer)
+    turn_end = tuple(ChatTokens(tokenizer).turn_end)
+    chat_request = sampler_pb2.GenerateStreamRequest(prompt=chat(OPENING))
+    chat_request.sampling.stop_token_ids.append(7)
+    _, options = parse_stream_request(chat_request, limits(tokenizer), renderer)
+    assert options.stop_token_ids == (7, *turn_end)  # as chat servers end a model's turn
+    text_request = sampler_pb2.GenerateStreamRequest(prompt=sampler_pb2.Prompt(text="Q: 1+1"))
+    _, options = parse_stream_request(text_request, limits(tokenizer), renderer)
+    assert options.stop_token_ids == ()  # a raw completion runs to EOS
