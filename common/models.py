@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -21,6 +21,7 @@ __all__ = [
     "CORPORA_GROUP",
     "MODEL_SIZES",
     "ModelSize",
+    "canonical_tools",
     "chat_text",
     "init_model",
     "train_tokenizer",
@@ -123,11 +124,20 @@ def _corpus(tasks: Iterable[Any], limit: int) -> Iterator[str]:
 CORPORA_GROUP = "rlfleet.tokenizer_corpora"
 
 
+def canonical_tools(tools: Iterable[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools with their keys sorted at every level (None for none). A chat template writes a
+    tool's JSON in its keys' order, and tools that crossed a protobuf Struct (a map) come back
+    in no fixed order: unsorted, the same tools would make different prompts."""
+    if not tools:
+        return None
+    return [json.loads(json.dumps(tool, sort_keys=True)) for tool in tools]
+
+
 def chat_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     """A conversation as this module's chat template writes it (with ``tools`` offered)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    offered: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+    offered: list[dict[Any, Any] | Callable[..., Any]] | None = canonical_tools(tools)  # type: ignore[assignment]
     # (texts, generation indices) at runtime, whatever the annotation says
     rendered = cast(
         tuple[list[str], Any],

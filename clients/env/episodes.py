@@ -28,6 +28,7 @@ from typing import Any
 from clients.env.text import TextSession
 from clients.env.types import Message, TextTurn
 from common import tensor
+from common.models import canonical_tools
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import ConfigError
 
@@ -108,7 +109,7 @@ class ChatTokens:
         template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.tools = tools or None
+        self.tools = canonical_tools(tools)
         self.template_kwargs = template_kwargs or {}
         self.turn_end = _turn_end(tokenizer)
 

@@ -20,6 +20,7 @@ from google.protobuf import json_format
 
 from clients.env.episodes import ChatTokens
 from common import tensor
+from common.models import canonical_tools
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from sampler.engines.base import SamplingOptions
@@ -154,8 +155,9 @@ class PromptRenderer:
 
     @staticmethod
     def tools(chat: sampler_pb2.ChatPrompt, field: str = "prompt.chat") -> list[dict[str, Any]]:
-        """The chat prompt's tools as plain dicts, each checked to name its function."""
-        tools = [json_format.MessageToDict(tool) for tool in chat.tools]
+        """The chat prompt's tools as plain dicts (keys sorted: canonical_tools), each checked
+        to name its function."""
+        tools = canonical_tools([json_format.MessageToDict(tool) for tool in chat.tools]) or []
         for i, tool in enumerate(tools):
             function = tool.get("function")
             if not isinstance(function, dict) or not function.get("name"):

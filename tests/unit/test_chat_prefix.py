@@ -137,3 +137,22 @@ def test_a_chat_completion_stops_at_the_templates_end_of_turn(tokenizer: Any) ->
     text_request = sampler_pb2.GenerateStreamRequest(prompt=sampler_pb2.Prompt(text="Q: 1+1"))
     _, options = parse_stream_request(text_request, limits(tokenizer), renderer)
     assert options.stop_token_ids == ()  # a raw completion runs to EOS
+
+
+def test_tools_render_alike_whatever_order_their_keys_come_in(tokenizer: Any) -> None:
+    # A Struct is a map: tools that crossed one come back with their keys in no fixed order.
+    forward = {"type": "function", "function": {"name": "calc", "description": "d",
+                                                "parameters": {"type": "object"}}}  # fmt: skip
+    backward = {"function": {"parameters": {"type": "object"}, "description": "d",
+                             "name": "calc"}, "type": "function"}  # fmt: skip
+    renderer = PromptRenderer(tokenizer)
+    ids = []
+    for tool in (forward, backward):
+        prompt = sampler_pb2.Prompt(chat=sampler_pb2.ChatPrompt())
+        for message in OPENING:
+            prompt.chat.messages.add(**message)
+        prompt.chat.tools.add().update(tool)
+        ids.append(renderer.token_ids(prompt, "prompt", limits(tokenizer)))
+        # The env episodes' renderer writes the very same prompt.
+        assert ChatTokens(tokenizer, [tool]).opening(OPENING) == ids[-1]
+    assert ids[0] == ids[1]
