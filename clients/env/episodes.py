@@ -154,10 +154,15 @@ class ChatTokens:
         if after.startswith(said):
             return self._ids(after[len(said) :])
         # The template writes the model's turn otherwise than it was sampled (it strips or
-        # reformats it): end the turn as the template does, then the new part alone.
+        # reformats it, or the turn came back parsed, as tool calls): end the turn as the
+        # template does, with what the template writes after its end of turn (a newline), then
+        # the new part alone.
         ended = len(ids) >= len(self.turn_end) and list(ids[-len(self.turn_end) :]) == self.turn_end
         rendered = self._render(before, False)
-        return ([] if ended else list(self.turn_end)) + self._ids(after[len(rendered) :])
+        marker = self.tokenizer.decode(self.turn_end, skip_special_tokens=False)
+        at = rendered.rfind(marker)
+        tail = rendered[at + len(marker) :] if at >= 0 else ""
+        return ([] if ended else list(self.turn_end)) + self._ids(tail + after[len(rendered) :])
 
 
 # One model turn for each episode given: (episode, prompt token ids, room in tokens) -> the

@@ -86,7 +86,9 @@ def test_a_model_turn_the_template_writes_otherwise_is_ended_as_the_template_end
     turn_end = ChatTokens(tokenizer).turn_end
     assert ids[: len(first) + len(said)] == first + said
     assert ids[len(first) + len(said) : len(first) + len(said) + 1] == turn_end
-    assert tokenizer.decode(ids).endswith("<|im_start|>user\n?<|im_end|>\n<|im_start|>assistant\n")
+    # ... and what the template writes after its end of turn follows it, as in a whole render.
+    after = tokenizer.decode(ids[len(first) + len(said) :])
+    assert after == "<|im_end|>\n<|im_start|>user\n?<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize(
