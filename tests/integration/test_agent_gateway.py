@@ -31,7 +31,7 @@ ADD = {
     "type": "function",
     "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
 }
-TIMEOUT_S = 20.0  # a session's calls take a second or two here; a dropped one is waited for
+TIMEOUT_S = 20.0  # long beside a few sampled calls; the never-rewarded session is waited for
 
 
 class Agent:
