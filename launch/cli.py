@@ -12,20 +12,14 @@ not restart. The jobs listing is generated from the settings models.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
-import types
-import typing
-from collections.abc import Callable, Iterable
-from pathlib import PurePath
-from typing import Any
+from collections.abc import Callable
 
 import yaml
-from pydantic import BaseModel
 
 from launch.dashboard.live import dashboard_port_from_env, tensorboard_from_env
+from launch.knobs import knob_rows, summary
 from launch.launcher import Launcher
 from services.commands import COMMANDS_GROUP, Command, Handler, print_table
 from services.config import load_run_config
@@ -136,107 +130,16 @@ def _jobs(args: argparse.Namespace) -> int:
         rows = []
         for kind in entry_point_registry(JOBS_GROUP):
             try:
-                about = _summary(get_job(kind).settings.__doc__)
+                about = summary(get_job(kind).settings.__doc__)
             except ConfigError as exc:  # one broken plugin must not hide the others
                 about = f"(failed to load: {exc})"
             rows.append({"kind": kind, "description": about})
         print_table(rows)
         return 0
     spec = get_job(args.kind)
-    print(f"{spec.kind}: {_summary(spec.settings.__doc__, first_sentence=False)}")
-    print_table(_knob_rows(spec.settings, ""))
+    print(f"{spec.kind}: {summary(spec.settings.__doc__, first_sentence=False)}")
+    print_table(knob_rows(spec.settings))
     return 0
-
-
-def _summary(doc: str | None, first_sentence: bool = True) -> str:
-    """A docstring's first paragraph on one line (its first sentence when ``first_sentence``)."""
-    text = " ".join((doc or "").strip().split("\n\n")[0].split())
-    if first_sentence:
-        text = re.split(r"(?<=\.)\s+(?=[A-Z`])", text)[0]
-    return text
-
-
-def _knob_rows(model: Any, indent: str) -> list[dict[str, str]]:
-    """One row per field of a pydantic ``model``; a field holding models (``limits``,
-    ``api_keys: [...]``) is followed by that model's fields, indented."""
-    rows = []
-    for name, info in model.model_fields.items():
-        default = (
-            "(required)"
-            if info.is_required()
-            else _value(info.get_default(call_default_factory=True))
-        )
-        rows.append({
-            "knob": indent + name,
-            "type": _type_name(info.annotation),
-            "default": default,
-            "bounds": _bounds(info.metadata),
-            "description": info.description or "",
-        })  # fmt: skip
-        nested = [a for a in (info.annotation, *_args(info.annotation)) if isinstance(a, type)]
-        inner = next((a for a in nested if issubclass(a, BaseModel)), None)
-        if inner is not None:
-            rows.extend(_knob_rows(inner, indent + "  "))
-    return rows
-
-
-def _args(ann: Any) -> list[Any]:
-    out = []
-    for arg in typing.get_args(ann):
-        out.extend([arg, *_args(arg)])
-    return out
-
-
-def _type_name(ann: Any) -> str:
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is typing.Literal:
-        return " | ".join(str(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if origin is not None:
-        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
-    if ann is type(None):
-        return "null"
-    return getattr(ann, "__name__", str(ann).replace("typing.", ""))
-
-
-def _value(value: Any, limit: int = 30) -> str:
-    """A default as it would be written in YAML (flow style), cut at ``limit`` characters."""
-
-    def plain(v: Any) -> Any:
-        if isinstance(v, BaseModel):
-            return plain(v.model_dump())
-        if isinstance(v, dict):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [plain(x) for x in v]
-        return str(v) if isinstance(v, PurePath) else v
-
-    v = plain(value)
-    text = v if isinstance(v, str) else json.dumps(v).replace('"', "")
-    if isinstance(value, BaseModel):
-        text = "{...}"  # its fields follow, indented
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _bounds(metadata: Iterable[Any]) -> str:
-    """``>=1, <=1024`` from a field's annotated-types constraints (ge/gt/le/lt/min_length)."""
-    ops = {
-        "ge": ">=",
-        "gt": ">",
-        "le": "<=",
-        "lt": "<",
-        "min_length": "len>=",
-        "max_length": "len<=",
-    }
-    out = []
-    for item in metadata:
-        for attr, op in ops.items():
-            bound = getattr(item, attr, None)
-            if bound is not None:
-                out.append(f"{op}{bound}")
-    return ", ".join(out)
 
 
 def _health_args(parser: argparse.ArgumentParser) -> None:

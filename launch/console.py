@@ -446,15 +446,36 @@ class Console:
         self._fresh.add(p.source)
         self.tick()
 
+    def _etas(self, final: bool) -> dict[str, float | None]:
+        return {
+            source: None if final else self.rates[source].eta_s(p.total - p.done)
+            for source, p in self.latest.items()
+        }
+
     def progress_lines(self, *, final: bool = False) -> list[str]:
         """The progress line of each source (the run's name leads the first); ``final``: the
         run is over, so no ETA."""
         lines = []
-        for source, p in self.latest.items():
-            eta = None if final else self.rates[source].eta_s(p.total - p.done)
+        for source, eta in self._etas(final).items():
             name = self.run if len(self.latest) == 1 else f"{self.run}/{source}"
-            lines.append(format_progress(name, p, eta))
+            lines.append(format_progress(name, self.latest[source], eta))
         return lines
+
+    def figures(self, *, final: bool = False) -> list[dict[str, Any]]:
+        """What the progress lines show, as data (launch/run_state.py keeps it)."""
+        out = []
+        for source, eta in self._etas(final).items():
+            p = self.latest[source]
+            out.append({
+                "source": source,
+                "unit": p.unit,
+                "done": p.done,
+                "total": p.total,
+                "version": p.version,
+                "headline": [[label, value] for label, value in p.headline],
+                "eta_s": eta if eta is not None and math.isfinite(eta) else None,
+            })  # fmt: skip
+        return out
 
     def tick(self, *, force: bool = False, final: bool = False) -> bool:
         """Show the progress line when one is due: a newer record than the last line and

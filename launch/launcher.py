@@ -54,6 +54,7 @@ from launch.console import (
 from launch.dashboard.live import LiveView
 from launch.producers import ProducerWatch
 from launch.run_security import LAUNCHER, RunSecurity
+from launch.run_state import StateWriter
 from rlfleet.bus.v1 import events_pb2
 from services import registry as reg
 from services.bus import (
@@ -298,6 +299,8 @@ class Launcher:
         self._force = asyncio.Event()
         self._stopping = False
         self._outcome: asyncio.Future[int] | None = None
+        self._end_message = ""  # why the run ended (the line _finish said)
+        self._state = StateWriter(self.run_dir)  # <run dir>/state.json, for watchers
         self._producers: ProducerWatch | None = None  # None: nothing to watch (launch/producers.py)
         # The dashboard (dashboard_port; None: off, 0: a free port) and TensorBoard.
         self.live = LiveView(
@@ -349,6 +352,7 @@ class Launcher:
             self._force.set()
         else:
             self.say(f"{sig.name}: stopping (again to kill at once)")
+            self._end_message = self._end_message or f"stopped by {sig.name}"
             self._stop.set()
 
     # --- the run -------------------------------------------------------------------------------
@@ -356,6 +360,7 @@ class Launcher:
     async def _run(self) -> int:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_copy = self._write_config_copy()
+        self._state.started()
         self._outcome = asyncio.get_running_loop().create_future()
         cluster: NatsCluster | None = None
         monitor: asyncio.Task[None] | None = None
@@ -438,6 +443,13 @@ class Launcher:
                 monitor.cancel()
                 await asyncio.gather(monitor, return_exceptions=True)
             self.console.close()  # the last progress line, then plain lines again
+            final = self.console.progress_lines(final=True)
+            self._state.update(
+                figures=self.console.figures(final=True),
+                line="\n".join(final),
+                services=self.service_status(),
+            )
+            self._state.ended(code, self._end_message)
             if cluster is not None:
                 await asyncio.to_thread(cluster.stop)
             os.environ.clear()
@@ -526,6 +538,7 @@ class Launcher:
     def _finish(self, code: int, message: str) -> None:
         if self._outcome is not None and not self._outcome.done():
             self.say(message)
+            self._end_message = message
             self._outcome.set_result(code)
 
     # --- supervision ---------------------------------------------------------------------------
@@ -813,7 +826,10 @@ class Launcher:
             console.start()
             while True:
                 await asyncio.sleep(TICK_S)
-                console.tick()
+                if console.tick():
+                    line = "\n".join(console.progress_lines())
+                    self._state.update(figures=console.figures(), line=line)
+                self._state.update(services=self.service_status())
         finally:
             await bus.close()
 

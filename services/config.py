@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from services.bus.nats_cluster import check_cluster_size
-from services.errors import ConfigError, InvalidArgument
+from services.errors import ConfigError, ConfigIssue, InvalidArgument
 from services.registry import JOBS_GROUP, entry_point_registry, get_job, get_service
 from services.settings import (
     Loc,
@@ -348,18 +348,20 @@ def _loc_str(loc: Loc) -> str:
 
 
 def _render(issues: Sequence[_Issue], source: YamlSource | None) -> ConfigError:
-    lines = []
+    lines, found = [], []
     if source is not None:
         issues = sorted(issues, key=lambda i: (i.env_var is None, source.line_of(i.loc)))
     for issue in issues:
         where = _loc_str(issue.loc)
+        line = source.line_of(issue.loc) if source is not None and not issue.env_var else None
+        found.append(ConfigIssue(where, line, issue.msg))
         if issue.env_var:
             lines.append(f"{issue.env_var}: {where}: {issue.msg}")
         elif source is not None:
-            lines.append(f"{source.name}:{source.line_of(issue.loc)}: {where}: {issue.msg}")
+            lines.append(f"{source.name}:{line}: {where}: {issue.msg}")
         else:
             lines.append(f"{where}: {issue.msg}")
-    return ConfigError("\n".join(lines))
+    return ConfigError("\n".join(lines), issues=found)
 
 
 def _suggest(word: str, choices: Sequence[str] | None) -> str:

@@ -14,7 +14,8 @@ by a user can be found in the server's logs.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, ClassVar, NoReturn
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
@@ -27,6 +28,7 @@ __all__ = [
     "EXIT_PERMANENT",
     "REQUEST_ID_KEY",
     "ConfigError",
+    "ConfigIssue",
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
@@ -122,10 +124,27 @@ class Unavailable(RlfleetError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ConfigIssue(NamedTuple):
+    """One problem of a config: the key's dotted path (``job.learning_rate``,
+    ``services[1].settings.port``), its line in the file (None: not from a file) and why."""
+
+    path: str
+    line: int | None
+    message: str
+
+
 class ConfigError(RlfleetError):
-    """An invalid configuration; the message names the key (and file:line when known)."""
+    """An invalid configuration; the message names the key (and file:line when known).
+    ``issues`` has the same problems one by one, for a form that shows each beside its field
+    (empty when the error is not about particular keys)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(
+        self, message: str, *, field: str | None = None, issues: Sequence[ConfigIssue] = ()
+    ) -> None:
+        super().__init__(message, field=field)
+        self.issues = tuple(issues)
 
 
 def is_permanent(exc: BaseException) -> bool:
