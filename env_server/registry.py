@@ -22,6 +22,7 @@ server creates, beside the others (the same id twice is an error).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import functools
 import importlib
@@ -45,6 +46,7 @@ __all__ = [
     "GYMNASIUM_PLUGIN_MODULES",
     "PLUGIN_GROUP",
     "check_reference",
+    "env_catalog",
     "find_env",
     "is_reference",
     "list_local_envs",
@@ -256,6 +258,11 @@ def list_local_envs(filter: str = "") -> list[EnvEntry]:
         (e for e in _all_entries().values() if needle in e.env_id.lower()),
         key=lambda e: e.env_id,
     )
+
+
+def env_catalog() -> list[dict[str, Any]]:
+    """Every env id this process can create, as rows (the ``envs`` catalog of forms)."""
+    return [dataclasses.asdict(e) for e in list_local_envs()]
 
 
 def find_env(env_id: str) -> EnvEntry:

@@ -159,6 +159,21 @@ def _health(args: argparse.Namespace) -> int:
     return 0
 
 
+def _studio_args(parser: argparse.ArgumentParser) -> None:
+    from launch.studio.command import add_studio_arguments
+
+    add_studio_arguments(parser)
+
+
+@command(
+    "studio", "a local web app: start, watch, compare, play, export and serve runs", _studio_args
+)
+def _studio(args: argparse.Namespace) -> int:
+    from launch.studio.command import run_studio
+
+    return run_studio(args)
+
+
 @command("serve", "run one service (what containers run)", add_serve_arguments)
 def _serve(args: argparse.Namespace) -> int:
     return serve(args.kind, config=args.config, name=args.name, host=args.host, port=args.port)

@@ -98,12 +98,22 @@ Switch = BeforeValidator(_switch_word)
 class RunSection(StrictModel):
     """Which run this is: names the NATS stream and the run directory."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")  # as services.bus.subjects wants
-    dir: Path | None = None
+    name: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",  # as services.bus.subjects wants
+        description="the run's name: lowercase letters, digits and hyphens; names its bus "
+        "stream and its directory runs/<name>",
+    )
+    dir: Path | None = Field(
+        default=None, description="where logs, checkpoints and the final policy go (runs/<name>)"
+    )
     # Once every producer of training data is gone (actors and rollout drivers finished, the
     # last game unlinked) while the main service still waits: `rlfleet up` says so and ends
     # the run failed ("stop"), or says so and waits for one to come back ("wait").
-    when_producers_gone: Literal["stop", "wait"] = "stop"
+    when_producers_gone: Literal["stop", "wait"] = Field(
+        default="stop",
+        description="once nothing can feed the learner any more: end the run failed (stop) or "
+        "wait for a producer to come back (wait)",
+    )
 
 
 class NatsSection(StrictModel):

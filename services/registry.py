@@ -23,6 +23,7 @@ from services.errors import ConfigError
 from services.settings import StrictModel
 
 __all__ = [
+    "CATALOGS_GROUP",
     "ENV_CONFIG_DIR",
     "ENV_ENDPOINTS",
     "ENV_LAUNCHER_PID",
@@ -47,6 +48,9 @@ __all__ = [
 
 SERVICES_GROUP = "rlfleet.services"
 JOBS_GROUP = "rlfleet.jobs"
+# What a form offers to pick from (env ids, reward names): name -> a function returning rows
+# (JSON-ready dicts), so the tooling lists them without importing the packages that own them.
+CATALOGS_GROUP = "rlfleet.catalogs"
 # The environment a launcher (or a container spec) hands to `rlfleet serve`.
 ENV_RUN_NAME = "RLFLEET_RUN_NAME"
 ENV_RUN_DIR = "RLFLEET_RUN_DIR"

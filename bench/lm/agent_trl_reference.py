@@ -174,7 +174,7 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
         def evaluate(self, model: Any, update: int) -> None:
             began = time.perf_counter()
             model.eval()
-            accuracy, outcomes = asyncio.run(
+            accuracy, outcomes, _ = asyncio.run(
                 episodes.evaluate(model, job["eval_count"], job["seed"], update)
             )
             model.train()

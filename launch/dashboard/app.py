@@ -26,12 +26,12 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from launch.dashboard.metrics import Runs, UnknownRun
 
-__all__ = ["STATIC", "ServiceStatus", "create_app"]
+__all__ = ["STATIC", "ServiceStatus", "create_app", "dashboard_routes"]
 
 STATIC = Path(__file__).parent / "static"
 
@@ -55,6 +55,11 @@ def _count(request: Request, name: str) -> int | None:
 
 def create_app(runs: Runs, status: ServiceStatus | None = None) -> Starlette:
     """The app over ``runs``; ``status`` gives the current run's services (none without it)."""
+    return Starlette(routes=dashboard_routes(runs, status))
+
+
+def dashboard_routes(runs: Runs, status: ServiceStatus | None = None) -> list[BaseRoute]:
+    """The page, its static files and the endpoints above (the studio serves them too)."""
 
     async def list_runs(request: Request) -> Response:
         return JSONResponse({"runs": [asdict(r) for r in runs.list()]})
@@ -77,12 +82,10 @@ def create_app(runs: Runs, status: ServiceStatus | None = None) -> Starlette:
     async def index(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
-    return Starlette(
-        routes=[
-            Route("/", index),
-            Route("/api/runs", list_runs),
-            Route("/api/runs/{run_id}/metrics", run_metrics),
-            Route("/api/services", services),
-            Mount("/static", StaticFiles(directory=STATIC), name="static"),
-        ]
-    )
+    return [
+        Route("/", index),
+        Route("/api/runs", list_runs),
+        Route("/api/runs/{run_id}/metrics", run_metrics),
+        Route("/api/services", services),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]

@@ -1,9 +1,11 @@
-"""`rlfleet dpo-data` (entry point in ``rlfleet.commands``): arithmetic preference pairs for a
-DPO run. Imports no torch: the CLI loads every command to build its help."""
+"""`rlfleet dpo-data` (arithmetic preference pairs for a DPO run) and `rlfleet ask` (a run's
+answer to a prompt); entry points in ``rlfleet.commands``. Imports no torch: the CLI loads every
+command to build its help."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from learner.lm.dpo_data import arith_pairs, write_pairs
 from services.commands import Command
@@ -33,4 +35,42 @@ DPO_DATA = Command(
     "rejected) as JSONL for job: {kind: dpo}",
     _dpo_data_args,
     _dpo_data,
+)
+
+
+def _ask_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source",
+        help="a run directory, a run name under runs/, a run config, a checkpoint folder or a "
+        "final/ folder (a run still training answers from its latest checkpoint)",
+    )
+    parser.add_argument("prompt", help="the user's message")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled answer")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the sampled answer")
+    parser.add_argument("--json", action="store_true", help="print the answers as JSON")
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from learner.lm.ask import ask
+
+    answer = ask(
+        args.source,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(answer))
+    else:
+        print(f"{answer['source']}\ngreedy:  {answer['greedy']}\nsampled: {answer['sampled']}")
+    return 0
+
+
+ASK = Command(
+    "a language-model run's answer to a prompt (greedy and sampled), from its final model or "
+    "latest checkpoint",
+    _ask_args,
+    _ask,
 )

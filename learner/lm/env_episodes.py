@@ -96,9 +96,9 @@ class EnvEpisodes:
 
     async def evaluate(
         self, model: Any, count: int, seed: int, version: int
-    ) -> tuple[float, dict[str, float]]:
-        """Mean return of ``count`` greedy episodes of the eval split, and the outcomes'
-        fractions (``eval/<outcome>_frac``)."""
+    ) -> tuple[float, dict[str, float], list[Episode]]:
+        """Mean return of ``count`` greedy episodes of the eval split, the outcomes'
+        fractions (``eval/<outcome>_frac``) and the episodes."""
         seeds = _seeds(self.cfg.env_id, seed, "eval", count)
         limits = EpisodeLimits(self.cfg.max_turns, self.cfg.max_total_tokens)
         episodes: list[Episode] = []
@@ -115,7 +115,7 @@ class EnvEpisodes:
         for episode in episodes:
             key = f"eval/{episode.outcome}_frac"
             outcomes[key] = outcomes.get(key, 0.0) + 1 / len(episodes)
-        return sum(e.reward for e in episodes) / max(len(episodes), 1), outcomes
+        return sum(e.reward for e in episodes) / max(len(episodes), 1), outcomes, episodes
 
 
 class GreedyTurns:

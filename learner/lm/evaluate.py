@@ -75,11 +75,12 @@ async def score_accuracy(
     score: Callable[[list[dict[str, Any]]], Awaitable[list[float | None]]],
     tasks: Sequence[Task],
     completions: Sequence[str],
-) -> float:
-    """Mean score (abstentions count as wrong) of ``completions`` under the scorer."""
+) -> tuple[float, list[float | None]]:
+    """Mean score (abstentions count as wrong) of ``completions`` under the scorer, and each
+    completion's score."""
     items = [
         {"prompt": t.prompt, "completion": c, "extra": t.columns()}  # as the rollout's
         for t, c in zip(tasks, completions, strict=True)
     ]
     scores = await score(items)
-    return sum(s or 0.0 for s in scores) / max(len(scores), 1)
+    return sum(s or 0.0 for s in scores) / max(len(scores), 1), list(scores)

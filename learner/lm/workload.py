@@ -55,6 +55,8 @@ __all__ = ["LMWorkload", "reward_metrics"]
 log = logging.getLogger(__name__)
 
 # SFT progress records at most this often: the console shows one per interval, more are noise.
+EVAL_SAMPLES = 8  # answers kept per evaluation (learner/eval_samples.jsonl)
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
 SFT_PROGRESS_EVERY_S = 1.0
 DROPPED_EVENTS = (
     "dropped"  # GroupsDropped's event kind (the drivers' clients/trajectories/pacing.py)
@@ -363,10 +365,14 @@ class LMWorkload:
         if s.env is not None:
             started = time.perf_counter()
             episodes = await self._env_episodes()
-            accuracy, outcomes = await episodes.evaluate(
+            accuracy, outcomes, played = await episodes.evaluate(
                 self.engine.module, cfg.count, s.seed, run.progress.version
             )
-            await self._record_eval(run, {"eval/accuracy": accuracy, **outcomes}, started)
+            samples = [
+                {"messages": e.messages, "reward": e.reward, "outcome": e.outcome}
+                for e in played[:EVAL_SAMPLES]
+            ]
+            await self._record_eval(run, {"eval/accuracy": accuracy, **outcomes}, started, samples)
             return
         if self._eval_tasks is None:
             self._eval_tasks = held_out_tasks(cfg, s.total_updates * s.groups_per_update)
@@ -388,10 +394,20 @@ class LMWorkload:
                 results = await client.score(items, [(cfg.reward, 1.0)])
                 return [r.scores[cfg.reward].score for r in results]
 
-            accuracy = await score_accuracy(score, tasks, texts)
-        await self._record_eval(run, {"eval/accuracy": accuracy}, started)
+            accuracy, scores = await score_accuracy(score, tasks, texts)
+        samples = [
+            {"prompt": t.prompt, "completion": c, "score": sc}
+            for t, c, sc in list(zip(tasks, texts, scores, strict=True))[:EVAL_SAMPLES]
+        ]
+        await self._record_eval(run, {"eval/accuracy": accuracy}, started, samples)
 
-    async def _record_eval(self, run: RunHandle, values: dict[str, float], started: float) -> None:
+    async def _record_eval(
+        self,
+        run: RunHandle,
+        values: dict[str, float],
+        started: float,
+        samples: list[dict[str, Any]],
+    ) -> None:
         record = {
             **values,
             "eval/version": float(run.progress.version),
@@ -402,6 +418,11 @@ class LMWorkload:
         await run.report(record)
         with (run.dirs.learner / "eval.jsonl").open("a") as out:
             out.write(json.dumps(record) + "\n")
+        # The first few answers of each evaluation, to read what the numbers mean.
+        with (run.dirs.learner / EVAL_SAMPLES_FILE).open("a") as out:
+            version, update = run.progress.version, run.progress.updates
+            out.write(json.dumps({"version": version, "update": update, "samples": samples}))
+            out.write("\n")
 
     # ------------------------------------------------------------------ the end
 

@@ -25,7 +25,7 @@ from reward_service.rewards.registry import (
 )
 from reward_service.rewards.repetition import check_repetition_kwargs, repetition
 
-__all__ = ["BUILTINS", "load_registry", "registered_names"]
+__all__ = ["BUILTINS", "load_registry", "registered_names", "reward_catalog"]
 
 
 def _rule(name, fn, *, extra_keys=(), kwargs=(), check=None, timeout_s=10.0) -> RewardFunction:
@@ -78,6 +78,16 @@ def registered_names() -> list[str]:
     """Names a reward service registers without configuration: the built-ins and the installed
     plugins' entry-point names (their code is not imported)."""
     return [r.name for r in BUILTINS] + [ep.name for ep in plugin_entry_points()]
+
+
+def reward_catalog() -> list[dict[str, str]]:
+    """The installed rewards (built-ins and plugins) as rows (the ``rewards`` catalog of forms):
+    name, kind, description."""
+    registry = load_registry()
+    return [
+        {"name": name, "kind": str(registry[name].kind), "description": registry[name].description}
+        for name in registry
+    ]
 
 
 def load_registry(

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from launch.launcher import Launcher
+from launch.run_state import read_state
 from services.config import load_run_config
 from tests.fixtures.launch import Up, assert_nothing_left, pids_mentioning, write_config
 
@@ -56,6 +57,12 @@ def test_run_finishes_when_main_exits(tmp_path: Path) -> None:
         assert re.match(r"=== \S+ \S+ start 1 pid \d+: ", log), log
         assert "serving on 127.0.0.1" in log
     assert (run_dir / "config.yaml").read_text() == config.read_text()
+    # state.json: how the run ended, for watchers that are not its parent (the studio)
+    state = read_state(run_dir)
+    assert state is not None and (state.state, state.exit) == ("finished", 0), state
+    assert state.message == "main service hb-main finished" and state.ended >= state.started
+    assert [s["name"] for s in state.services] == ["hb-a", "hb-main"]
+    assert state.services[1]["state"] == "finished" and state.services[1]["restarts"] == 0
     assert_nothing_left(run_dir)
 
 
@@ -82,6 +89,9 @@ def test_crashing_service_is_restarted_then_fails_the_run(tmp_path: Path) -> Non
     assert re.search(r"crashy\s+heartbeat\s+exit 1\s+restarts 2", out), out
     log = (run_dir / "logs" / "crashy.log").read_text()
     assert [m.group(1) for m in re.finditer(r"=== \S+ \S+ start (\d) pid", log)] == ["1", "2", "3"]
+    state = read_state(run_dir)
+    assert state is not None and (state.state, state.exit) == ("failed", 1), state
+    assert state.message.startswith("crashy failed (exit 1) after 2 restart(s)"), state.message
     assert_nothing_left(run_dir)
 
 
@@ -106,8 +116,12 @@ def test_sigint_stops_every_process(tmp_path: Path) -> None:
     ]
     assert len(service_pids) == 2
     assert set(service_pids) <= set(pids_mentioning(str(run_dir)))  # both running
+    state = read_state(run_dir)
+    assert state is not None and state.state == "running" and state.pid == up.proc.pid, state
     up.proc.send_signal(signal.SIGINT)
     assert up.wait(20) == 0, up.output  # no main service: Ctrl-C is the normal end
+    state = read_state(run_dir)
+    assert state is not None and (state.state, state.message) == ("finished", "stopped by SIGINT")
     assert re.search(r"hb-a\s+heartbeat\s+exit 0", up.output), up.output
     assert_nothing_left(run_dir)
 

@@ -71,7 +71,8 @@ async def test_greedy_evaluation_is_held_out_deterministic_and_batched(
     first = await source.evaluate(model, 12, seed=5, version=0)
     again = await source.evaluate(model, 12, seed=5, version=0)
     assert first == again  # greedy: the same episodes
-    accuracy, outcomes = first
+    accuracy, outcomes, played = first
+    assert len(played) == 12 and all(e.done and e.messages for e in played)
     assert 0 <= accuracy <= 1
     assert abs(sum(outcomes.values()) - 1) < 1e-9 and all(k.startswith("eval/") for k in outcomes)
 

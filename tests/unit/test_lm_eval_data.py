@@ -68,7 +68,7 @@ def test_evaluation_scores_with_every_column_as_the_rollout_does() -> None:
         Task("a", prompt="Q: 1+1=?", extra={"answer": "2"}, solution=" <answer>2</answer>"),
         Task("b", prompt="Q: 2+2=?", extra={"answer": "4", "level": 1}),
     ]
-    assert asyncio.run(score_accuracy(score, tasks, ["x", "y"])) == 0.5
+    assert asyncio.run(score_accuracy(score, tasks, ["x", "y"]))[0] == 0.5
     assert [item["extra"] for item in seen] == [
         {"answer": "2", "solution": " <answer>2</answer>"},
         {"answer": "4", "level": 1},
