@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from services.errors import ConfigError
 from services.settings import StrictModel
@@ -213,6 +213,9 @@ class JobSpec(Generic[SettingsT]):
     # (settings, run name) -> service entries
     expand: Callable[[SettingsT, str], list[dict[str, Any]]]
     prepare: Callable[[SettingsT, Path], None] | None = None  # (settings, run dir)
+    # How a finished or training run of this kind is tried out (the studio's "watch and
+    # try"): "episode" (`rlfleet play --video`), "prompt" (`rlfleet ask`), None (nothing).
+    watch: Literal["episode", "prompt"] | None = None
 
 
 def get_job(kind: str) -> JobSpec[Any]:

@@ -5,6 +5,7 @@ the studio's own under ``/api/studio``.
   views when it answers.
 - ``GET /api/studio/jobs``, ``GET /api/studio/jobs/{kind}``: the job kinds, and one kind's
   knob tree (launch/knobs.py, what ``rlfleet jobs KIND`` prints) with the ``run:`` section's.
+- ``GET /api/studio/free-port``: a free loopback port (for a serve run the page writes).
 - ``GET /api/studio/catalogs``: what forms pick from (``envs``, ``rewards``: the
   ``rlfleet.catalogs`` entry points).
 - ``POST /api/studio/validate`` ``{"yaml"}``: the run file checked as ``rlfleet validate``
@@ -13,7 +14,8 @@ the studio's own under ``/api/studio``.
   "start"}``.
 - ``GET|DELETE /api/studio/runs/{id}``, ``POST /api/studio/runs/{id}/{stop|resume|restart}``,
   ``GET /api/studio/runs/{id}/config`` (the run file; ``?download=1`` as an attachment),
-  ``GET /api/studio/runs/{id}/logs[/{name}?lines=N]``.
+  ``GET /api/studio/runs/{id}/logs[/{name}?lines=N]``, ``GET
+  /api/studio/runs/{id}/eval-samples`` (a language-model run's latest evaluation answers).
 - ``/api/studio/runs/{id}/tasks``: long commands on a run (launch/studio/tasks.py).
 
 Errors are ``{"detail": ...}`` (plus ``issues``: ``[{"path", "line", "message"}]`` for an
@@ -46,6 +48,7 @@ from launch.knobs import knob_fields, summary
 from launch.studio.book import RunBook
 from launch.studio.http import BadRequest, handled, json_body, text_field
 from launch.studio.tasks import TaskBoard, task_routes
+from services import ports
 from services.config import RunSection
 from services.errors import ConfigError, NotFound
 from services.registry import CATALOGS_GROUP, JOBS_GROUP, entry_point_registry, get_job
@@ -62,6 +65,11 @@ def create_studio_app(book: RunBook, *, token: str | None = None) -> ASGIApp:
 
     async def about(request: Request) -> Response:
         return JSONResponse({"workdir": str(book.workdir), "runs_dir": str(book.root)})
+
+    async def free_port(request: Request) -> Response:
+        # For a run file the page writes (a serve run's port): free now, like `port: 0`, but
+        # known before the run starts, so the page can show the URL.
+        return JSONResponse({"port": ports.free_port()})
 
     async def jobs(request: Request) -> Response:
         rows = []
@@ -148,6 +156,11 @@ def create_studio_app(book: RunBook, *, token: str | None = None) -> ASGIApp:
         return PlainTextResponse(text, media_type="application/yaml", headers=headers)
 
     @handled
+    async def eval_samples(request: Request) -> Response:
+        record = await asyncio.to_thread(book.eval_samples, request.path_params["run_id"])
+        return JSONResponse({"eval": record})
+
+    @handled
     async def logs(request: Request) -> Response:
         run_id = request.path_params["run_id"]
         return JSONResponse({"logs": await asyncio.to_thread(book.logs, run_id)})
@@ -166,11 +179,13 @@ def create_studio_app(book: RunBook, *, token: str | None = None) -> ASGIApp:
         Route("/api/studio/jobs", jobs),
         Route("/api/studio/jobs/{kind}", job),
         Route("/api/studio/catalogs", catalogs),
+        Route("/api/studio/free-port", free_port),
         Route("/api/studio/validate", validate, methods=["POST"]),
         Route("/api/studio/runs", runs, methods=["GET"]),
         Route("/api/studio/runs", create, methods=["POST"]),
         Route("/api/studio/runs/{run_id}", run, methods=["GET", "DELETE"]),
         Route("/api/studio/runs/{run_id}/config", config),
+        Route("/api/studio/runs/{run_id}/eval-samples", eval_samples),
         Route("/api/studio/runs/{run_id}/logs", logs),
         Route("/api/studio/runs/{run_id}/logs/{name}", log),
         *task_routes(tasks),

@@ -13,6 +13,7 @@ are listed the same way. Stop sends the launcher SIGINT: the orderly stop of Ctr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -30,11 +31,13 @@ from typing import Any
 from launch.run_state import RunState, read_state
 from services.config import RunConfig, load_run_config, read_yaml_mapping
 from services.errors import ConfigError, ConfigIssue, FailedPrecondition, NotFound
+from services.registry import get_job
 
 __all__ = ["CONFIG_FILE", "LAUNCHER_LOG", "RunBook", "RunEntry"]
 
 CONFIG_FILE = "config.yaml"  # the run file, as `rlfleet up` copies it into the run dir
 LAUNCHER_LOG = "launcher.log"  # under <run dir>/logs/: what the launcher printed
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # under <run dir>/learner/: an LM run's eval answers
 RUNS = "runs"
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a run name (services.config.RunSection)
 MAX_LOG_LINES = 2000
@@ -55,6 +58,8 @@ class RunEntry:
     id: str  # the run dir's name (the run's name)
     state: str  # new, starting, running, finished, stopped, failed
     kind: str  # the job kind ("" for a run file without a job)
+    job: dict[str, Any] = field(default_factory=dict)  # the run file's job: section, as written
+    watch: str = ""  # how it is tried out: episode, prompt, "" (services.registry.JobSpec)
     started: float | None = None
     ended: float | None = None
     exit: int | None = None
@@ -113,7 +118,9 @@ class RunBook:
     def _entry(self, name: str) -> RunEntry:
         run_dir = self.root / name
         state = read_state(run_dir)
-        entry = RunEntry(id=name, state="new", kind=_job_kind(run_dir / CONFIG_FILE))
+        job = _job(run_dir / CONFIG_FILE)
+        kind = str(job.get("kind", ""))
+        entry = RunEntry(id=name, state="new", kind=kind, job=job, watch=_watch(kind))
         if state is not None:
             _fill(entry, state)
         spawned = self._spawned.get(name)
@@ -129,6 +136,20 @@ class RunBook:
         entry.has_policy = _has_policy(run_dir)
         entry.modified = _modified(run_dir)
         return entry
+
+    def eval_samples(self, run_id: str) -> dict[str, Any] | None:
+        """The latest evaluation's sample answers of a language-model run (None: none yet)."""
+        path = self.run_dir(run_id) / "learner" / EVAL_SAMPLES_FILE
+        try:
+            with path.open(encoding="utf-8") as f:
+                last = deque(f, maxlen=1)
+        except OSError:
+            return None
+        try:
+            record = json.loads(last[0]) if last else None
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) else None
 
     def config_text(self, run_id: str) -> str:
         return (self.run_dir(run_id) / CONFIG_FILE).read_text(encoding="utf-8")
@@ -275,15 +296,22 @@ def _fill(entry: RunEntry, state: RunState) -> None:
     entry.progress, entry.services = state.progress, state.services
 
 
-def _job_kind(config: Path) -> str:
-    """The run file's ``job.kind``, read without validating (a listing must not fail on one
-    broken file)."""
+def _job(config: Path) -> dict[str, Any]:
+    """The run file's ``job:`` section, read without validating (a listing must not fail on
+    one broken file)."""
     try:
         data = read_yaml_mapping(config).data
     except ConfigError:
-        return ""
+        return {}
     job = data.get("job") if isinstance(data, dict) else None
-    return str(job.get("kind", "")) if isinstance(job, dict) else ""
+    return dict(job) if isinstance(job, dict) else {}
+
+
+def _watch(kind: str) -> str:
+    try:
+        return (get_job(kind).watch or "") if kind else ""
+    except ConfigError:  # a kind not installed here
+        return ""
 
 
 def _has_policy(run_dir: Path) -> bool:

@@ -422,7 +422,7 @@ def _place_cpus(entries: list[dict[str, Any]], s: GameJobSettings) -> list[dict[
     return own_cpu_for(entries, "learner")
 
 
-PPO_JOB = JobSpec(kind="ppo", settings=GameJobSettings, expand=expand)
+PPO_JOB = JobSpec(kind="ppo", settings=GameJobSettings, expand=expand, watch="episode")
 
 
 class A2CJobSettings(GameJobSettings):
@@ -432,7 +432,7 @@ class A2CJobSettings(GameJobSettings):
     update_epochs: int = knob(GameTrainingKnobs, "update_epochs", default=1)
 
 
-A2C_JOB = JobSpec(kind="a2c", settings=A2CJobSettings, expand=expand)
+A2C_JOB = JobSpec(kind="a2c", settings=A2CJobSettings, expand=expand, watch="episode")
 
 
 class APPOJobSettings(GameJobSettings):
@@ -455,4 +455,4 @@ class APPOJobSettings(GameJobSettings):
     )
 
 
-APPO_JOB = JobSpec(kind="appo", settings=APPOJobSettings, expand=expand)
+APPO_JOB = JobSpec(kind="appo", settings=APPOJobSettings, expand=expand, watch="episode")

@@ -181,4 +181,6 @@ def prepare(settings: DPOJobSettings, run_dir: Path) -> None:
     create_model(s.model_path, s.init_model, seed=s.seed)
 
 
-DPO_JOB = JobSpec(kind="dpo", settings=DPOJobSettings, expand=expand, prepare=prepare)
+DPO_JOB = JobSpec(
+    kind="dpo", settings=DPOJobSettings, expand=expand, prepare=prepare, watch="prompt"
+)

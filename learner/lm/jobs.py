@@ -587,7 +587,7 @@ def _job(preset: str) -> JobSpec[LMJobSettings]:
     )  # fmt: skip
     # type() makes a subclass of LMJobSettings, which mypy only sees as a `type`.
     settings = cast(type[LMJobSettings], model)
-    return JobSpec(kind=preset, settings=settings, expand=expand, prepare=prepare)
+    return JobSpec(kind=preset, settings=settings, expand=expand, prepare=prepare, watch="prompt")
 
 
 LM_JOBS = {name: _job(name) for name in PRESET_NAMES}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import sys
 import time
@@ -32,24 +31,12 @@ import httpx
 import pytest
 import yaml
 
+from tests.fixtures.browser import CHROMIUM, CHROMIUM_ARGS, playwright_or_skip
 from tests.fixtures.launch import Up, assert_nothing_left
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cartpole_ppo.yaml"
 SERVICES = ("env-0", "learner", "actor-0", "actor-1")  # the example's two-actor shape
-CHROMIUM = Path(os.environ.get("RLFLEET_CHROMIUM", "/usr/bin/chromium"))
-# Headless and quiet: nothing of the browser's own reaches the network. (Playwright's launch()
-# gives every browser a fresh temporary --user-data-dir of its own.)
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 RUN_TIMEOUT_S = 420.0  # a 20k-step run takes about a minute on 2 idle cores
 PAGE_TIMEOUT_MS = 240_000  # waits inside the page: the whole run's start-up on a loaded machine
 RETURN_CHART = '.chart[data-key="charts/episodic_return"]'
@@ -60,23 +47,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(sys.platform != "linux", reason="scans /proc"),
 ]
-
-
-def playwright_or_skip() -> Any:
-    """Playwright's sync entry point; skips (fails under CI=true) without it or Chromium."""
-    missing = []
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        missing.append("the playwright Python package")
-    if not CHROMIUM.exists():
-        missing.append(str(CHROMIUM))
-    if missing:
-        message = f"needs {' and '.join(missing)}: run `make browser-deps`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return sync_playwright
 
 
 def write_config(tmp_path: Path) -> tuple[Path, Path]:

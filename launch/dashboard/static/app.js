@@ -4,6 +4,10 @@
 // records after its cursor. Text from the run (names, states) is set as text, never as HTML.
 // The x axis counts env steps (each point's `steps`, from the learner's charts/global_step) or,
 // by the header's toggle, wall time; runs that report no env steps (LM runs) draw wall time.
+// Other runs can be overlaid (the compare picker): their learner's lines (or, without a learner,
+// every line but the actors'), dashed, in a color per run, against env steps or the time since
+// each run's first record. Smoothing is an exponential moving average over each line's points,
+// as TensorBoard's slider does. Under `rlfleet studio` (launch/studio) studio.js adds its views.
 "use strict";
 
 const POLL_MS = 1000;
@@ -17,6 +21,9 @@ const LEARNER_COLOR = "#0d47a1";
 const COLORS = ["#e53935", "#43a047", "#fb8c00", "#8e24aa", "#00897b", "#6d4c41", "#546e7a", "#1e88e5"];
 const CHART_HEIGHT = 200;
 const X_MODE_STORE = "rlfleet.dashboard.x";
+const SMOOTHING_STORE = "rlfleet.dashboard.smoothing";
+const COMPARE_COLORS = ["#d81b60", "#00897b", "#f4511e", "#5e35b1", "#7cb342", "#6d4c41"];
+const SEP = "\u0000"; // between a compared run's id and its service in a line's key
 
 // What a series of a chart is, by its service's role (series' `role`, launch/dashboard/metrics.py).
 const ROLE_NOTES = {
@@ -89,6 +96,11 @@ const view = {
   current: null, // the run `rlfleet up` is running
   generation: null,
   cursor: 0,
+  compare: [], // runs overlaid on the shown one
+  sources: new Map(), // compared run -> {cursor, generation, t0}
+  t0: null, // the shown run's first record time (elapsed-time axis when comparing)
+  smoothing: Math.min(Math.max(Number(localStorage.getItem(SMOOTHING_STORE)) || 0, 0), 0.99),
+  studio: false, // served by `rlfleet studio` (studio.js sets it)
   charts: new Map(), // metric name -> {box, plot, lines: Map(service -> {t, v, s, role}), nonfinite}
   polls: 0,
   xWanted: localStorage.getItem(X_MODE_STORE) === "time" ? "time" : "steps", // the toggle
@@ -126,12 +138,38 @@ async function refreshRuns() {
       }),
     );
   }
+  const compare = $("compare-picker");
+  const others = runs.map((r) => r.id);
+  const listed = Array.from(compare.options, (o) => o.value);
+  if (others.join("\n") !== listed.join("\n")) {
+    compare.replaceChildren(
+      ...others.map((id) => {
+        const option = new Option(id, id);
+        option.selected = view.compare.includes(id);
+        return option;
+      }),
+    );
+  }
+  for (const option of compare.options) option.disabled = option.value === view.run;
 }
 
 function showRun(runId) {
   view.run = runId;
+  view.compare = view.compare.filter((id) => id !== runId);
+  resetSources();
+}
+
+function setCompare(runIds) {
+  view.compare = runIds.filter((id) => id !== view.run);
+  resetSources();
+}
+
+// Every run's metrics from the start again (a new shown run or a new set of compared runs).
+function resetSources() {
   view.generation = null;
   view.cursor = 0;
+  view.t0 = null;
+  view.sources = new Map(view.compare.map((id) => [id, { cursor: 0, generation: null, t0: null }]));
   clearCharts();
 }
 
@@ -157,27 +195,55 @@ function redrawAll() {
   }
 }
 
-async function pollMetrics() {
-  if (view.run === null) return;
-  const run = view.run;
-  const query = `since=${view.cursor}` + (view.generation === null ? "" : `&generation=${view.generation}`);
-  const reply = await getJSON(`/api/runs/${encodeURIComponent(run)}/metrics?${query}`);
-  if (run !== view.run) return; // the user picked another run meanwhile
-  if (reply.reset && view.cursor > 0) clearCharts();
-  view.generation = reply.generation;
-  view.cursor = reply.cursor;
-  const touched = new Set();
+function metricsURL(run, source) {
+  const query = `since=${source.cursor}` + (source.generation === null ? "" : `&generation=${source.generation}`);
+  return `/api/runs/${encodeURIComponent(run)}/metrics?${query}`;
+}
+
+// Points of one reply into the charts' lines; `run` is null for the shown run's.
+function ingest(reply, run, source, touched) {
   for (const s of reply.series) {
-    const line = lineOf(s.key, s.service, s.role || "");
+    if (run !== null && s.role === "actor") continue; // a compared run shows its run-wide lines
+    const points = s.points;
+    if (points.length && source.t0 === null) source.t0 = points[0][0];
+    const line = lineOf(s.key, run === null ? s.service : run + SEP + s.service, s.role || "", run);
     const steps = s.steps || [];
-    for (const [i, [t, v]] of s.points.entries()) {
+    for (const [i, [t, v]] of points.entries()) {
       line.t.push(t);
       line.v.push(v);
       line.s.push(steps[i] ?? null);
       if (steps[i] != null) view.hasSteps = true;
     }
-    if (s.nonfinite && s.nonfinite.length) markNonfinite(view.charts.get(s.key), s.nonfinite);
+    if (run === null && s.nonfinite && s.nonfinite.length) markNonfinite(view.charts.get(s.key), s.nonfinite);
     touched.add(s.key);
+  }
+}
+
+async function pollMetrics() {
+  if (view.run === null) return;
+  const run = view.run;
+  const compared = [...view.sources.entries()];
+  const [reply, ...others] = await Promise.all([
+    getJSON(metricsURL(run, view)),
+    ...compared.map(([id, source]) => getJSON(metricsURL(id, source)).catch(() => null)),
+  ]);
+  if (run !== view.run || view.sources.size !== compared.length) return; // picked anew meanwhile
+  if ((reply.reset && view.cursor > 0) || others.some((r, i) => r && r.reset && compared[i][1].cursor > 0)) {
+    resetSources(); // a file read again from its start: every line starts over, next poll
+    return reply;
+  }
+  view.generation = reply.generation;
+  view.cursor = reply.cursor;
+  const touched = new Set();
+  const own = { t0: view.t0 };
+  ingest(reply, null, own, touched);
+  view.t0 = own.t0;
+  for (const [i, other] of others.entries()) {
+    if (!other) continue;
+    const [id, source] = compared[i];
+    source.generation = other.generation;
+    source.cursor = other.cursor;
+    ingest(other, id, source, touched);
   }
   showXMode();
   if (view.xDrawn !== xMode()) redrawAll(); // the first env steps of a run, or a new run
@@ -192,7 +258,7 @@ async function pollMetrics() {
   return reply;
 }
 
-function lineOf(key, service, role) {
+function lineOf(key, service, role, run) {
   let chart = view.charts.get(key);
   if (!chart) {
     chart = { box: makeBox(key), plot: null, lines: new Map() };
@@ -201,7 +267,7 @@ function lineOf(key, service, role) {
   let line = chart.lines.get(service);
   if (!line || line.role !== role) {
     // A new line, or one whose label changes: the chart is made again with its series.
-    line = line || { t: [], v: [], s: [] };
+    line = line || { t: [], v: [], s: [], run };
     line.role = role;
     chart.lines.set(service, line);
     chart.plot?.destroy();
@@ -291,17 +357,28 @@ function chartWidth() {
   return Math.floor((document.body.clientWidth - 40) / columns) - 20;
 }
 
-// The learner first (drawn thick: its curve is the run's), then the others by name.
+// The shown run's learner first (drawn thick: its curve is the run's), then its other lines by
+// name, then the compared runs' in the order they were picked.
 function orderedServices(chart) {
-  const rankOf = (s) => (chart.lines.get(s).role === "learner" ? 0 : 1);
+  const rankOf = (s) => {
+    const line = chart.lines.get(s);
+    if (line.run) return 2 + view.compare.indexOf(line.run);
+    return line.role === "learner" ? 0 : 1;
+  };
   return Array.from(chart.lines.keys()).sort((a, b) => rankOf(a) - rankOf(b) || a.localeCompare(b));
 }
 
 function seriesLabel(key, service, role) {
+  if (service.includes(SEP)) {
+    const [run, name] = service.split(SEP);
+    return `${run}: ${name || "(run)"}`;
+  }
   const note = ROLE_NOTES[kind(key)]?.[role];
   const name = service || "(run)";
   return note ? `${name} (${note})` : name;
 }
+
+const comparing = () => view.compare.length > 0;
 
 // Dots on a line of few points (an actor reports every few seconds), or a short run shows
 // its legend entry without a line.
@@ -311,8 +388,26 @@ function sparse(u, seriesIdx) {
   return true;
 }
 
+// Exponential moving average with TensorBoard's debiasing (the first points are not pulled
+// towards 0): weight w keeps w of the average and adds 1 - w of each new point.
+function smooth(values, weight) {
+  if (!(weight > 0)) return values;
+  let last = 0;
+  let debias = 1;
+  return values.map((v) => {
+    last = last * weight + (1 - weight) * v;
+    debias *= weight;
+    return last / (1 - debias);
+  });
+}
+
 function table(line, mode) {
-  if (mode === "time") return [line.t, line.v];
+  if (mode === "time") {
+    // Compared runs started at different times: each is drawn from its own first record.
+    const t0 = line.run ? view.sources.get(line.run)?.t0 : view.t0;
+    const xs = comparing() ? line.t.map((t) => t - (t0 ?? t)) : line.t;
+    return [xs, smooth(line.v, view.smoothing)];
+  }
   const xs = [];
   const ys = [];
   for (let i = 0; i < line.s.length; i++) {
@@ -320,7 +415,7 @@ function table(line, mode) {
     xs.push(line.s[i]);
     ys.push(line.v[i]);
   }
-  return [xs, ys];
+  return [xs, smooth(ys, view.smoothing)];
 }
 
 function draw(key) {
@@ -335,6 +430,18 @@ function draw(key) {
     const series = services.map((s) => {
       const line = chart.lines.get(s);
       const learner = line.role === "learner";
+      if (line.run) {
+        const color = COMPARE_COLORS[view.compare.indexOf(line.run) % COMPARE_COLORS.length];
+        return {
+          label: seriesLabel(key, s, line.role),
+          stroke: color,
+          width: 1.75,
+          dash: [6, 4],
+          spanGaps: true,
+          points: { show: sparse },
+          value: (u, v) => (v == null ? "–" : formatValue(v)),
+        };
+      }
       return {
         label: seriesLabel(key, s, line.role),
         stroke: learner ? LEARNER_COLOR : COLORS[other++ % COLORS.length],
@@ -345,16 +452,19 @@ function draw(key) {
       };
     });
     const steps = mode === "steps";
+    const elapsed = !steps && comparing();
     const xSeries = steps
       ? { label: "env steps", value: (u, v) => (v == null ? "–" : formatValue(v)) }
-      : { label: "time" };
+      : elapsed
+        ? { label: "time since start", value: (u, v) => (v == null ? "–" : formatElapsed(v)) }
+        : { label: "time" };
     const options = {
       width: chartWidth(),
       height: CHART_HEIGHT,
-      scales: { x: { time: !steps } },
+      scales: { x: { time: !steps && !elapsed } },
       series: [xSeries, ...series],
       axes: [
-        steps ? { values: tickValues, size: 36 } : {},
+        steps ? { values: tickValues, size: 36 } : elapsed ? { values: (u, splits) => splits.map(formatElapsed) } : {},
         { values: tickValues, size: axisSize },
       ],
     };
@@ -406,6 +516,14 @@ function formatTick(v, incr) {
 
 const formatValue = (v) => formatTick(v);
 
+// Seconds since a run's start as 45s, 12m30s, 2h05m.
+function formatElapsed(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
+  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
+}
+
 function tickValues(u, splits, axisIdx, space, incr) {
   return splits.map((v) => formatTick(v, incr));
 }
@@ -425,14 +543,27 @@ function axisSize(u, values, axisIdx, cycleNum) {
 
 // --- services -----------------------------------------------------------------------------------
 
+// The shown run's services: the launcher's own table under `rlfleet up`; under the studio, what
+// the run's launcher last wrote to its state file (launch/run_state.py).
+async function runServices() {
+  if (!view.studio) {
+    const live = view.run !== null && view.run === view.current;
+    return { live, services: live ? (await getJSON("/api/services")).services : [] };
+  }
+  if (view.run === null) return { live: false, services: [] };
+  const entry = await getJSON(`/api/studio/runs/${encodeURIComponent(view.run)}`).catch(() => null);
+  if (!entry) return { live: false, services: [] };
+  return { live: entry.state === "running" || entry.services.length > 0, services: entry.services, state: entry.state };
+}
+
 async function pollServices() {
-  const live = view.run !== null && view.run === view.current;
+  const { live, services, state } = await runServices();
   $("services").hidden = !live;
   const note = $("services-note");
   note.hidden = live;
-  note.textContent = live ? "" : `${view.run ?? "This run"} is an earlier run: no services running.`;
+  const why = state ? `${view.run} is ${state}: no services running.` : `${view.run ?? "This run"} is an earlier run: no services running.`;
+  note.textContent = live ? "" : why;
   if (!live) return;
-  const { services } = await getJSON("/api/services");
   const rows = services.map((s) => {
     const row = document.createElement("tr");
     row.dataset.service = s.name;
@@ -479,6 +610,20 @@ $("run-picker").addEventListener("change", (event) => {
   Promise.all([pollMetrics(), pollServices()]).catch(() => {}); // now, not at the next tick
 });
 
+$("compare-picker").addEventListener("change", (event) => {
+  setCompare(Array.from(event.target.selectedOptions, (o) => o.value));
+  pollMetrics().catch(() => {});
+});
+
+$("smoothing").value = String(view.smoothing);
+$("smoothing-value").textContent = view.smoothing.toFixed(2);
+$("smoothing").addEventListener("input", (event) => {
+  view.smoothing = Number(event.target.value);
+  localStorage.setItem(SMOOTHING_STORE, String(view.smoothing));
+  $("smoothing-value").textContent = view.smoothing.toFixed(2);
+  for (const key of view.charts.keys()) if (view.charts.get(key).plot) draw(key);
+});
+
 window.addEventListener("resize", () => {
   for (const chart of view.charts.values()) chart.plot?.setSize({ width: chartWidth(), height: CHART_HEIGHT });
 });
@@ -492,6 +637,20 @@ window.rlfleetDashboard = {
     return plot ? { x: plot.axes[0]._values, y: plot.axes[1]._values, xTime: plot.scales.x.time } : null;
   },
   labels: (key) => view.charts.get(key)?.plot?.series.slice(1).map((s) => s.label) ?? null,
+  // The values drawn for one line of a chart (after smoothing), by its label.
+  drawn: (key, label) => {
+    const plot = view.charts.get(key)?.plot;
+    const i = plot ? plot.series.findIndex((s) => s.label === label) : -1;
+    return i > 0 ? plot.data[i].filter((v) => v != null) : null;
+  },
+  smooth,
+  view,
+  showRun: (runId) => {
+    $("run-picker").value = runId;
+    showRun(runId);
+  },
+  setCompare,
+  pollMetrics,
 };
 
 tick();
