@@ -1,9 +1,10 @@
 """Tools and structured output through the gateway on a real vLLM sampler (the session's), with
-the official `openai` client: a named or required tool_choice and a json_schema or json_object
-response_format constrain what the model writes (vLLM's structured outputs), and what it wrote
-comes back as tool calls or JSON content, whole and streamed; the transformers engine, which
-cannot constrain its output, is a 400 naming the field. The sampler's own tool-call reader
-(vLLM's hermes parser) is checked on the model format's text."""
+the official `openai` client (async, sync and streaming): a named or required tool_choice and a
+json_schema or json_object response_format constrain what the model writes (vLLM's structured
+outputs), and what it wrote comes back as tool calls or JSON content, whole and streamed; a
+call's result goes back as a tool message and the model answers (tool_choice none or auto); the
+transformers engine, which cannot constrain its output, is a 400 naming the field. The sampler's
+own tool-call reader (vLLM's hermes parser) is checked on the model format's text."""
 
 from __future__ import annotations
 
@@ -106,6 +107,42 @@ async def test_required_tools_are_called_and_json_outputs_validate(
     )  # fmt: skip
     if answer.choices[0].finish_reason == "stop":  # a whole object (not cut by max_tokens)
         assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_tool_call_round_trips_with_the_sync_client(client: openai.AsyncOpenAI) -> None:
+    """The synchronous client: a required call, its result sent back as a tool message, then
+    the model answers in text (`none`) or as it likes (`auto`: text, or calls that parse)."""
+    sync = openai.OpenAI(base_url=str(client.base_url), api_key="none", max_retries=0)
+
+    def converse() -> list[Any]:
+        first = sync.chat.completions.create(
+            model="tiny", messages=ASK, tools=[PICK], tool_choice="required", max_tokens=52,
+            temperature=0, parallel_tool_calls=False,
+        )  # fmt: skip
+        message = first.choices[0].message
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "3"}
+        history = [*ASK, message.model_dump(exclude_none=True), result]
+        answers = [first]
+        for choice in ("none", "auto"):
+            answer = sync.chat.completions.create(
+                model="tiny", messages=history, tools=[PICK], tool_choice=choice,
+                max_tokens=8, temperature=0,
+            )  # fmt: skip
+            answers.append(answer)
+        return answers
+
+    # A thread: this loop serves the sampler the gateway calls.
+    first, none, auto = await asyncio.to_thread(converse)
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "pick"
+    valid_pick(call.function.arguments)
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].finish_reason in ("stop", "length")
+    chosen = auto.choices[0]
+    assert chosen.finish_reason in ("stop", "length", "tool_calls")
+    for made in chosen.message.tool_calls or []:
+        assert made.function.name == "pick" and made.id.startswith("call_")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
