@@ -56,6 +56,7 @@ from learner.consumer import (
 )
 from learner.engine import Engine, NonfiniteUpdate
 from learner.ranks import Ranks, write_digest
+from learner.tracking import NO_TRACKERS, Trackers, trackers_of
 from learner.weights import SERVICE_NAME as WEIGHTS_SERVICE
 from learner.weights import WeightServicer, WeightStore, add_weight_service
 from learner.workload import Envelope, Progress, RunDirs, RunHandle, Workload
@@ -114,6 +115,7 @@ class LearnerLoop:
         self.server: GrpcServer | None = None
         self.consumer: TrajectoryConsumer | None = None
         self.writer: Any = None
+        self.trackers: Trackers = NO_TRACKERS  # W&B, MLflow, as the run file says
         self.handle: RunHandle | None = None  # the workload's view of the run, once the bus is up
         self.metrics: dict[str, float] = {}  # the last update's, for GetStatus
         # Updates skipped for a NaN/inf loss or gradients since this learner started, and in a
@@ -178,6 +180,7 @@ class LearnerLoop:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.dirs.tensorboard))
+            self.trackers = trackers_of(ctx)
             await w.setup()
             await asyncio.to_thread(self._build)
             p = self.progress
@@ -205,6 +208,7 @@ class LearnerLoop:
                 dirs=self.dirs,
                 writer=self.writer,
                 tensorboard_step=w.step,
+                trackers=self.trackers,
             )
             await asyncio.to_thread(w.warm_start, self.handle)
             await self._publish_weights()
@@ -418,11 +422,13 @@ class LearnerLoop:
         log.info("checkpoint at update %d (%d %s acked)", p.updates, acked, self.workload.noun)
 
     async def _finish(self) -> None:
-        """The workload's last words, ``final/``, a last checkpoint, RunStatus DONE."""
+        """The workload's last words, ``final/`` (to the trackers too), a last checkpoint,
+        RunStatus DONE."""
         w = self.workload
         assert self.handle is not None
         await w.finish(self.handle)
         await asyncio.to_thread(w.save_final, self.dirs.final, self.progress)
+        self.trackers.log_final(self.dirs.final)
         await self._checkpoint()
         status = events_pb2.RunStatus(
             run=self.run_name,
@@ -446,6 +452,7 @@ class LearnerLoop:
         self.ledger.close()
         if self.writer is not None:
             self.writer.close()
+        await asyncio.to_thread(self.trackers.close)  # bounded itself (learner.tracking)
         if self.bus is not None:
             await _bounded(self.bus.close(), "closing the bus connection")
         if self.server is not None:

@@ -23,6 +23,7 @@ from common.artifacts import CHECKPOINTS_DIR, FINAL_DIR
 from learner.consumer import AppliedWindow, now
 from learner.engine import Engine
 from learner.prometheus import export_training_metrics
+from learner.tracking import NO_TRACKERS, Tracker
 from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, events_subject
 from services.errors import RlfleetError
@@ -136,8 +137,9 @@ class ScalarWriter(Protocol):
 @dataclass(frozen=True)
 class RunHandle:
     """What a workload sees of the run the loop drives: the counters, the bus, the folders and
-    where scalars and progress go. The loop builds it once the bus is up; the ledger, the acks
-    and the versions stay out of a workload's reach, so it cannot break their guarantees."""
+    where scalars and progress go (TensorBoard, and the experiment trackers the run file turns
+    on, learner.tracking). The loop builds it once the bus is up; the ledger, the acks and the
+    versions stay out of a workload's reach, so it cannot break their guarantees."""
 
     run_name: str
     source: str  # the learner service's name, on every event it publishes
@@ -146,17 +148,19 @@ class RunHandle:
     dirs: RunDirs
     writer: ScalarWriter
     tensorboard_step: Callable[[Progress], int]  # the workload's x axis (``Workload.step``)
+    trackers: Tracker = NO_TRACKERS  # W&B, MLflow: they queue, never block (learner.tracking)
 
     def write_scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """To TensorBoard, the finite ones."""
-        for key, value in metrics.items():
-            if math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
+        """To TensorBoard and the trackers, the finite ones, at ``step``."""
+        finite = {key: value for key, value in metrics.items() if math.isfinite(value)}
+        for key, value in finite.items():
+            self.writer.add_scalar(key, value, step)
+        self.trackers.log_scalars(finite, step)
 
     async def report(self, metrics: Mapping[str, float]) -> None:
-        """Log ``metrics`` at the current point: TensorBoard (finite ones), Prometheus (the
-        gauges learner.prometheus maps), the bus (Metrics, NaN/inf included: metrics.jsonl keeps
-        them visible) and the log."""
+        """Log ``metrics`` at the current point: TensorBoard and the trackers (finite ones),
+        Prometheus (the gauges learner.prometheus maps), the bus (Metrics, NaN/inf included:
+        metrics.jsonl keeps them visible) and the log."""
         p = self.progress
         values = {k: float(v) for k, v in metrics.items()}
         self.write_scalars(values, self.tensorboard_step(p))

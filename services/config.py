@@ -48,6 +48,7 @@ from services.settings import (
     service_refs,
 )
 from services.start_order import start_problems
+from services.tracking import TrackingSection, missing_packages
 from services.yaml_loading import (
     MAX_YAML_BYTES,
     BoundedLoader,
@@ -71,6 +72,7 @@ __all__ = [
     "load_run_config",
     "load_service_settings",
     "parse_yaml",
+    "read_run_config",
     "service_refs",
     "settings_from_env",
     "unknown_key",
@@ -113,6 +115,11 @@ class RunSection(StrictModel):
         default="stop",
         description="once nothing can feed the learner any more: end the run failed (stop) or "
         "wait for a producer to come back (wait)",
+    )
+    tracking: TrackingSection = Field(
+        default_factory=TrackingSection,
+        description="experiment trackers the learner logs to beside TensorBoard "
+        "(services/tracking.py): wandb, mlflow",
     )
 
 
@@ -553,7 +560,8 @@ def validate_run_config(
     ``services[i].settings`` are settings-model instances. ``source`` adds file:line to errors.
     ``only`` limits this to the named instances: a container image holds the dependencies of
     its own service kind, not necessarily those of every kind in the run. ``config_dir`` (the
-    run file's folder) also runs each kind's ``check`` of this machine (programs on PATH)."""
+    run file's folder) also runs each kind's ``check`` of this machine (programs on PATH) and
+    checks that the packages of the trackers ``run.tracking`` turns on are installed."""
     environ = os.environ if environ is None else environ
     names = {entry.name for entry in config.services}
     kinds = {entry.name: entry.service for entry in config.services}
@@ -596,6 +604,11 @@ def validate_run_config(
                 _Issue((*where, *sub), msg) for sub, msg in spec.check(settings, config_dir)
             )
         entries.append(entry.model_copy(update={"settings": settings}))
+    if config_dir is not None:  # a tracker's package, where `rlfleet up` runs the learner
+        issues.extend(
+            _Issue(("run", "tracking", *loc), msg)
+            for loc, msg in missing_packages(config.run.tracking)
+        )
     if issues:
         raise _render(issues, source)
     validated = config.model_copy(update={"services": entries})
@@ -663,6 +676,14 @@ def validate_model(model: type[BaseModel], data: Any, source: YamlSource) -> Any
         return model.model_validate(data)
     except ValidationError as exc:
         raise _render(_issues_of(exc, model, (), {}), source) from None
+
+
+def read_run_config(path: str | os.PathLike[str]) -> RunConfig:
+    """The run file validated up to (not including) each service's settings, which stay the
+    mappings the file or its job gives: what a service reads of the run beyond its own settings
+    (``run.tracking``) without importing the settings models, and so the dependencies, of the
+    other kinds."""
+    return _load_structure(path)[0]
 
 
 def _load_structure(path: str | os.PathLike[str]) -> tuple[RunConfig, YamlSource]:

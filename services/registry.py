@@ -239,6 +239,9 @@ class ServiceContext(Generic[SettingsT]):
     nats_url: str | None = None
     endpoints: dict[str, str] = field(default_factory=dict)  # instance name -> "host:port"
     config_dir: Path = field(default_factory=Path.cwd)  # the run file's folder
+    # The run file the settings came from (the run dir's copy under `rlfleet up`), for what a
+    # service reads of the run beyond its own settings (the learner: run.tracking); None: none.
+    config_path: Path | None = None
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)  # set on SIGTERM/SIGINT
     # This process's own identity among replicas of the instance `name` (metric labels, session
     # ids); "": `name` itself, as `rlfleet up` runs one process per instance (replica_name).
@@ -266,11 +269,14 @@ class ServiceContext(Generic[SettingsT]):
         name: str | None = None,
         host: str | None = None,
         port: int | None = None,
+        config: str | os.PathLike[str] | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> ServiceContext[SettingsT]:
         """Build the context from CLI flags and the ``RLFLEET_*`` variables the launcher (or a
-        container spec) sets; unset values fall back to a standalone local service."""
+        container spec) sets; unset values fall back to a standalone local service. ``config``:
+        the run file the settings came from (else ``$RLFLEET_RUN_CONFIG``)."""
         env = os.environ if environ is None else environ
+        config = config or env.get(ENV_RUN_CONFIG) or None
         run_name = env.get(ENV_RUN_NAME) or "local"
         try:
             endpoints = json.loads(env.get(ENV_ENDPOINTS) or "{}")
@@ -295,6 +301,7 @@ class ServiceContext(Generic[SettingsT]):
             nats_url=env.get(ENV_NATS_URL) or None,
             endpoints=endpoints,
             config_dir=Path(env.get(ENV_CONFIG_DIR) or Path.cwd()),
+            config_path=Path(config) if config is not None else None,
             replica=replica_name(name or kind, env),
         )
 

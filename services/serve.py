@@ -94,7 +94,7 @@ def _serve_until_done(kind: str, config: str | None, name: str | None, host: str
     config = config or os.environ.get(registry.ENV_RUN_CONFIG) or None
     settings = load_service_settings(kind, config, name, os.environ)
     ctx = registry.ServiceContext.from_environment(
-        spec.kind, settings, name=name, host=host, port=port
+        spec.kind, settings, name=name, host=host, port=port, config=config
     )
     logging.basicConfig(
         level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO").upper(),
