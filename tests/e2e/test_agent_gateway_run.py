@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from tests.fixtures.launch import Up, assert_nothing_left
+from tests.fixtures.runs import ledger_entries
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("reward", "learner", "sampler-0", "gateway", "agent-0", "agent-1")
@@ -85,13 +86,6 @@ pytestmark = [
 ]
 
 
-def applied(run_dir: Path) -> list[dict]:
-    path = run_dir / "learner" / "applied.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def gateway_metrics(run_dir: Path) -> dict[str, float]:
     """The gateway's last `agent/...` numbers (counts since the gateway started)."""
     latest: dict[str, float] = {}
@@ -146,7 +140,7 @@ def test_an_agent_program_trains_through_the_gateway_and_faults_leave_the_ledger
     assert (tmp_path / "unrewarded").exists()
     status, _ = (tmp_path / "twice").read_text().split()
     assert status == "409"
-    ledger = [e for e in applied(run_dir) if e["status"] == "applied"]
+    ledger = [e for e in ledger_entries(run_dir) if e["status"] == "applied"]
     counts = collections.Counter(e["id"] for e in ledger)
     assert not [i for i, n in counts.items() if n > 1]  # no group applied twice
     assert max(e["update"] for e in ledger) == UPDATES

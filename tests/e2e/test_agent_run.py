@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.fixtures.launch import Up, assert_nothing_left
-from tests.fixtures.runs import service_pids
+from tests.fixtures.runs import applied_updates, ledger_entries, service_pids
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "agent_guess.yaml"
@@ -32,17 +32,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(sys.platform != "linux", reason="scans /proc"),
 ]
-
-
-def applied(run_dir: Path) -> list[dict]:
-    path = run_dir / "learner" / "applied.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def updates(run_dir: Path) -> int:
-    return max((e["update"] for e in applied(run_dir) if e["status"] == "applied"), default=0)
 
 
 def rollout_metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -70,13 +59,13 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     up = Up(path, run_dir, services=SERVICES, budget_s=780)
     try:
-        up.wait_until(f"update {KILL_AT}", lambda: updates(run_dir) >= KILL_AT)
+        up.wait_until(f"update {KILL_AT}", lambda: applied_updates(run_dir) >= KILL_AT)
         (pid,) = service_pids(run_dir, "env-0")
         os.kill(pid, signal.SIGKILL)
-        killed_at = updates(run_dir)
+        killed_at = applied_updates(run_dir)
         up.wait_for(r"env-0 .*restart 1/", 60)
         # Training goes on within seconds (a dropped group must not hold the driver's pacing).
-        up.wait_until("an update past the kill", lambda: updates(run_dir) > killed_at, 90)
+        up.wait_until("an update past the kill", lambda: applied_updates(run_dir) > killed_at, 90)
         assert up.wait() == 0, "the run failed"
         assert "main service learner finished" in up.output
     except BaseException:
@@ -84,7 +73,7 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
         raise
     finally:
         up.stop()
-    ledger = [e for e in applied(run_dir) if e["status"] == "applied"]
+    ledger = [e for e in ledger_entries(run_dir) if e["status"] == "applied"]
     counts = collections.Counter(e["id"] for e in ledger)
     assert not [i for i, n in counts.items() if n > 1]  # no group applied twice
     assert max(e["update"] for e in ledger) == UPDATES

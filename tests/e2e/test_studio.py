@@ -119,6 +119,18 @@ def runs_stopped(workdir: Path) -> Iterator[None]:
             assert_nothing_left(run_dir)
 
 
+@contextlib.contextmanager
+def browser_page(sync_playwright: Any) -> Iterator[Any]:
+    """A page in headless Chromium that accepts the studio's confirmations (delete, afresh)."""
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(PAGE_TIMEOUT_MS)
+        page.on("dialog", lambda dialog: dialog.accept())
+        yield page
+        browser.close()
+
+
 def fill_form(page: Any, kind: str, knobs: dict[str, str]) -> None:
     page.click("#studio-nav button[data-view=new]")
     page.select_option("#job-kind", kind)
@@ -161,11 +173,7 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
     shots = tmp_path / "screenshots"
     shots.mkdir()
     studio = Studio(workdir)
-    with runs_stopped(workdir), sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(PAGE_TIMEOUT_MS)
-        page.on("dialog", lambda dialog: dialog.accept())  # "delete?" / "start afresh?"
+    with runs_stopped(workdir), browser_page(sync_playwright) as page:
         page.goto(studio.url)
         page.wait_for_selector("#studio-nav:not([hidden])")
         assert page.is_visible("#view-runs")
@@ -262,7 +270,6 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
         assert not (workdir / "runs" / "cartpole-b").exists()
         assert page.get_attribute('tr[data-run="cartpole-a"]', "data-state") == "finished"
         shoot(page, shots, "runs")
-        browser.close()
     studio.stop()
 
 
@@ -283,10 +290,7 @@ def test_a_language_model_run_answers_exports_and_serves(
     shots = tmp_path / "screenshots"
     shots.mkdir()
     studio = Studio(workdir)
-    with runs_stopped(workdir), sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(PAGE_TIMEOUT_MS)
+    with runs_stopped(workdir), browser_page(sync_playwright) as page:
         page.goto(studio.url + "#run/tiny-lm")
         page.wait_for_selector("#watch-prompt:not([hidden])")
         page.fill("#prompt-box", "1 + 2 =")
@@ -316,5 +320,4 @@ def test_a_language_model_run_answers_exports_and_serves(
             model="tiny-lm", messages=[{"role": "user", "content": "1 + 2 ="}], max_tokens=8
         )
         assert reply.choices[0].message.content is not None
-        browser.close()
     studio.stop()
