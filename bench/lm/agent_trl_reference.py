@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +102,12 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
+    from bench._shared.trl import budget_clock, grpo_config
     from learner.lm.env_episodes import EnvEpisodes
     from learner.lm.settings import LearnerTextEnv
 
     env = job["env"]
-    group, prompts_per_update = job["group_size"], job["groups_per_update"]
+    prompts_per_update = job["groups_per_update"]
     updates = job["max_updates"]
     train_set = Dataset.from_list(train_rows(env, job["seed"], updates * prompts_per_update))
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
@@ -127,81 +127,23 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
             for row in train_set.select(range(min(64, len(train_set))))
         )
     )
-    config = GRPOConfig(
-        output_dir=str(args.out / "trainer"),
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        seed=job["seed"],
-        max_steps=updates,
-        per_device_train_batch_size=prompts_per_update * group,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=job["epochs"],
-        num_generations=group,
-        # The episode's token budget after its opening (rlfleet caps each turn at max_tokens
-        # and the whole episode at max_total_tokens; TRL caps the completion as a whole).
+    # The episode's token budget after its opening (rlfleet caps each turn at max_tokens and the
+    # whole episode at max_total_tokens; TRL caps the completion as a whole).
+    config = grpo_config(
+        GRPOConfig,
+        job,
+        args,
         max_completion_length=env["max_total_tokens"] - opening,
         max_tool_calling_iterations=env["max_turns"] - 1,
-        temperature=job["temperature"],
-        top_p=1.0,
-        top_k=0,
-        shuffle_dataset=False,
-        learning_rate=job["learning_rate"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        adam_epsilon=1e-8,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.04,  # the grpo preset, as bench/lm/grpo_trl_reference.py
-        epsilon=0.2,
-        scale_rewards="group",
-        loss_type="grpo",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
 
-    class Clock(TrainerCallback):
-        """Held-out accuracy at update 0 and every eval_every updates; the stop at the budget."""
-
-        def __init__(self) -> None:
-            self.evals = (args.out / "eval.jsonl").open("w")
-            self.logs = (args.out / "log.jsonl").open("w")
-
-        def evaluate(self, model: Any, update: int) -> None:
-            began = time.perf_counter()
-            model.eval()
-            accuracy, outcomes, _ = asyncio.run(
-                episodes.evaluate(model, job["eval_count"], job["seed"], update)
-            )
-            model.train()
-            record = {
-                "time_s": time.time() - args.started,
-                "update": update,
-                "accuracy": accuracy,
-                "eval_s": time.perf_counter() - began,
-                **outcomes,
-            }
-            self.evals.write(json.dumps(record) + "\n")
-            self.evals.flush()
-            print(f"update {update}: eval accuracy {accuracy:.3f}", flush=True)
-
-        def on_train_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.evaluate(kw["model"], 0)
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            record = {"time_s": time.time() - args.started, "update": state.global_step}
-            self.logs.write(json.dumps({**record, **(logs or {})}) + "\n")
-            self.logs.flush()
-
-        def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step % args.eval_every == 0:
-                self.evaluate(kw["model"], state.global_step)
-            if time.time() - args.started >= args.budget_s:
-                control.should_training_stop = True
+    def measure(model: Any, update: int) -> dict[str, Any]:
+        model.eval()
+        accuracy, outcomes, _ = asyncio.run(
+            episodes.evaluate(model, job["eval_count"], job["seed"], update)
+        )
+        model.train()
+        return {"accuracy": accuracy, **outcomes}
 
     trainer = GRPOTrainer(
         model=model,
@@ -210,7 +152,7 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
         train_dataset=train_set,
         processing_class=tokenizer,
         environment_factory=CalculatorTools,
-        callbacks=[Clock()],
+        callbacks=[budget_clock(TrainerCallback, args, measure)],
     )
     trainer.train()
 

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import inspect
 import json
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -50,12 +49,13 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from bench._shared.trl import budget_clock, grpo_config
     from common.datasets import iter_tasks, take
     from learner.lm.evaluate import generate_greedy
     from reward_service.rewards.catalog import load_registry
     from reward_service.rewards.registry import is_reference
 
-    group, prompts_per_update = job["group_size"], job["groups_per_update"]
+    prompts_per_update = job["groups_per_update"]
     updates = job["max_updates"]
     tasks = take(iter_tasks(job["dataset"], split="train"), updates * prompts_per_update)
     train_set = Dataset.from_list([{"prompt": t.prompt, **t.columns()} for t in tasks])
@@ -72,81 +72,16 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
-    config = GRPOConfig(
-        output_dir=str(args.out / "trainer"),
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        seed=job["seed"],
-        max_steps=updates,
-        # One update: groups_per_update prompts x group_size completions, one optimizer step
-        # over all of them (the job's minibatch_size is the whole batch), one pass.
-        per_device_train_batch_size=prompts_per_update * group,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=job["epochs"],
-        num_generations=group,
-        max_completion_length=job["max_tokens"],
-        temperature=job["temperature"],
-        top_p=1.0,
-        top_k=0,
-        shuffle_dataset=False,  # the job's prompt order
-        learning_rate=job["learning_rate"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        adam_epsilon=1e-8,  # the learner's AdamW
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        # The grpo preset: PPO clip 0.2, KL 0.04 (k3) to the frozen start, group-std-normalised
-        # advantages, per-sequence token mean then mean over sequences.
-        beta=0.04,
-        epsilon=0.2,
-        scale_rewards="group",
-        loss_type="grpo",
-        reward_weights=weights,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+    config = grpo_config(
+        GRPOConfig, job, args, max_completion_length=job["max_tokens"], reward_weights=weights
     )
 
-    class Clock(TrainerCallback):
-        """Held-out accuracy at update 0 and every eval_every updates; the stop at the budget."""
-
-        def __init__(self) -> None:
-            self.evals = (args.out / "eval.jsonl").open("w")
-            self.logs = (args.out / "log.jsonl").open("w")
-
-        def evaluate(self, model: Any, update: int) -> None:
-            began = time.perf_counter()
-            texts = generate_greedy(
-                model, tokenizer, eval_tasks, max_tokens=job["max_tokens"], batch_size=64
-            )
-            scores = eval_reward(texts, **eval_columns)
-            record = {
-                "time_s": time.time() - args.started,
-                "update": update,
-                "accuracy": sum(s or 0.0 for s in scores) / len(scores),
-                "eval_s": time.perf_counter() - began,
-            }
-            self.evals.write(json.dumps(record) + "\n")
-            self.evals.flush()
-            print(f"update {update}: eval accuracy {record['accuracy']:.3f}", flush=True)
-
-        def on_train_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.evaluate(kw["model"], 0)
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            record = {"time_s": time.time() - args.started, "update": state.global_step}
-            self.logs.write(json.dumps({**record, **(logs or {})}) + "\n")
-            self.logs.flush()
-
-        def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step % args.eval_every == 0:
-                self.evaluate(kw["model"], state.global_step)
-            if time.time() - args.started >= args.budget_s:
-                control.should_training_stop = True
+    def measure(model: Any, update: int) -> dict[str, Any]:
+        texts = generate_greedy(
+            model, tokenizer, eval_tasks, max_tokens=job["max_tokens"], batch_size=64
+        )
+        scores = eval_reward(texts, **eval_columns)
+        return {"accuracy": sum(s or 0.0 for s in scores) / len(scores)}
 
     trainer = GRPOTrainer(
         model=model,
@@ -154,7 +89,7 @@ def train(job: dict[str, Any], args: argparse.Namespace) -> None:
         args=config,
         train_dataset=train_set,
         processing_class=tokenizer,
-        callbacks=[Clock()],
+        callbacks=[budget_clock(TrainerCallback, args, measure)],
     )
     trainer.train()
 
