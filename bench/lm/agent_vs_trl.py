@@ -36,31 +36,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench._shared.job_overrides import apply_overrides, parse_overrides
 from bench._shared.lm import service_process, stop_process
-from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR, machine, write_results
-from bench._shared.venvs import ensure_venv
+from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR
 from bench.lm.grpo_vs_trl import (
-    CHILD_ENV,
-    SIDES,
-    TRL_REQUIREMENTS,
-    TRL_VENV,
-    _number,
-    _wait_until,
+    add_arguments,
+    compare,
     load_job,
-    print_table,
+    run_reference,
     run_rlfleet,
-    summarize,
 )
 
 RESULTS = RESULTS_DIR / "agent_vs_trl.json"
@@ -124,10 +113,6 @@ def post_sft_model(settings: Any) -> Path:
 
 def run_trl(settings: Any, model: Path, budget_s: float, eval_every: int) -> dict:
     """bench/lm/agent_trl_reference.py in the TRL venv for ``budget_s`` from its start."""
-    python = ensure_venv(TRL_VENV, TRL_REQUIREMENTS, layered_over=ROOT / ".venv")
-    out = BENCH_DIR / "trl"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     s = settings
     reference_job = {
         "env": env_spec(s), "group_size": s.group_size, "groups_per_update": s.groups_per_update,
@@ -136,70 +121,35 @@ def run_trl(settings: Any, model: Path, budget_s: float, eval_every: int) -> dic
         "eval_count": s.eval_count,
         "max_updates": int(budget_s / 0.2) + 10,  # a bound: the budget stops it first
     }  # fmt: skip
-    (out / "job.json").write_text(json.dumps(reference_job, indent=2))
-    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-           "TRL_EXPERIMENTAL_SILENCE": "1"}  # fmt: skip
-    started = time.time()
-    cmd = [str(python), "-m", "bench.lm.agent_trl_reference", "--job", str(out / "job.json"),
-           "--model", str(model), "--out", str(out), "--budget-s", str(budget_s),
-           "--started", str(started), "--eval-every", str(eval_every)]  # fmt: skip
-    with (out / "console.log").open("w") as console:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-        _wait_until(proc, started + budget_s + 60)
-        stop_process(proc, signal.SIGTERM, group=True, wait_s=120)
-    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    updates = [
-        {"time_s": r["time_s"], "update": r["update"],
-         **{name: _number(r.get(key)) for name, key in TRL_DIAGNOSTICS.items()}}
-        for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-        if "loss" in r
-    ]  # fmt: skip
-    return {"evals": evals, "updates": updates, "exit_code": proc.returncode}
+    return run_reference(
+        "bench.lm.agent_trl_reference", BENCH_DIR / "trl", reference_job, model, budget_s,
+        eval_every, TRL_DIAGNOSTICS, {"TRL_EXPERIMENTAL_SILENCE": "1"},
+    )  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "examples" / "agent_calculator.yaml")
-    parser.add_argument("--minutes", type=float, default=15.0, help="wall budget of each side")
-    parser.add_argument("--eval-every", type=int, default=10, help="updates between evaluations")
-    parser.add_argument("--only", choices=SIDES, nargs="+", default=list(SIDES))
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="job keys for the rlfleet side, YAML values, dotted for nested "
-                        "ones: engine=hf")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_arguments(parser, ROOT / "examples" / "agent_calculator.yaml", "env.max_turns=2")
+    parser.set_defaults(out=RESULTS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     job, settings = load_job(args.config)
     if settings.env is None:
         sys.exit(f"{args.config}: not an env job (no env:); bench.lm.grpo_vs_trl is single-turn")
-    overrides = parse_overrides(args.overrides)
-    apply_overrides(job, overrides)
-    budget_s = args.minutes * 60
-    checkpoints = [budget_s / 3, 2 * budget_s / 3, budget_s]
-    payload: dict[str, Any] = {"machine": machine({"config": str(args.config)})}
-    payload["rlfleet_overrides"] = overrides
-    model = post_sft_model(settings)
-    sides: dict[str, dict] = {}
-    for name in args.only:
-        print(f"{name}: {args.minutes:g} minutes from process start ...", flush=True)
-        if name == "rlfleet":
-            run_dir = BENCH_DIR / "rlfleet"
-            sides[name] = run_rlfleet(
-                job, model, budget_s, args.eval_every, run_dir=run_dir, run_name="agent-vs-trl"
-            )
-        else:
-            sides[name] = run_trl(settings, model, budget_s, args.eval_every)
-        sides[name]["summary"] = summarize(sides[name], checkpoints, budget_s)
-    payload.update(model=str(model), budget_s=budget_s, checkpoints_s=checkpoints, sides=sides)
-    if len(sides) == 2:
-        ours, theirs = (sides[n]["summary"]["accuracy_at"] for n in SIDES)
-        ratios = [a / b if a is not None and b else None for a, b in zip(ours, theirs, strict=True)]
-        payload["accuracy_ratio_at_5_10_15_min"] = ratios
-        payload["target_met"] = all(r is not None and r >= 1.0 for r in ratios)
-    print_table(payload)
-    write_results(args.out, payload)
+    compare(
+        args,
+        job,
+        post_sft_model(settings),
+        rlfleet=lambda model, budget_s: run_rlfleet(
+            job,
+            model,
+            budget_s,
+            args.eval_every,
+            run_dir=BENCH_DIR / "rlfleet",
+            run_name="agent-vs-trl",
+        ),
+        trl=lambda model, budget_s: run_trl(settings, model, budget_s, args.eval_every),
+    )
 
 
 if __name__ == "__main__":

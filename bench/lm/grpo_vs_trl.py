@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,10 +166,6 @@ def run_rlfleet(
 def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float,
             eval_every: int) -> dict:  # fmt: skip
     """bench/lm/grpo_trl_reference.py in the TRL venv for ``budget_s`` from its start."""
-    python = ensure_venv(TRL_VENV, TRL_REQUIREMENTS, layered_over=ROOT / ".venv")
-    out = BENCH_DIR / "trl"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     s = job_settings
     # The learner's own evaluation (prompts, split, reward), as the job expands it.
     from learner.lm.settings import EvalSettings
@@ -185,11 +182,33 @@ def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float
         "seed": s.seed, "eval_count": s.eval_count,
         "max_updates": int(budget_s / 0.2) + 10,  # a bound: the budget stops it first
     }  # fmt: skip
+    return run_reference(
+        "bench.lm.grpo_trl_reference", BENCH_DIR / "trl", reference_job, model, budget_s,
+        eval_every, TRL_DIAGNOSTICS,
+    )  # fmt: skip
+
+
+def run_reference(
+    module: str,
+    out: Path,
+    reference_job: dict[str, Any],
+    model: Path,
+    budget_s: float,
+    eval_every: int,
+    diagnostics: dict[str, str],
+    env_extra: dict[str, str] | None = None,
+) -> dict:
+    """``python -m <module>`` (a TRL reference side) in the TRL venv on ``reference_job``, from
+    ``model``, into ``out`` for ``budget_s`` from its start; its evaluations and per-update
+    ``diagnostics`` (our name -> the trainer's log key)."""
+    python = ensure_venv(TRL_VENV, TRL_REQUIREMENTS, layered_over=ROOT / ".venv")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     (out / "job.json").write_text(json.dumps(reference_job, indent=2))
     env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # fmt: skip
+           "OMP_NUM_THREADS": str(os.cpu_count() or 1), **(env_extra or {})}  # fmt: skip
     started = time.time()
-    cmd = [str(python), "-m", "bench.lm.grpo_trl_reference", "--job", str(out / "job.json"),
+    cmd = [str(python), "-m", module, "--job", str(out / "job.json"),
            "--model", str(model), "--out", str(out), "--budget-s", str(budget_s),
            "--started", str(started), "--eval-every", str(eval_every)]  # fmt: skip
     with (out / "console.log").open("w") as console:
@@ -201,7 +220,7 @@ def run_trl(job_settings: Any, job: dict[str, Any], model: Path, budget_s: float
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     updates = [
         {"time_s": r["time_s"], "update": r["update"],
-         **{name: _number(r.get(key)) for name, key in TRL_DIAGNOSTICS.items()}}
+         **{name: _number(r.get(key)) for name, key in diagnostics.items()}}
         for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
         if "loss" in r
     ]  # fmt: skip
@@ -242,31 +261,49 @@ def summarize(side: dict, checkpoints: list[float], budget_s: float) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "examples" / "grpo_arith.yaml")
+    add_arguments(parser, ROOT / "examples" / "grpo_arith.yaml", "algo.old_logp=recompute")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    job, settings = load_job(args.config)
+    compare(
+        args,
+        job,
+        post_sft_model(settings),
+        rlfleet=lambda model, budget_s: run_rlfleet(job, model, budget_s, args.eval_every),
+        trl=lambda model, budget_s: run_trl(settings, job, model, budget_s, args.eval_every),
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser, config: Path, ablation: str) -> None:
+    """The comparison's command line (``ablation``: an example override for the help)."""
+    parser.add_argument("--config", type=Path, default=config)
     parser.add_argument("--minutes", type=float, default=15.0, help="wall budget of each side")
     parser.add_argument("--eval-every", type=int, default=10, help="updates between evaluations")
     parser.add_argument("--only", choices=SIDES, nargs="+", default=list(SIDES))
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="job keys for the rlfleet side, YAML values, dotted for nested "
-                        "ones: engine=hf, algo.old_logp=recompute (an ablation)")  # fmt: skip
+                        f"ones: engine=hf, {ablation} (an ablation)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    job, settings = load_job(args.config)
+
+
+Side = Callable[[Path, float], dict]  # (the post-SFT model, budget_s) -> evals and updates
+
+
+def compare(
+    args: argparse.Namespace, job: dict[str, Any], model: Path, *, rlfleet: Side, trl: Side
+) -> None:
+    """Both sides from one post-SFT ``model``, each for ``--minutes`` from its process start;
+    the accuracy ratio at a third, two thirds and all of the budget; the table and the JSON."""
     overrides = parse_overrides(args.overrides)
     apply_overrides(job, overrides)
     budget_s = args.minutes * 60
     checkpoints = [budget_s / 3, 2 * budget_s / 3, budget_s]
     payload: dict[str, Any] = {"machine": machine({"config": str(args.config)})}
     payload["rlfleet_overrides"] = overrides
-    model = post_sft_model(settings)
     sides: dict[str, dict] = {}
     for name in args.only:
         print(f"{name}: {args.minutes:g} minutes from process start ...", flush=True)
-        if name == "rlfleet":
-            sides[name] = run_rlfleet(job, model, budget_s, args.eval_every)
-        else:
-            sides[name] = run_trl(settings, job, model, budget_s, args.eval_every)
+        sides[name] = (rlfleet if name == "rlfleet" else trl)(model, budget_s)
         sides[name]["summary"] = summarize(sides[name], checkpoints, budget_s)
     payload.update(model=str(model), budget_s=budget_s, checkpoints_s=checkpoints, sides=sides)
     if len(sides) == 2:
