@@ -133,6 +133,18 @@ class Pacer:
         self._credit = asyncio.Event()  # set by `credit`: a waiting turn looks again
         self._task: asyncio.Task[None] | None = None
 
+    @classmethod
+    def following(
+        cls, knobs: Any, loaded_version: Callable[[], Awaitable[int]] | None = None
+    ) -> Pacer:
+        """A pacer over a new VersionWatch with the pacing knobs every producer of groups has
+        (``groups_per_version``, ``max_policy_lag``, ``version_wait_s``)."""
+        pacer = cls(
+            VersionWatch(), knobs.groups_per_version, knobs.max_policy_lag, knobs.version_wait_s
+        )
+        pacer.loaded_version = loaded_version
+        return pacer
+
     def needed(self) -> int:
         """The version that must be announced before the next group starts."""
         assert self.base is not None and self.groups_per_version

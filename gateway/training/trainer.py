@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf import timestamp_pb2
 
 from clients.trajectories.groups import episode_group, group_id
-from clients.trajectories.pacing import Pacer, VersionWatch
+from clients.trajectories.pacing import Pacer
 from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
 from gateway.settings import AgentTraining
 from gateway.training.sessions import AgentSession, SessionBook, SessionLimits, TaskGroup
@@ -47,14 +47,8 @@ class AgentTrainer:
     ) -> None:
         self.bus, self.run, self.source, self.settings = bus, run, source, settings
         self.stop = stop
-        self.watch = VersionWatch()
-        self.pacer = Pacer(
-            self.watch,
-            settings.groups_per_version,
-            settings.max_policy_lag,
-            settings.version_wait_s,
-        )
-        self.pacer.loaded_version = sampler_version
+        self.pacer = Pacer.following(settings, sampler_version)
+        self.watch = self.pacer.watch
         self.queue = PromptQueue(
             bus, run, settings.queue, ack_wait_s=settings.prompt_ack_wait_s, prefetch=1
         )

@@ -35,7 +35,7 @@ from clients.reward import RewardPool
 from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from clients.sampler import SamplerPool
 from clients.trajectories.groups import episode_group, group_id
-from clients.trajectories.pacing import Pacer, VersionWatch
+from clients.trajectories.pacing import Pacer
 from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
 from common.datasets import ENV_SEED_KEY
 from rlfleet.bus.v1 import trajectory_pb2
@@ -91,14 +91,8 @@ class RolloutDriver:
         self.members: Members | None = None
         self.samplers = SamplerPool(self.peers[0], timeout_s=settings.generate_timeout_s)
         self.rewards = RewardPool(self.peers[1], timeout_s=settings.score_timeout_s)
-        self.watch = VersionWatch()
-        self.pacer = Pacer(
-            self.watch,
-            settings.groups_per_version,
-            settings.max_policy_lag,
-            settings.version_wait_s,
-        )
-        self.pacer.loaded_version = self._sampler_version
+        self.pacer = Pacer.following(settings, self._sampler_version)
+        self.watch = self.pacer.watch
         self.queue: PromptQueue | None = None
         self.stats: RolloutStats | None = None
         self.tokenizer: Any = None
