@@ -92,6 +92,12 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
         json.loads(line) for line in (run_dir / "learner" / "eval.jsonl").read_text().splitlines()
     ]
     assert evals[0]["eval/version"] == 0 and evals[-1]["eval/update"] == UPDATES
+    # Each evaluation keeps its first answers (the studio shows them): whole transcripts here.
+    samples = (run_dir / "learner" / "eval_samples.jsonl").read_text().splitlines()
+    assert len(samples) == len(evals)
+    latest = json.loads(samples[-1])
+    assert latest["update"] == UPDATES and 0 < len(latest["samples"]) <= 8
+    assert all(s["messages"][0]["role"] in ("system", "user") for s in latest["samples"])
     for record in evals:
         assert 0 <= record["eval/accuracy"] <= 1
         fractions = [v for k, v in record.items() if k.endswith("_frac")]
