@@ -103,6 +103,14 @@ def test_grpo_raises_mean_reward_through_the_launcher(tmp_path: Path) -> None:
         summary: dict[str, Any] = json.loads((run_dir / "final" / "rlfleet_run.json").read_text())
         assert summary["updates"] == UPDATES
         assert [e["eval/update"] for e in summary["evals"]] == [0.0, float(UPDATES)]
+        samples = [
+            json.loads(line)
+            for line in (run_dir / "learner" / "eval_samples.jsonl").read_text().splitlines()
+        ]
+        assert [r["update"] for r in samples] == [0, UPDATES]  # each evaluation's first answers
+        first = samples[-1]["samples"][0]
+        assert first["prompt"] and isinstance(first["completion"], str)
+        assert first["score"] in (0.0, 1.0, None)
 
         from transformers import AutoModelForCausalLM
 
