@@ -108,9 +108,9 @@ def test_grpo_raises_mean_reward_through_the_launcher(tmp_path: Path) -> None:
             for line in (run_dir / "learner" / "eval_samples.jsonl").read_text().splitlines()
         ]
         assert [r["update"] for r in samples] == [0, UPDATES]  # each evaluation's first answers
-        first = samples[-1]["samples"][0]
-        assert first["prompt"] and isinstance(first["completion"], str)
-        assert first["score"] in (0.0, 1.0, None)
+        answer = samples[-1]["samples"][0]
+        assert answer["prompt"] and isinstance(answer["completion"], str)
+        assert answer["score"] in (0.0, 1.0, None)
 
         from transformers import AutoModelForCausalLM
 
