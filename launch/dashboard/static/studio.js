@@ -418,6 +418,9 @@
     const bounds = Object.entries(f.bounds).map(([op, v]) => `${op}${v}`);
     if (bounds.length) parts.push(bounds.join(", "));
     if (f.aliases.length) parts.push(`also called ${f.aliases.join(", ")}`);
+    if (f.name === "rewards" && studio.catalogs.rewards?.length) {
+      parts.push(`installed: ${studio.catalogs.rewards.map((r) => r.name).join(", ")}`);
+    }
     return parts.join(" · ");
   }
 
