@@ -43,6 +43,9 @@ DEFAULT_INFO_KEYS = ("score",)  # final-info values reported per episode when th
 GIF_MAX_SECONDS = 20.0
 DEFAULT_VIDEO = Path("play.mp4")  # `--video` without a PATH
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".avi", ".mov")
+# Encoders where imageio's default (H.264) does not fit the container: WebM holds VP8/VP9/AV1
+# only (VP9 plays in every browser, H.264 not in all builds).
+VIDEO_CODECS = {".webm": "libvpx-vp9"}
 
 
 # --------------------------------------------------------------------------------- recording
@@ -128,7 +131,9 @@ class _Video:
         try:
             import imageio.v2 as imageio
 
-            self.writer = imageio.get_writer(path, fps=fps, macro_block_size=1)
+            self.writer = imageio.get_writer(
+                path, fps=fps, macro_block_size=1, codec=VIDEO_CODECS.get(path.suffix.lower())
+            )
         except Exception as exc:  # a format ffmpeg cannot write
             raise ConfigError(f"--video {path}: {one_line(exc)}") from exc
         self.path, self.count = path, 0

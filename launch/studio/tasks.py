@@ -58,7 +58,7 @@ class Plan:
 
 
 def _video(run_dir: Path, params: dict[str, Any], n: int) -> Plan:
-    name = f"{OUTPUT_DIR}/episode-{n}.mp4"
+    name = f"{OUTPUT_DIR}/episode-{n}.webm"  # VP9: plays in every browser build
     args = ["play", str(run_dir), "--episodes", "1", "--video", str(run_dir / name)]
     if params.get("deterministic", True):
         args.append("--deterministic")

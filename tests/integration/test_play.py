@@ -146,6 +146,11 @@ def test_video_is_mp4_by_default(tmp_path: Path) -> None:
     assert done.stdout.splitlines()[-1].endswith(" frames in clip.mp4")
     assert len(iio.imread(tmp_path / "clip.mp4", index=None)) == len(frames)
 
+    # WebM (what browsers play whatever their build): VP9, every frame.
+    done = _cli("flappy", "--episodes", "1", "--video", "clip.webm", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(iio.imread(tmp_path / "clip.webm", index=None)) == len(frames)
+
 
 def test_score_is_drawn_on_the_frames(tmp_path: Path) -> None:
     final = _flappy(tmp_path)
