@@ -39,7 +39,10 @@ SERVICES = ("env-0", "game-0", "learner")
 TOTAL_TIMESTEPS = 200_000
 RANDOM_SCORE = 0.18
 MIN_SCORE = 4.5
-RUN_TIMEOUT_S = 300.0
+# A bound, not the pace: the run ends at TOTAL_TIMESTEPS, which the scores were measured at. Its
+# learner sets the pace (the game plays on with the policy it has), so a loaded machine needs
+# several times the idle time to get there: the bound leaves room for that.
+RUN_TIMEOUT_S = 900.0
 
 pytestmark = [
     pytest.mark.slow,
