@@ -61,6 +61,7 @@ def run_studio(args: argparse.Namespace) -> int:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
+        sock.listen(128)  # connections wait for the server from now on, not refused
     except OSError as exc:
         sock.close()
         raise ConfigError(

@@ -111,38 +111,39 @@ async def test_required_tools_are_called_and_json_outputs_validate(
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_a_tool_call_round_trips_with_the_sync_client(client: openai.AsyncOpenAI) -> None:
-    """The synchronous client: a required call, its result sent back as a tool message, then
-    the model answers in text (`none`) or as it likes (`auto`: text, or calls that parse)."""
+    """The synchronous client: `auto` (text, or calls that parse) and `none` (text); a required
+    call whose result goes back as a tool message, after which the model answers in text. (The
+    last request offers no tools: the tiny model's context holds the template's tool prompt or
+    a conversation, not both.)"""
     sync = openai.OpenAI(base_url=str(client.base_url), api_key="none", max_retries=0)
 
     def converse() -> list[Any]:
-        first = sync.chat.completions.create(
-            model="tiny", messages=ASK, tools=[PICK], tool_choice="required", max_tokens=52,
-            temperature=0, parallel_tool_calls=False,
-        )  # fmt: skip
-        message = first.choices[0].message
+        offered = {"model": "tiny", "messages": ASK, "tools": [PICK], "temperature": 0}
+        answers = [
+            sync.chat.completions.create(**offered, tool_choice=choice, max_tokens=48)
+            for choice in ("auto", "none", "required")
+        ]
+        message = answers[-1].choices[0].message
         result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "3"}
         history = [*ASK, message.model_dump(exclude_none=True), result]
-        answers = [first]
-        for choice in ("none", "auto"):
-            answer = sync.chat.completions.create(
-                model="tiny", messages=history, tools=[PICK], tool_choice=choice,
-                max_tokens=8, temperature=0,
-            )  # fmt: skip
-            answers.append(answer)
+        last = {"model": "tiny", "messages": history, "max_tokens": 8, "temperature": 0}
+        answers.append(sync.chat.completions.create(**last))
         return answers
 
     # A thread: this loop serves the sampler the gateway calls.
-    first, none, auto = await asyncio.to_thread(converse)
-    (call,) = first.choices[0].message.tool_calls
-    assert call.function.name == "pick"
-    valid_pick(call.function.arguments)
-    assert none.choices[0].message.tool_calls is None
-    assert none.choices[0].finish_reason in ("stop", "length")
+    auto, none, required, after = await asyncio.to_thread(converse)
     chosen = auto.choices[0]
     assert chosen.finish_reason in ("stop", "length", "tool_calls")
     for made in chosen.message.tool_calls or []:
         assert made.function.name == "pick" and made.id.startswith("call_")
+        valid_pick(made.function.arguments)
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].finish_reason in ("stop", "length")
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name == "pick"
+    valid_pick(call.function.arguments)
+    assert after.choices[0].message.tool_calls is None
+    assert after.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -1,7 +1,7 @@
 """End to end: a training-mode run through ``rlfleet up`` trains an agent program that speaks the
 OpenAI API, and the ledger stays exact while its runners misbehave.
 
-The run file is examples/agent_openai.yaml's shape on the tiny model and the arithmetic prompts
+The run file is examples/agent_openai.yaml's shape on its tiny model and the arithmetic prompts
 (the gateway in training mode in front of a vLLM sampler, two runner processes of an agent
 script, the learner). The script is examples/agent_openai.py's loop with three faults: runner 0
 SIGKILLs itself mid-session (after its calls, before the reward) the first time it runs, runner
@@ -98,15 +98,22 @@ def gateway_metrics(run_dir: Path) -> dict[str, float]:
 
 @pytest.mark.timeout(900)
 def test_an_agent_program_trains_through_the_gateway_and_faults_leave_the_ledger_exact(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path,
 ) -> None:
+    from common.models import init_model
+
+    # The example's model: a tokenizer trained with Calculator-v0's episodes, so the tool
+    # prompt and a few turns fit the tiny model's context.
+    model = init_model(
+        tmp_path / "model", size="tiny", corpus_size=2_000, env={"env_id": "Calculator-v0"}
+    )
     (tmp_path / "agent.py").write_text(AGENT.format(examples=str(REPO / "examples")))
     run_dir = tmp_path / "run"
     config = {
         "run": {"name": f"e2e-agentgw-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)},
         "job": {
             "kind": "grpo",
-            "model_path": str(tiny_model_dir),
+            "model_path": str(model),
             "dataset": {"generator": "arith", "digits": 1, "seed": 3},
             "agent": {
                 "command": ["python", "agent.py"],

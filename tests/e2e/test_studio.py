@@ -175,13 +175,13 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
     studio = Studio(workdir)
     with runs_stopped(workdir), browser_page(sync_playwright) as page:
         page.goto(studio.url)
-        page.wait_for_selector("#studio-nav:not([hidden])")
-        assert page.is_visible("#view-runs")
+        page.wait_for_selector("#view-runs:not([hidden])")
+        assert page.is_visible("#studio-nav")
         shoot(page, shots, "runs-empty")
 
         # The form: a bad value is named beside its field; the run file is what the form says.
         fill_form(page, "ppo", {"run.name": "cartpole-a", **PPO_KNOBS, "job.learning_rate": "-1"})
-        page.fill('[data-path="job.total_timesteps"]', "12288")
+        page.fill('[data-path="job.total_timesteps"]', "32768")
         page.click("#validate-run")
         issue = page.wait_for_selector('[data-field="job.learning_rate"].invalid .issue')
         assert "greater than 0" in issue.inner_text()
@@ -191,7 +191,7 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
         page.click("#validate-run")
         page.wait_for_selector("#run-issues li.ok")
         text = page.input_value("#run-yaml")
-        assert "  env_id: CartPole-v1\n" in text and "  total_timesteps: 12288\n" in text
+        assert "  env_id: CartPole-v1\n" in text and "  total_timesteps: 32768\n" in text
         with page.expect_download() as download:
             page.click("#download-run")
         assert Path(download.value.path()).read_text() == text
@@ -218,13 +218,15 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
         page.click("#run-actions button[data-action=resume]")
         wait_state(page, "running")
 
-        # The studio restarts; the run goes on and the new studio shows it.
+        # The studio restarts while the run trains; the run goes on and the new studio shows it.
         studio.stop()
+        state = read_state(run_dir)
+        assert state is not None and state.state == "running", state
         studio = Studio(workdir)
         page.goto(studio.url + "#run/cartpole-a")
         wait_state(page, "running", "finished")
         wait_state(page, "finished")
-        assert "resumed" in (run_dir / "logs" / "learner.log").read_text()
+        assert "(restored)" in (run_dir / "logs" / "learner.log").read_text()
 
         # Watch: an episode as a video in the page.
         page.click("#play-episode")

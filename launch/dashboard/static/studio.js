@@ -625,11 +625,11 @@
     $("serve-export").addEventListener("click", serveExport);
     $("log-picker").addEventListener("change", () => refreshLogs(dash.view.run).catch(() => {}));
     $("run-picker").addEventListener("change", () => openRun(dash.view.run));
+    const hash = location.hash.slice(1);
+    if (!hash.startsWith("run/")) setView(["new", "curves"].includes(hash) ? hash : "runs");
     await loadJobs().catch((err) => say(`cannot load the job kinds: ${err.message}`));
     await refreshRuns().catch(() => {});
-    const hash = location.hash.slice(1);
     if (hash.startsWith("run/")) openRun(decodeURIComponent(hash.slice(4)));
-    else setView(["new", "curves"].includes(hash) ? hash : "runs");
     loop();
   }
 
