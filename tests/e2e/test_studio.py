@@ -251,8 +251,12 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
         fill_form(page, "ppo", {"run.name": "cartpole-b", **PPO_KNOBS, "job.seed": "2"})
         page.fill('[data-path="job.total_timesteps"]', "4096")
         page.click("#start-run")
+        page.wait_for_function(
+            "() => document.getElementById('run-title').textContent === 'cartpole-b'"
+        )
         wait_state(page, "finished")
         page.evaluate("() => rlfleetStudio.openRun('cartpole-a')")
+        page.wait_for_selector('#compare-picker option[value="cartpole-b"]', state="attached")
         page.select_option("#compare-picker", ["cartpole-b"])
         page.wait_for_function(
             "() => (rlfleetDashboard.labels('charts/episodic_return') || [])"

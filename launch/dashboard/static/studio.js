@@ -224,9 +224,11 @@
       const [movie, summary] = task.files;
       video.src = fileURL(run, movie);
       video.hidden = false;
+      // rlfleet play's summary (--json): mean_return, mean_length over its episodes.
       const result = await fetch(fileURL(run, summary)).then((r) => r.json()).catch(() => null);
-      const returns = result?.returns ?? result?.episodes?.map((e) => e.return);
-      status.textContent = returns ? `episode return ${Number(returns[0]).toFixed(1)}` : "episode recorded";
+      status.textContent = result
+        ? `episode return ${Number(result.mean_return).toFixed(1)}, ${result.mean_length} steps`
+        : "episode recorded";
     } catch (err) {
       status.textContent = err.message;
     }
