@@ -26,8 +26,8 @@ from tests.fixtures.runs import ledger_entries
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("reward", "learner", "sampler-0", "gateway", "agent-0", "agent-1")
-UPDATES = 4
-TIMEOUT_S = 20.0  # a session never rewarded is dropped this long after it started
+UPDATES = 6
+TIMEOUT_S = 8.0  # a session never rewarded is dropped this long after it started
 
 AGENT = """\
 import os, pathlib, signal, sys
@@ -62,7 +62,7 @@ while True:
     if runner.endswith("0") and n == 2 and not killed.exists():
         killed.write_text(sid)
         os.kill(os.getpid(), signal.SIGKILL)  # mid-session: called, not rewarded
-    if runner.endswith("1") and n == 2:
+    if runner.endswith("1") and n == 1:  # early: its timeout passes while the run trains
         pathlib.Path("unrewarded").write_text(sid)
         continue  # never rewarded, never given up: the timeout drops it
     right = answer_of(said) == int(session["task"]["extra"]["answer"])
@@ -152,7 +152,7 @@ def test_an_agent_program_trains_through_the_gateway_and_faults_leave_the_ledger
     assert not [i for i, n in counts.items() if n > 1]  # no group applied twice
     assert max(e["update"] for e in ledger) == UPDATES
     agent = gateway_metrics(run_dir)
-    assert agent["agent/sessions_rewarded"] >= UPDATES * 2 * 2 - 2, agent
+    assert agent["agent/sessions_rewarded"] >= UPDATES * 2 * 2, agent
     dropped = {k: v for k, v in agent.items() if k.startswith("agent/sessions_dropped_")}
     assert dropped.get("agent/sessions_dropped_timeout", 0) >= 1, agent  # the unrewarded one
     assert sum(dropped.values()) >= 2, agent  # and the killed runner's
