@@ -197,7 +197,8 @@ def test_dashboard_shows_the_run_live(tmp_path: Path, monkeypatch: pytest.Monkey
                     "charts/policy_lag",
                 ):
                     assert page.locator(f'.chart[data-key="{key}"]').count() == 1, key
-                assert page.locator('option[value="run"]').inner_text() == "run (current)"
+                current = page.locator('#run-picker option[value="run"]')
+                assert current.inner_text() == "run (current)"
                 check_axes_labels_and_help(page)
 
                 screenshot = tmp_path / "dashboard.png"
