@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from launch.run_state import read_state
+from services.bus.nats_server import parent_death_signal
 from tests.fixtures.browser import CHROMIUM, CHROMIUM_ARGS, playwright_or_skip
 from tests.fixtures.launch import assert_nothing_left
 
@@ -68,6 +69,7 @@ class Studio:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            preexec_fn=parent_death_signal(signal.SIGTERM),  # never outlives the test
         )
         self.lines: list[str] = []
         found = threading.Event()
@@ -166,13 +168,25 @@ def points(page: Any) -> int:
     return int(page.get_attribute(RETURN_CHART, "data-points") or 0)
 
 
-def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
+@pytest.fixture
+def studios() -> Iterator[list[Studio]]:
+    """The studios a test starts, stopped at its end whatever happened."""
+    started: list[Studio] = []
+    yield started
+    for studio in started:
+        studio.stop()
+
+
+def test_a_game_run_from_the_form_to_an_exported_policy(
+    tmp_path: Path, studios: list[Studio]
+) -> None:
     sync_playwright = playwright_or_skip()
     workdir = tmp_path / "work"
     workdir.mkdir()
     shots = tmp_path / "screenshots"
     shots.mkdir()
     studio = Studio(workdir)
+    studios.append(studio)
     with runs_stopped(workdir), browser_page(sync_playwright) as page:
         page.goto(studio.url)
         page.wait_for_selector("#view-runs:not([hidden])")
@@ -223,6 +237,7 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
         state = read_state(run_dir)
         assert state is not None and state.state == "running", state
         studio = Studio(workdir)
+        studios.append(studio)
         page.goto(studio.url + "#run/cartpole-a")
         wait_state(page, "running", "finished")
         wait_state(page, "finished")
@@ -278,11 +293,10 @@ def test_a_game_run_from_the_form_to_an_exported_policy(tmp_path: Path) -> None:
         assert not (workdir / "runs" / "cartpole-b").exists()
         assert page.get_attribute('tr[data-run="cartpole-a"]', "data-state") == "finished"
         shoot(page, shots, "runs")
-    studio.stop()
 
 
 def test_a_language_model_run_answers_exports_and_serves(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, studios: list[Studio]
 ) -> None:
     sync_playwright = playwright_or_skip()
     from openai import OpenAI
@@ -298,6 +312,7 @@ def test_a_language_model_run_answers_exports_and_serves(
     shots = tmp_path / "screenshots"
     shots.mkdir()
     studio = Studio(workdir)
+    studios.append(studio)
     with runs_stopped(workdir), browser_page(sync_playwright) as page:
         page.goto(studio.url + "#run/tiny-lm")
         page.wait_for_selector("#watch-prompt:not([hidden])")
@@ -328,4 +343,3 @@ def test_a_language_model_run_answers_exports_and_serves(
             model="tiny-lm", messages=[{"role": "user", "content": "1 + 2 ="}], max_tokens=8
         )
         assert reply.choices[0].message.content is not None
-    studio.stop()
