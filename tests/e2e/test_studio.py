@@ -104,6 +104,9 @@ def runs_stopped(workdir: Path) -> Iterator[None]:
     of any run is left."""
     try:
         yield
+    except BaseException:
+        print(diagnostics(workdir))
+        raise
     finally:
         runs = [p for p in (workdir / "runs").glob("*") if p.is_dir()]
         for run_dir in runs:
@@ -119,6 +122,18 @@ def runs_stopped(workdir: Path) -> Iterator[None]:
                     break
                 time.sleep(0.5)
             assert_nothing_left(run_dir)
+
+
+def diagnostics(workdir: Path) -> str:
+    """Each run's state and the end of its launcher's log (what a failure needs to be read)."""
+    out = []
+    for run_dir in sorted((workdir / "runs").glob("*")):
+        state = read_state(run_dir)
+        out.append(f"--- {run_dir.name}: {state}")
+        log = run_dir / "logs" / "launcher.log"
+        if log.exists():
+            out += log.read_text(errors="replace").splitlines()[-25:]
+    return "\n".join(out)
 
 
 @contextlib.contextmanager
