@@ -73,7 +73,8 @@ def quant_python(venv: Path | None = None) -> Path:
 
 
 def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """What the environment is built from: the pinned requirements and the torch pin."""
+    return hashlib.sha256(path.read_bytes() + TORCH_PIN.encode()).hexdigest()
 
 
 def _ready(venv: Path, digest: str) -> bool:

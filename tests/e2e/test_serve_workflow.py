@@ -18,7 +18,6 @@ import pytest
 import yaml
 
 from services.ports import free_port
-from tests.integration.test_export import lm_run  # noqa: F401  (the trained run, a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +48,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout_s: float) -> No
 
 
 @pytest.mark.timeout(1200)
-def test_train_export_quantized_serve_openai(lm_run: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_train_export_quantized_serve_openai(lm_run: Path, tmp_path: Path) -> None:
     import openai
 
     export_dir = tmp_path / "exports" / "arith-w4a16"

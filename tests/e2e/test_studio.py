@@ -44,6 +44,20 @@ pytestmark = [
 PAGE_TIMEOUT_MS = 240_000  # waits inside the page: a run's start-up on a loaded machine
 RUN_TIMEOUT_MS = 600_000  # a short CartPole run from start to finished, stop and resume included
 RETURN_CHART = '.chart[data-key="charts/episodic_return"]'
+# A GRPO run of two small updates on the transformers engine (no vLLM start-up), evaluated once.
+LM_KNOBS = {
+    "job.engine": "hf",
+    "job.device": "cpu",
+    "job.total_updates": "2",
+    "job.groups_per_update": "2",
+    "job.group_size": "4",
+    "job.prompts_per_call": "4",
+    "job.minibatch_size": "8",
+    "job.max_tokens": "8",
+    "job.sft_steps": "20",
+    "job.eval_count": "8",
+    "job.eval_every": "2",
+}
 # The example's hyperparameters (examples/cartpole_ppo.yaml), a short budget.
 PPO_KNOBS = {
     "job.env_id": "CartPole-v1",
@@ -310,27 +324,40 @@ def test_a_game_run_from_the_form_to_an_exported_policy(
         shoot(page, shots, "runs")
 
 
-def test_a_language_model_run_answers_exports_and_serves(
-    tmp_path: Path, tiny_model_dir: Path, studios: list[Studio]
+def test_a_language_model_run_from_the_form_trains_answers_exports_and_serves(
+    tmp_path: Path, studios: list[Studio]
 ) -> None:
+    """A new user's GRPO run with the form's defaults (the model is created at the default
+    path on first use), shrunk to two updates on the transformers engine."""
     sync_playwright = playwright_or_skip()
     from openai import OpenAI
 
     workdir = tmp_path / "work"
+    workdir.mkdir()
     run_dir = workdir / "runs" / "tiny-lm"
-    (run_dir / "learner").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(
-        "run: {name: tiny-lm}\n"
-        f"job: {{kind: grpo, model_path: {tiny_model_dir}, dataset: {{generator: arith}}}}\n"
-    )
-    shutil.copytree(tiny_model_dir, run_dir / "final")
     shots = tmp_path / "screenshots"
     shots.mkdir()
     studio = Studio(workdir)
     studios.append(studio)
     with runs_stopped(workdir), browser_page(sync_playwright) as page:
-        page.goto(studio.url + "#run/tiny-lm")
+        page.goto(studio.url)
+        page.wait_for_selector("#view-runs:not([hidden])")
+        fill_form(page, "grpo", {"run.name": "tiny-lm", **LM_KNOBS})
+        page.click("#validate-run")
+        page.wait_for_selector("#run-issues li.ok")
+        shoot(page, shots, "new-lm-run")
+        page.click("#start-run")
+        page.wait_for_selector("#run-panel:not([hidden])")
+        try:
+            wait_state(page, "finished")
+        except Exception:
+            print(diagnostics(workdir))
+            raise
+        assert (run_dir / "final" / "config.json").is_file()
+
         page.wait_for_selector("#watch-prompt:not([hidden])")
+        page.wait_for_selector("#eval-samples li pre")
+        assert "score" in page.inner_text("#eval-samples")
         page.fill("#prompt-box", "1 + 2 =")
         page.click("#ask-model")
         page.wait_for_selector("#answers dd.answer")

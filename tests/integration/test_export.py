@@ -8,8 +8,9 @@ run where they are meant to.
   last checkpoint export to the same weights; checkpoints written by the learner's save path at
   ZeRO 3 and with LoRA (ZeRO 2 and 3) export to the engine's own merged weights; exported
   folders load with transformers and give the source's logits and greedy output;
-- quantization (slow): w4a16 and w8a8 exports (llmcompressor in .venv-quant, created once per
-  checkout on first use) load in vLLM (a subprocess) and answer;
+- quantization (slow): w4a16, w8a8 and w4a16-awq exports (llmcompressor in .venv-quant, created
+  once per checkout on first use) are compressed-tensors folders; the AWQ one loads in vLLM (a
+  subprocess) and answers;
 - bad inputs are ConfigErrors naming what was wrong (exit 2 from the CLI).
 """
 
@@ -35,6 +36,7 @@ from common.policy_config import PolicyConfig
 from learner.export import MANIFEST_FILE, export, verify
 from learner.export.game import ONNX_FILE, ONNX_JSON
 from services.errors import ConfigError
+from tests.fixtures.lm import write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 9-2=?\nA:", "Q: 5+5=?\nA:", "Q: 8-6=?\nA:"]
@@ -214,28 +216,6 @@ def _check_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def _run_config(run_dir: Path, name: str, knobs: dict[str, Any]) -> Path:
-    import yaml
-
-    path = run_dir / "config.yaml"  # what the launcher copies into every run directory
-    path.write_text(yaml.safe_dump({"run": {"name": name, "dir": str(run_dir)},
-                                    "job": {"kind": "grpo", **knobs}}))  # fmt: skip
-    return path
-
-
-@pytest.fixture(scope="module")
-async def lm_run(tiny_model_dir: Path, nats_server, tmp_path_factory) -> Path:
-    """A real 2-update GRPO run (ZeRO 0): final/, checkpoints/ (one per update) and config.yaml."""
-    from tests.integration.test_lm_presets import run_job, small_job
-
-    run_dir = tmp_path_factory.mktemp("export-run") / "run"
-    knobs = small_job(tiny_model_dir, sft_steps=20, eval_count=0, checkpoint_every=1)
-    await run_job("grpo", knobs, run_dir, nats_server.url)
-    knobs["model_path"] = str(knobs["model_path"])
-    _run_config(run_dir, "export-grpo", knobs)
-    return run_dir
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lm_run_exports_final_and_checkpoint_alike(lm_run: Path, tiny_model_dir, tmp_path) -> None:
@@ -312,7 +292,7 @@ def test_checkpoints_of_any_zero_stage_and_lora_export(tiny_model_dir, tmp_path,
     knobs: dict[str, Any] = {"model_path": str(tiny_model_dir), "zero_stage": zero,
                              "device": "cpu", "lora": lora}  # fmt: skip
     run_dir.mkdir()
-    _run_config(run_dir, "export-zero", knobs)
+    write_run_config(run_dir, "export-zero", knobs)
     weights = _train_and_save(tiny_model_dir, run_dir, zero, lora)
     assert not any("lora" in k for k in weights)
     manifest = export(run_dir, tmp_path / "out")  # no final/: the latest checkpoint
@@ -385,11 +365,7 @@ def _vllm_answers(folder: Path, tmp_path: Path) -> dict[str, Any]:
     return json.loads(result.read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("scheme", ["w4a16", "w8a8", "w4a16-awq"])
-def test_quantized_exports_load_in_vllm(lm_run: Path, quant_env: Path, tmp_path, scheme) -> None:
-    out = tmp_path / scheme
+def _quantized_export(lm_run: Path, out: Path, scheme: str) -> None:
     manifest = export(lm_run, out, quantize=scheme, calibration_samples=64)
     quant = manifest["quantization"]
     assert quant["scheme"] == scheme and quant["format"] == "compressed-tensors"
@@ -399,6 +375,22 @@ def test_quantized_exports_load_in_vllm(lm_run: Path, quant_env: Path, tmp_path,
     _check_manifest(out)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+# vLLM serves the w4a16 export in tests/e2e/test_serve_workflow.py and a w8a8 one in
+# tests/integration/test_sampler_serve_quantized.py: one engine load per scheme in the suite.
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8"])
+def test_quantized_exports_are_compressed_tensors(lm_run: Path, quant_env: Path, tmp_path, scheme):
+    _quantized_export(lm_run, tmp_path / scheme, scheme)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_awq_export_loads_in_vllm(lm_run: Path, quant_env: Path, tmp_path) -> None:
+    out = tmp_path / "w4a16-awq"
+    _quantized_export(lm_run, out, "w4a16-awq")
     answers = _vllm_answers(out, tmp_path)
     assert answers["quantization"] == "compressed-tensors"
     assert len(answers["greedy"]) == len(PROMPTS)

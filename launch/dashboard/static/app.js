@@ -418,6 +418,15 @@ function table(line, mode) {
   return [xs, smooth(ys, view.smoothing)];
 }
 
+// A single x (a run's first point) gets uPlot's default span, years on a time axis in seconds:
+// a minute either side of it on a time axis, one unit (or a tenth of it) either side otherwise.
+function spanned(u, min, max, time) {
+  const xs = u.data[0];
+  if (!xs?.length || xs[0] !== xs[xs.length - 1]) return [min, max];
+  const pad = time ? 60 : Math.max(1, Math.abs(xs[0]) * 0.1);
+  return [xs[0] - pad, xs[0] + pad];
+}
+
 function draw(key) {
   const chart = view.charts.get(key);
   const mode = xMode();
@@ -461,7 +470,7 @@ function draw(key) {
     const options = {
       width: chartWidth(),
       height: CHART_HEIGHT,
-      scales: { x: { time: !steps && !elapsed } },
+      scales: { x: { time: !steps && !elapsed, range: (u, min, max) => spanned(u, min, max, !steps && !elapsed) } },
       series: [xSeries, ...series],
       axes: [
         steps ? { values: tickValues, size: 36 } : elapsed ? { values: (u, splits) => splits.map(formatElapsed) } : {},
