@@ -1,5 +1,6 @@
 """`rlfleet init-model` (entry point in ``rlfleet.commands``): a small local Qwen2 model and its
-tokenizer, for runs without a model hub. Cheap to import: torch loads in the handler."""
+tokenizer (or with ``--vision`` an Idefics3 vision-language model and its processor), for runs
+without a model hub. Cheap to import: torch loads in the handler."""
 
 from __future__ import annotations
 
@@ -23,11 +24,28 @@ def _init_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--env-kwargs", metavar="JSON", default="{}", help="the text env's arguments"
     )
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="a vision-language model (Idefics3: a small ViT and a Llama text model of --size) "
+        "with its image processor; its tokenizer also learns the shapes generator's questions",
+    )
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    from common.models import MODEL_SIZES, init_model
+    from common.models import MODEL_SIZES, VISION_SIZES, init_model, init_vision_model
 
+    if args.vision:
+        if args.size not in VISION_SIZES:
+            raise ConfigError(
+                f"--size: {args.size!r} has no vision model; known: {', '.join(VISION_SIZES)}"
+            )
+        if args.env:
+            raise ConfigError("--env: text environments train text models, not --vision ones")
+        generator = None if args.generator == "arith" else {"generator": args.generator}
+        out = init_vision_model(args.out_dir, size=args.size, dataset=generator, seed=args.seed)
+        print(f"wrote {out}")
+        return 0
     if args.size not in MODEL_SIZES:
         raise ConfigError(f"--size: unknown size {args.size!r}; known: {', '.join(MODEL_SIZES)}")
     try:

@@ -2,8 +2,10 @@
 
 A dataset yields ``Task`` records: a prompt (text or chat messages), the reference values reward
 functions read (``extra``, e.g. ``{"answer": "42"}``) and, when known, an expert ``solution``
-(the SFT warm-start data and CHORD's expert completions). Samplers, the learner's SFT phase and
-evaluation all read the same records, so they live here (shared pure code, no I/O besides files).
+(the SFT warm-start data and CHORD's expert completions). Chat messages may hold images
+(``common.images``: image parts in the messages, their PNG bytes in ``Task.images``). Samplers,
+the learner's SFT phase and evaluation all read the same records, so they live here (shared pure
+code, no I/O besides files).
 
 Generators are registered by name (``GENERATORS``); a dataset spec is either ``{"jsonl": PATH}`` or
 ``{"generator": NAME, "seed": S, ...kwargs}``. Held-out evaluation uses the same generator with a
@@ -21,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common.images import ImageError, image_digest, resolve_parts
 
 __all__ = [
     "ENV_SEED_KEY",
@@ -48,9 +52,10 @@ class Task:
 
     prompt_id: str
     prompt: str = ""  # raw text prompt (used when messages is empty)
-    messages: tuple[dict[str, str], ...] = ()  # chat messages, rendered with the chat template
+    messages: tuple[dict[str, Any], ...] = ()  # chat messages, rendered with the chat template
     extra: dict[str, Any] = field(default_factory=dict)  # reward kwargs, e.g. {"answer": "42"}
     solution: str | None = None  # an expert completion, when the dataset has one
+    images: tuple[bytes, ...] = ()  # PNG bytes of the messages' image parts, in their order
 
     def columns(self) -> dict[str, Any]:
         """The columns reward functions get as keywords: ``extra`` and ``solution`` (when set),
@@ -173,30 +178,36 @@ def load_jsonl(path: str | Path) -> Iterator[Task]:
                 raise DatasetSpecError(f"{path}:{number}: set exactly one of prompt, messages")
             if prompt is not None and (not isinstance(prompt, str) or not prompt):
                 raise DatasetSpecError(f"{path}:{number}: prompt must be a non-empty string")
-            if messages is not None and not _valid_messages(messages):
-                raise DatasetSpecError(
-                    f"{path}:{number}: messages must be a non-empty list of {{role, content}}"
-                )
+            images: list[bytes] = []
+            if messages is not None:
+                messages = _chat_messages(messages, path, number, images)
             yield Task(
                 prompt_id=str(row.pop("id", f"{path.stem}-{number}")),
                 prompt=prompt or "",
                 messages=tuple(messages or ()),
                 solution=row.pop("solution", None),
                 extra=row,
+                images=tuple(images),
             )
 
 
-def _valid_messages(messages: Any) -> bool:
-    return (
-        isinstance(messages, list)
-        and bool(messages)
-        and all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    )
+def _chat_messages(
+    messages: Any, path: Path, number: int, images: list[bytes]
+) -> list[dict[str, Any]]:
+    """A row's messages with image parts resolved (files relative to the dataset's folder)."""
+    shape = f"{path}:{number}: messages must be a non-empty list of {{role, content}}"
+    if not isinstance(messages, list) or not messages:
+        raise DatasetSpecError(shape)
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DatasetSpecError(shape)
+        try:
+            content = resolve_parts(message.get("content"), path.parent, images)
+        except ImageError as exc:
+            raise DatasetSpecError(f"{path}:{number}: messages[{index}]: {exc}") from None
+        out.append({**message, "content": content})
+    return out
 
 
 def iter_tasks(spec: dict[str, Any], *, split: str | None = None) -> Iterator[Task]:
@@ -244,4 +255,10 @@ def shared_prompts(
 
 
 def _prompt_of(task: Task) -> str:
-    return task.prompt or json.dumps(task.messages, sort_keys=True)
+    """What makes two prompts the same: the text or messages, and the images' pixels."""
+    text = task.prompt or json.dumps(task.messages, sort_keys=True)
+    return " ".join([text, *map(image_digest, task.images)])
+
+
+# Generators defined in modules of their own register on import (after everything above exists).
+import common.shapes  # noqa: E402, F401

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+from common.images import text_of
+
 __all__ = [
     "CORPORA_GROUP",
     "MODEL_SIZES",
@@ -24,17 +26,26 @@ __all__ = [
     "canonical_tools",
     "chat_text",
     "init_model",
+    "init_vision_model",
     "train_tokenizer",
 ]
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 EOS, CHAT_START, CHAT_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOS, CHAT_START, CHAT_END)
+# Idefics3's processor tokens: the image token (one per image in a prompt; the processor and
+# vLLM expand it to the image's patch tokens between FAKE_IMAGE and GLOBAL_IMAGE markers) and
+# its end-of-turn token. All exist before the model does: the processor adds missing ones on
+# every load, after the embedding matrix was sized.
+IMAGE_TOKEN, FAKE_IMAGE, GLOBAL_IMAGE = "<image>", "<fake_token_around_image>", "<global-img>"
+END_OF_UTTERANCE = "<end_of_utterance>"
+VISION_TOKENS = (FAKE_IMAGE, IMAGE_TOKEN, GLOBAL_IMAGE, END_OF_UTTERANCE)
 
 # Qwen2.5's template, trimmed: plain messages as before, and with `tools` a system turn that lists
 # them and shows the call format the model answers in (<tool_call>{json}</tool_call>, what
 # env_server.text.tools reads back); an assistant message's OpenAI `tool_calls` render in that
-# format after its content. Tool results keep the "tool" role.
+# format after its content. Tool results keep the "tool" role. A content given as OpenAI parts
+# renders its text parts and one IMAGE_TOKEN per image part (a vision model expands it).
 CHAT_TEMPLATE = (
     "{% if tools %}"
     "{{ '<|im_start|>system\\n' }}"
@@ -50,7 +61,12 @@ CHAT_TEMPLATE = (
     "{% endif %}"
     "{% for message in messages %}"
     "{% if not (loop.first and tools and message['role'] == 'system') %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
     "{% if message.tool_calls is defined and message.tool_calls %}"
     "{% for call in message.tool_calls %}"
     "{% set function = call.function if call.function is defined else call %}"
@@ -113,7 +129,7 @@ def _corpus(tasks: Iterable[Any], limit: int) -> Iterator[str]:
             break
         yield task.prompt + (task.solution or "")
         for message in task.messages:
-            yield message["content"]
+            yield text_of(message["content"])
     # Plain text so common words exist as tokens even when the task text is all digits.
     yield "The quick brown fox jumps over the lazy dog. Think step by step; answer in tags."
     yield "<think> </think> <answer> </answer> user assistant system"
@@ -253,4 +269,136 @@ def init_model(
     (out / "rlfleet_model.json").write_text(
         json.dumps({"size": asdict(arch), "parameters": params, "seed": seed}, indent=2) + "\n"
     )
+    return out
+
+
+@dataclass(frozen=True)
+class VisionSize:
+    """The vision tower (SigLIP-style ViT names) and its connector."""
+
+    image_size: int = 64  # every image is resized to this square
+    patch_size: int = 8
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    intermediate_size: int = 128
+    scale_factor: int = 2  # pixel shuffle: patches merged per side before the projection
+
+    @property
+    def image_seq_len(self) -> int:
+        """Tokens one image becomes in the language model's sequence."""
+        return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
+
+
+VISION_SIZES: dict[str, VisionSize] = {"tiny": VisionSize()}
+
+
+def init_vision_model(
+    out_dir: str | Path,
+    *,
+    size: str = "tiny",
+    dataset: dict[str, Any] | None = None,
+    seed: int = 0,
+    corpus_size: int = 20_000,
+    dtype: str = "float32",
+) -> Path:
+    """Write a randomly initialised Idefics3 vision-language model (a ViT, a pixel-shuffle
+    connector and a Llama text model of ``MODEL_SIZES[size]``'s shape), its processor (image
+    processor, tokenizer, chat template) and ``rlfleet_model.json`` to ``out_dir``.
+
+    Idefics3 because it is the architecture both transformers and vLLM's CPU build load here
+    (docs/platform.md); its text side is always Llama in vLLM. ``dataset`` trains the tokenizer
+    (default: the ``shapes`` generator's questions and the arithmetic generator's text).
+    """
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    from common.datasets import iter_tasks
+
+    text, vision = MODEL_SIZES[size], VISION_SIZES[size]
+    text.check()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # The shapes questions are a few sentences (a few hundred scenes hold them all): the rest of
+    # the corpus is arithmetic text, so digits and common words exist as tokens.
+    corpora = [(dataset, corpus_size)] if dataset else [
+        ({"generator": "shapes", "seed": seed}, 300),
+        ({"generator": "arith", "seed": seed}, corpus_size),
+    ]  # fmt: skip
+    texts = itertools.chain.from_iterable(
+        _corpus(iter_tasks(spec), limit) for spec, limit in corpora
+    )
+    tokenizer = train_tokenizer(texts, text.vocab_size)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [CHAT_START, CHAT_END, *VISION_TOKENS]}
+    )
+    text = replace(text, vocab_size=len(tokenizer))
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    config = Idefics3Config(
+        text_config={
+            "model_type": "llama",
+            "vocab_size": text.vocab_size,
+            "hidden_size": text.hidden_size,
+            "intermediate_size": text.intermediate_size,
+            "num_hidden_layers": text.num_hidden_layers,
+            "num_attention_heads": text.num_attention_heads,
+            "num_key_value_heads": text.num_key_value_heads,
+            "head_dim": text.head_dim,
+            "max_position_embeddings": text.max_position_embeddings,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,  # untied for vLLM's reload_weights, as in init_model
+            "bos_token_id": eos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": eos_id,
+        },
+        vision_config={
+            "hidden_size": vision.hidden_size,
+            "intermediate_size": vision.intermediate_size,
+            "num_hidden_layers": vision.num_hidden_layers,
+            "num_attention_heads": vision.num_attention_heads,
+            "image_size": vision.image_size,
+            "patch_size": vision.patch_size,
+        },
+        scale_factor=vision.scale_factor,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        tie_word_embeddings=False,
+        pad_token_id=eos_id,
+        **cast(dict[str, Any], {"torch_dtype": dtype}),  # not a typed field, as in init_model
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
+    )
+    edge = {"longest_edge": vision.image_size}
+    processor = Idefics3Processor(
+        # One fixed square per image, no tiling: a tiny model's context holds few image tokens.
+        image_processor=Idefics3ImageProcessorPil(
+            do_image_splitting=False, size=edge, max_image_size=edge
+        ),
+        tokenizer=tokenizer,
+        image_seq_len=vision.image_seq_len,
+        chat_template=CHAT_TEMPLATE,
+    )
+    if len(tokenizer) != text.vocab_size:
+        raise RuntimeError("the processor added tokens after the model was sized")
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    facts = {
+        "size": asdict(text),
+        "vision": asdict(vision),
+        "image_seq_len": vision.image_seq_len,
+        "parameters": params,
+        "seed": seed,
+    }
+    (out / "rlfleet_model.json").write_text(json.dumps(facts, indent=2) + "\n")
     return out

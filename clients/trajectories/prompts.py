@@ -62,6 +62,10 @@ def dataset_name(spec: dict[str, Any]) -> str:
 
 def prompt_task(run: str, dataset: str, epoch: int, task: Task) -> trajectory_pb2.PromptTask:
     """The queue message of one dataset task (its solution goes into extra, see SOLUTION_KEY)."""
+    if task.images:  # never sample an image prompt as its text: the model would not see it
+        raise DatasetSpecError(
+            f"task {task.prompt_id} has images: rollout drivers sample text prompts only"
+        )
     message = trajectory_pb2.PromptTask(
         run=run, prompt_id=task.prompt_id, dataset=dataset, epoch=epoch
     )

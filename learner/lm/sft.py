@@ -32,6 +32,8 @@ def expert_sample(task: Task, tokenizer: Any, group_id: str = "sft") -> Sample:
     """The task's prompt and solution (+ end of sequence) as one expert completion."""
     if task.solution is None:
         raise ValueError(f"task {task.prompt_id} has no solution to learn from")
+    if task.images:  # the prompt's tokens alone would train on image markers without pixels
+        raise ValueError(f"task {task.prompt_id} has images: the learner trains on text only")
     if task.messages:
         prompt = tokenizer.apply_chat_template(list(task.messages), add_generation_prompt=True)
     else:
