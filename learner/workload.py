@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from common.artifacts import CHECKPOINTS_DIR, FINAL_DIR
+from common.artifacts import CHECKPOINTS_DIR, FINAL_DIR, LEARNER_DIR
 from learner.consumer import AppliedWindow, now
 from learner.engine import Engine
 from learner.prometheus import export_training_metrics
@@ -122,7 +122,7 @@ class RunDirs:
     def of(cls, run_dir: Path) -> RunDirs:
         return cls(
             checkpoints=run_dir / CHECKPOINTS_DIR,
-            learner=run_dir / "learner",
+            learner=run_dir / LEARNER_DIR,
             final=run_dir / FINAL_DIR,
             tensorboard=run_dir / "tensorboard",
         )

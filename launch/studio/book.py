@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.artifacts import EVAL_SAMPLES_FILE, FINAL_DIR, LEARNER_DIR, RUN_CONFIG_FILE
 from launch.run_state import RunState, read_state
 from services.config import RunConfig, load_run_config, read_yaml_mapping
 from services.errors import ConfigError, ConfigIssue, FailedPrecondition, NotFound
@@ -35,9 +36,8 @@ from services.registry import get_job
 
 __all__ = ["CONFIG_FILE", "LAUNCHER_LOG", "RunBook", "RunEntry"]
 
-CONFIG_FILE = "config.yaml"  # the run file, as `rlfleet up` copies it into the run dir
+CONFIG_FILE = RUN_CONFIG_FILE  # the run file, as `rlfleet up` copies it into the run dir
 LAUNCHER_LOG = "launcher.log"  # under <run dir>/logs/: what the launcher printed
-EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # under <run dir>/learner/: an LM run's eval answers
 RUNS = "runs"
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a run name (services.config.RunSection)
 MAX_LOG_LINES = 2000
@@ -139,7 +139,7 @@ class RunBook:
 
     def eval_samples(self, run_id: str) -> dict[str, Any] | None:
         """The latest evaluation's sample answers of a language-model run (None: none yet)."""
-        path = self.run_dir(run_id) / "learner" / EVAL_SAMPLES_FILE
+        path = self.run_dir(run_id) / LEARNER_DIR / EVAL_SAMPLES_FILE
         try:
             with path.open(encoding="utf-8") as f:
                 last = deque(f, maxlen=1)
@@ -315,7 +315,7 @@ def _watch(kind: str) -> str:
 
 
 def _has_policy(run_dir: Path) -> bool:
-    final = run_dir / "final"
+    final = run_dir / FINAL_DIR
     return final.is_dir() and any(final.iterdir())
 
 

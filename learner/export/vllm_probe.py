@@ -6,8 +6,8 @@ them until its parent exits), by the export tests and bench/serving/export.py:
 
 REQUEST: ``{"model": DIR, "prompts": [text, ...], "max_tokens": 16, "score": [[ids...]],
 "score_from": [n, ...], "score_self": false, "throughput_prompts": 0, "max_model_len": 256,
-"kv_cache_gib": 1, "images": [[PNG path, ...], ...], "dtype": "auto"}``; RESULT: ``{"greedy": [{"token_ids", "text",
-"logprobs", "prompt_token_ids"}], "score_logprobs":
+"kv_cache_gib": 1, "images": [[PNG path, ...], ...], "dtype": "auto"}``; RESULT: ``{"greedy":
+[{"token_ids", "text", "logprobs", "prompt_token_ids"}], "score_logprobs":
 [[float, ...]], "tokens_per_s", "load_s", "quantization"}``. ``score[i]`` is scored from
 position ``score_from[i]`` on: the log-probability vLLM's model gives each of those tokens after
 the ones before it. ``score_self`` scores the greedy completions just generated, after their

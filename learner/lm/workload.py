@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from clients.reward import RewardClient
+from common.artifacts import EVAL_SAMPLES_FILE
 from common.datasets import Task, iter_tasks
 from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import now
@@ -56,7 +57,6 @@ log = logging.getLogger(__name__)
 
 # SFT progress records at most this often: the console shows one per interval, more are noise.
 EVAL_SAMPLES = 8  # answers kept per evaluation (learner/eval_samples.jsonl)
-EVAL_SAMPLES_FILE = "eval_samples.jsonl"
 SFT_PROGRESS_EVERY_S = 1.0
 DROPPED_EVENTS = (
     "dropped"  # GroupsDropped's event kind (the drivers' clients/trajectories/pacing.py)
