@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import ConfigError, InvalidArgument
+from services.run_layout import CHECKPOINTS_DIR, FINAL_DIR, RUN_CONFIG_FILE
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -49,14 +50,9 @@ __all__ = [
     "save_policy",
 ]
 
-FINAL_DIR = "final"
 WEIGHTS_FILE = "policy.pt"
 DESCRIPTION_FILE = "policy.json"
 RUNS_ROOT = Path("runs")
-CHECKPOINTS_DIR = "checkpoints"
-RUN_CONFIG_FILE = "config.yaml"  # the launcher's copy of the run file, in the run directory
-LEARNER_DIR = "learner"  # the learner's ledger, state and records, in the run directory
-EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # under LEARNER_DIR: an LM run's evaluation answers
 POLICY_STATE_KEY = "policy_description"  # the game learner's checkpoint client state key
 # The rank-0 model-states file of a DeepSpeed checkpoint tag (ZeRO 0-2; ZeRO-3 names).
 MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")

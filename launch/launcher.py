@@ -74,6 +74,7 @@ from services.placement import ENV_CPUS, format_cpus, replica_cpus
 from services.ports import free_ports
 from services.producers import PRODUCER_EVENTS, ProducerReport
 from services.registry import ServiceSpec, get_job, get_service
+from services.run_layout import RUN_CONFIG_FILE
 from services.serve import ENV_EXIT_REASON
 from services.server import wait_for_health
 from services.start_gate import StartGate
@@ -460,7 +461,7 @@ class Launcher:
     def _write_config_copy(self) -> Path:
         """The config every service reads: a copy in the run dir, so the run is reproducible
         from its directory and a later edit of the original cannot reach a restarted service."""
-        copy = self.run_dir / "config.yaml"
+        copy = self.run_dir / RUN_CONFIG_FILE
         if self.config_path is not None:
             if self.config_path.resolve() != copy:
                 shutil.copyfile(self.config_path, copy)

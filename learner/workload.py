@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import torch
 
-from common.artifacts import CHECKPOINTS_DIR, FINAL_DIR, LEARNER_DIR
 from learner.consumer import AppliedWindow, now
 from learner.engine import Engine
 from learner.prometheus import export_training_metrics
@@ -28,6 +27,7 @@ from rlfleet.bus.v1 import events_pb2
 from services.bus import Bus, events_subject
 from services.errors import RlfleetError
 from services.progress import PROGRESS_EVENTS, progress_record
+from services.run_layout import CHECKPOINTS_DIR, FINAL_DIR, LEARNER_DIR
 
 __all__ = [
     "Envelope",

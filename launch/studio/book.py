@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.artifacts import EVAL_SAMPLES_FILE, FINAL_DIR, LEARNER_DIR, RUN_CONFIG_FILE
 from launch.run_state import RunState, read_state
 from services.config import RunConfig, load_run_config, read_yaml_mapping
 from services.errors import ConfigError, ConfigIssue, FailedPrecondition, NotFound
 from services.registry import get_job
+from services.run_layout import EVAL_SAMPLES_FILE, FINAL_DIR, LEARNER_DIR, RUN_CONFIG_FILE
 
 __all__ = ["CONFIG_FILE", "LAUNCHER_LOG", "RunBook", "RunEntry"]
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.errors import ConfigError
+from services.run_layout import RUN_CONFIG_FILE
 
 __all__ = ["Source", "find_run_config", "resolve_source"]
 
-RUN_CONFIG_FILE = "config.yaml"  # what the launcher copies into the run directory
 LATEST = "latest"
 RANK0_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

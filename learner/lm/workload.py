@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from clients.reward import RewardClient
-from common.artifacts import EVAL_SAMPLES_FILE
 from common.datasets import Task, iter_tasks
 from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import now
@@ -50,6 +49,7 @@ from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
+from services.run_layout import EVAL_SAMPLES_FILE
 
 __all__ = ["LMWorkload", "reward_metrics"]
 
