@@ -44,6 +44,7 @@ from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
 from learner.lm.dpo_job import DPOSettings
 from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer, token_logprobs
 from learner.settings import DeepSpeedSettings, OptimizerSettings
+from learner.tracking import NO_TRACKERS, Trackers
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -142,11 +143,16 @@ class DPOTrainer:
     trains, evaluates and saves; ``close()`` releases the engine."""
 
     def __init__(
-        self, settings: DPOSettings, output_dir: Path, reporter: Reporter | None = None
+        self,
+        settings: DPOSettings,
+        output_dir: Path,
+        reporter: Reporter | None = None,
+        trackers: Trackers = NO_TRACKERS,
     ) -> None:
         self.settings = s = settings
         self.output_dir = Path(output_dir)
         self.reporter = reporter or _Silent()
+        self.trackers = trackers  # W&B / MLflow beside TensorBoard (rank 0 logs)
         torch.manual_seed(s.seed)
         self.tokenizer = load_tokenizer(s.model_path)
         self.train_pairs = self._encode(s.data)
@@ -386,8 +392,10 @@ class DPOTrainer:
     ) -> None:
         if self.rank != 0:
             return
-        for name, value in row.items():
-            self.writer.add_scalar(prefix + name, value, step)
+        values = {prefix + name: value for name, value in row.items()}
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.trackers.log_scalars(values, step)
         of = f"/{total}" if total else ""
         line = (
             f"dpo {what} step {step}{of}: loss {row['loss']:.4f}"
@@ -425,12 +433,14 @@ class DPOTrainer:
             model.save_pretrained(out, state_dict=weights)
             self.tokenizer.save_pretrained(out)
             print(f"dpo: saved {out}", flush=True)
+            self.trackers.log_final(out)
         return out
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self.trackers.close()
         self.engine.close()
 
 
@@ -453,9 +463,14 @@ def _gathered(module: torch.nn.Module, zero_stage: int) -> Any:
     return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
-def train(settings: DPOSettings, output_dir: Path, reporter: Reporter | None = None) -> DPOResult:
+def train(
+    settings: DPOSettings,
+    output_dir: Path,
+    reporter: Reporter | None = None,
+    trackers: Trackers = NO_TRACKERS,
+) -> DPOResult:
     """A whole run (or its rest, after a checkpoint): build, train, evaluate, save, release."""
-    trainer = DPOTrainer(settings, output_dir, reporter)
+    trainer = DPOTrainer(settings, output_dir, reporter, trackers)
     try:
         return trainer.run()
     finally:

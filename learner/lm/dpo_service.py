@@ -1,7 +1,8 @@
 """The `dpo_learner` service kind: offline DPO (learner/lm/dpo.py) as a run's main service, what a
 run file's ``job: {kind: dpo}`` expands into (learner/lm/dpo_job.py).
 
-It trains in a thread on the run directory (``checkpoints/``, ``tensorboard/``, ``final/``) and
+It trains in a thread on the run directory (``checkpoints/``, ``tensorboard/``, ``final/``; and
+the run file's trackers, ``run.tracking``: learner/tracking.py) and
 tells the run what it does through the bus, as every learner does: start-up phases and the
 resume as RunStatus messages, a progress record (steps done of the total, loss, reward
 accuracy and margin) and a Metrics event every ``log_every`` steps (``metrics.jsonl``), and a
@@ -79,10 +80,11 @@ async def main(ctx: ServiceContext[DPOSettings]) -> None:
         await asyncio.to_thread(importlib.import_module, "learner.lm.dpo")
         from common.datasets import DatasetSpecError
         from learner.lm.dpo import train
+        from learner.tracking import trackers_of
 
         try:
             result = await asyncio.to_thread(
-                train, ctx.settings, ctx.run_dir, BusReporter(announcer)
+                train, ctx.settings, ctx.run_dir, BusReporter(announcer), trackers_of(ctx)
             )
         except DatasetSpecError as exc:  # a bad pair file: a configuration error, not a crash
             raise ConfigError(str(exc)) from None

@@ -155,10 +155,10 @@ def test_bad_data_line_is_named(tmp_path: Path, line: str, problem: str) -> None
     assert str(info.value).startswith(f"{path}:3: {problem}")
 
 
-def _job_file(tmp_path: Path, model: Path, data: Path, extra: str = "") -> Path:
+def _job_file(tmp_path: Path, model: Path, data: Path, extra: str = "", run: str = "") -> Path:
     path = tmp_path / "dpo.yaml"
     path.write_text(
-        f"run: {{name: dpo-itest, dir: {tmp_path / 'run'}}}\n"
+        f"run: {{name: dpo-itest, dir: {tmp_path / 'run'}{run}}}\n"
         f"job:\n  kind: dpo\n  model_path: {model}\n  data: {data}\n  device: cpu\n{extra}"
     )
     return path
@@ -252,7 +252,7 @@ def test_stopped_run_resumes_where_it_stopped(
 def test_dpo_job_runs_under_rlfleet_up(
     tiny_model: Path, pairs_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole user path: up, watch, export, up again."""
+    """The whole user path: up (tracked by MLflow), watch, export, up again."""
     monkeypatch.setenv("RLFLEET_PROGRESS_INTERVAL_S", "0")  # every record a line, in order
     config = _job_file(
         tmp_path,
@@ -260,6 +260,7 @@ def test_dpo_job_runs_under_rlfleet_up(
         pairs_file,
         f"  eval_data: {pairs_file}\n  epochs: 2\n  batch_size: 16\n  learning_rate: 0.001\n"
         "  beta: 0.5\n  log_every: 2\n  checkpoint_every: 4\n",
+        run=", tracking: {mlflow: true}",
     )
     run_dir = tmp_path / "run"
     up = Up(config, run_dir, services=["dpo"], budget_s=240)
@@ -289,7 +290,22 @@ def test_dpo_job_runs_under_rlfleet_up(
     assert {"loss", "rewards/accuracies", "lr"} <= set(records[2]["values"])
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "update-00000008"
     assert (run_dir / "final" / "model.safetensors").is_file()
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # MLflow holds TensorBoard's scalars (names, steps, values) and the final model.
+    from mlflow.tracking import MlflowClient
+
+    from tests.integration.test_learner_tracking import tensorboard_points
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    board = tensorboard_points(run_dir / "tensorboard")
+    assert {"train/loss", "eval/loss", "train/rewards/accuracies"} <= set(board)
+    run_id = json.loads((run_dir / "learner" / "tracking.json").read_text())["mlflow"]
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for tag, points in board.items():
+        history = client.get_metric_history(run_id, tag)
+        assert [(m.step, pytest.approx(m.value)) for m in history] == points, tag
+    logged = {a.path for a in client.list_artifacts(run_id, "final")}
+    assert {"final/model.safetensors", "final/config.json"} <= logged
 
     exported = tmp_path / "exported"
     assert cli_main(["export", str(run_dir), str(exported)]) == 0
