@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from services.ports import free_port
+from tests.integration.test_export import check_quantized
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +52,10 @@ def test_train_export_quantized_serve_openai(lm_run: Path, tmp_path: Path) -> No
     import openai
 
     export_dir = tmp_path / "exports" / "arith-w4a16"
-    done = _cli("export", str(lm_run), str(export_dir), "--quantize", "w4a16", cwd=tmp_path)
+    done = _cli("export", str(lm_run), str(export_dir), "--quantize", "w4a16",
+                "--calibration-samples", "64", cwd=tmp_path)  # fmt: skip
     assert done.wait(timeout=900) == 0
-    manifest = json.loads((export_dir / "rlfleet_export.json").read_text())
-    assert manifest["quantization"]["scheme"] == "w4a16"
+    check_quantized(export_dir, "w4a16", samples=64)
 
     port = free_port()
     config = tmp_path / "serve.yaml"
