@@ -38,10 +38,15 @@ from tests.fixtures.launch import assert_nothing_left
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(sys.platform != "linux", reason="scans /proc"),
+    # Both tests take one to two minutes on 2 idle cores; every step waits on a run or a command
+    # the studio starts, which a loaded machine slows several-fold.
+    pytest.mark.timeout(1800),
 ]
 
-PAGE_TIMEOUT_MS = 240_000  # waits inside the page: a run's start-up on a loaded machine
-RUN_TIMEOUT_MS = 600_000  # a short CartPole run from start to finished, stop and resume included
+# Waits in the page: each is paced by a run (its start-up, its first points, its end) or by a
+# command the studio runs (play, export, ask, a serve job's start-up), minutes on a loaded
+# machine; a step that never comes still fails, named by the wait.
+WAIT_TIMEOUT_MS = 600_000
 RETURN_CHART = '.chart[data-key="charts/episodic_return"]'
 # A GRPO run of two small updates on the transformers engine (no vLLM start-up), evaluated once.
 LM_KNOBS = {
@@ -98,7 +103,7 @@ class Studio:
                     found.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not found.wait(60):
+        if not found.wait(180):  # seconds quiet, a loaded machine slows its imports
             self.stop()
             raise AssertionError("the studio did not start:\n" + "\n".join(self.lines))
 
@@ -155,7 +160,7 @@ def browser_page(sync_playwright: Any) -> Iterator[Any]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(PAGE_TIMEOUT_MS)
+        page.set_default_timeout(WAIT_TIMEOUT_MS)
         page.on("dialog", lambda dialog: dialog.accept())
         yield page
         browser.close()
@@ -184,11 +189,10 @@ def run_state(page: Any) -> str:
     return str(page.inner_text("#run-state"))
 
 
-def wait_state(page: Any, *states: str, timeout_ms: int = RUN_TIMEOUT_MS) -> None:
+def wait_state(page: Any, *states: str) -> None:
     wanted = "[" + ",".join(f'"{s}"' for s in states) + "]"
     page.wait_for_function(
-        f"() => {wanted}.includes(document.getElementById('run-state').textContent)",
-        timeout=timeout_ms,
+        f"() => {wanted}.includes(document.getElementById('run-state').textContent)"
     )
 
 
