@@ -157,6 +157,48 @@ def env_seeds(
         index += 1
 
 
+@register("shapes")
+def shapes(
+    *,
+    seed: int = 0,
+    split: str = "train",
+    question: str = "mixed",
+    size: int = 64,
+    count: int | None = None,
+) -> Iterator[Task]:
+    """Visual questions about scenes of coloured shapes (common/shapes.py) on a ``size`` x
+    ``size`` image: the question's text never changes, only the image answers it. ``solution``
+    is ``<answer>WORD</answer>``. Held out like ``arith``, by the scene. Infinite unless
+    ``count`` is set."""
+    from common.images import IMAGE_PART, png_bytes
+    from common.shapes import QUESTIONS, describe, draw, scene
+
+    if question != "mixed" and question not in QUESTIONS:
+        raise DatasetSpecError(
+            f"shapes: unknown question {question!r}; known: mixed, {', '.join(QUESTIONS)}"
+        )
+    if not 32 <= size <= 512:
+        raise DatasetSpecError(f"shapes: size must be in [32, 512], got {size}")
+    rng = random.Random(seed * 1_000_003 + zlib.crc32(f"shapes:{split}".encode()))
+    keep_held_out = split != "train"
+    index = 0
+    while count is None or index < count:
+        kind = rng.choice(list(QUESTIONS)) if question == "mixed" else question
+        drawn, answer = scene(rng, kind, size)
+        if held_out(f"{kind};{describe(drawn)}") != keep_held_out:
+            continue
+        text = QUESTIONS[kind] + " Answer with one word."
+        content = [dict(IMAGE_PART), {"type": "text", "text": text}]
+        yield Task(
+            prompt_id=f"shapes-{split}-{seed}-{index}",
+            messages=({"role": "user", "content": content},),
+            extra={"answer": answer, "question": kind},
+            solution=f"<answer>{answer}</answer>",
+            images=(png_bytes(draw(drawn, size)),),
+        )
+        index += 1
+
+
 def load_jsonl(path: str | Path) -> Iterator[Task]:
     """Tasks from a JSONL file: one object per line with ``prompt`` (text) or ``messages``
     (chat), optional ``id``, ``solution`` and any other keys (they become ``extra``)."""
@@ -258,7 +300,3 @@ def _prompt_of(task: Task) -> str:
     """What makes two prompts the same: the text or messages, and the images' pixels."""
     text = task.prompt or json.dumps(task.messages, sort_keys=True)
     return " ".join([text, *map(image_digest, task.images)])
-
-
-# Generators defined in modules of their own register on import (after everything above exists).
-import common.shapes  # noqa: E402, F401

@@ -1,4 +1,5 @@
-"""The ``shapes`` dataset generator: a visual question about a drawn scene of coloured shapes.
+"""Scenes of the ``shapes`` dataset generator (common/datasets.py): a visual question about a
+drawn scene of coloured shapes.
 
 Every question's text is the same across scenes, so only the image tells the answer: a model
 that reads text alone is at chance. Questions (``question``):
@@ -17,12 +18,7 @@ Like ``arith``, one scene in ``HOLD_OUT_EVERY`` (by a hash of its description) i
 from __future__ import annotations
 
 import random
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-
-from common.datasets import HOLD_OUT_EVERY, DatasetSpecError, Task, register
-from common.images import IMAGE_PART, png_bytes
 
 COLOURS = {
     "red": (220, 40, 40),
@@ -56,45 +52,14 @@ class Shape:
         )
 
 
-@register("shapes")
-def shapes(
-    *,
-    seed: int = 0,
-    split: str = "train",
-    question: str = "mixed",
-    size: int = 64,
-    count: int | None = None,
-) -> Iterator[Task]:
-    """Scenes of coloured shapes on a ``size`` x ``size`` image with a question about them.
-    Infinite unless ``count`` is set."""
-    if question != "mixed" and question not in QUESTIONS:
-        raise DatasetSpecError(
-            f"shapes: unknown question {question!r}; known: mixed, {', '.join(QUESTIONS)}"
-        )
-    if not 32 <= size <= 512:
-        raise DatasetSpecError(f"shapes: size must be in [32, 512], got {size}")
-    rng = random.Random(seed * 1_000_003 + zlib.crc32(f"shapes:{split}".encode()))
-    keep_held_out = split != "train"
-    index = 0
-    while count is None or index < count:
-        kind = rng.choice(list(QUESTIONS)) if question == "mixed" else question
-        scene, answer = _SCENES[kind](rng, size)
-        described = (
-            kind + ";" + ";".join(f"{s.kind},{s.colour},{s.x},{s.y},{s.radius}" for s in scene)
-        )
-        if (zlib.crc32(described.encode()) % HOLD_OUT_EVERY == 0) != keep_held_out:
-            continue
-        text = QUESTIONS[kind] + " Answer with one word."
-        yield Task(
-            prompt_id=f"shapes-{split}-{seed}-{index}",
-            messages=(
-                {"role": "user", "content": [dict(IMAGE_PART), {"type": "text", "text": text}]},
-            ),
-            extra={"answer": answer, "question": kind},
-            solution=f"<answer>{answer}</answer>",
-            images=(png_bytes(draw(scene, size)),),
-        )
-        index += 1
+def scene(rng: random.Random, question: str, size: int) -> tuple[list[Shape], str]:
+    """A scene for ``question`` (a key of QUESTIONS) on a ``size`` image, and its answer."""
+    return _SCENES[question](rng, size)
+
+
+def describe(shapes: list[Shape]) -> str:
+    """A scene as text: what decides whether it is held out."""
+    return ";".join(f"{s.kind},{s.colour},{s.x},{s.y},{s.radius}" for s in shapes)
 
 
 def draw(scene: list[Shape], size: int) -> object:
