@@ -38,8 +38,8 @@ from tests.fixtures.launch import assert_nothing_left
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(sys.platform != "linux", reason="scans /proc"),
-    # Both tests take one to two minutes on 2 idle cores; every step waits on a run or a command
-    # the studio starts, which a loaded machine slows several-fold.
+    # Every step waits on a run or a command the studio starts, which a loaded machine slows
+    # several-fold.
     pytest.mark.timeout(1800),
 ]
 
@@ -103,7 +103,7 @@ class Studio:
                     found.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not found.wait(180):  # seconds quiet, a loaded machine slows its imports
+        if not found.wait(180):  # a loaded machine slows its imports several-fold
             self.stop()
             raise AssertionError("the studio did not start:\n" + "\n".join(self.lines))
 
