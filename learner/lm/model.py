@@ -129,6 +129,7 @@ def sequence_logprobs(
     *,
     entropy_grad: bool = False,
     entropy: bool = True,
+    pack_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-position log-probability of each next token and the logits' entropy, under ``model``:
     a causal LM, or an engine around one (``model(input_ids=, attention_mask=).logits``).
@@ -137,7 +138,20 @@ def sequence_logprobs(
     token t+1 given tokens 0..t. ``entropy_grad`` keeps the entropy in the graph (for an entropy
     bonus); otherwise it is a detached metric. ``entropy=False`` skips it (None): the no-grad
     passes that only need log-probs (reference, recomputed pi_old) save that vocabulary-wide work.
-    One log-softmax serves both: the picked log-probs and the entropy read the same tensor."""
+    One log-softmax serves both: the picked log-probs and the entropy read the same tensor.
+    ``pack_tokens``: one packed forward of rows of at most that many tokens instead (the same
+    values: learner/lm/packing.py)."""
+    if pack_tokens is not None:
+        from learner.lm.packing import packed_logprobs
+
+        return packed_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            pack_tokens,
+            entropy_grad=entropy_grad,
+            entropy=entropy,
+        )
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [B, L-1, V]
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [B, L-1, V]
     logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]

@@ -191,6 +191,12 @@ class LMTrainingKnobs(StrictModel):
         "accumulate into one optimizer step per minibatch, same loss, less activation memory "
         "(null: the whole minibatch)",
     )
+    packing: bool = Field(
+        default=False,
+        description="pack each forward pass's sequences end to end into rows of the model's "
+        "context length (own positions, block-diagonal attention): the same loss and gradients "
+        "on less padding",
+    )
     # How the older groups kept are corrected: the preset's old_logp (algo: {old_logp: ...}).
     max_policy_lag: int = Field(
         default=1,

@@ -69,9 +69,11 @@ def sft_phase(
     learning_rate: float,
     log_every: int = 20,
     on_step: Callable[[int, float], None] | None = None,
+    pack_tokens: int | None = None,
 ) -> list[dict[str, float]]:
     """``steps`` optimizer steps of token-mean NLL; returns the logged metrics. ``on_step``
-    gets (step, loss) after every step (the console's progress)."""
+    gets (step, loss) after every step (the console's progress); ``pack_tokens`` packs each
+    forward pass (learner/lm/packing.py)."""
     engine.set_lr(learning_rate)
     history: list[dict[str, float]] = []
     started = time.perf_counter()
@@ -81,7 +83,9 @@ def sft_phase(
             log.info("SFT data ran out after %d steps", step - 1)
             break
         batch = collate(samples, tokenizer.pad_token_id)
-        logp, _ = sequence_logprobs(engine, batch.input_ids, batch.attention_mask)  # [B, L-1]
+        logp, _ = sequence_logprobs(
+            engine, batch.input_ids, batch.attention_mask, pack_tokens=pack_tokens
+        )  # [B, L-1]
         loss = aggregate(sft_loss(logp, batch.mask), batch.mask, "token-mean")
         engine.backward(loss)
         engine.step()

@@ -68,22 +68,30 @@ def group_filter(samples: Sequence[Sample], preset: Preset) -> tuple[list[Sample
 
 
 def _forward_logp(
-    model: TrainEngine | nn.Module, batch: Batch, rows: Tensor | None, entropy_grad: bool
+    model: TrainEngine | nn.Module,
+    batch: Batch,
+    rows: Tensor | None,
+    entropy_grad: bool,
+    pack_tokens: int | None,
 ) -> tuple[Tensor, Tensor]:
     b = batch if rows is None else batch.select(rows)
     logp, entropy = sequence_logprobs(
-        model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad
+        model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad, pack_tokens=pack_tokens
     )
     assert entropy is not None
     return logp, entropy
 
 
 @torch.no_grad()
-def _no_grad_logp(model: TrainEngine | nn.Module, batch: Batch, chunk: int) -> Tensor:
+def _no_grad_logp(
+    model: TrainEngine | nn.Module, batch: Batch, chunk: int, pack_tokens: int | None
+) -> Tensor:
     parts = []
     for start in range(0, len(batch), chunk):
         b = batch.select(torch.arange(start, min(start + chunk, len(batch))))
-        logp, _ = sequence_logprobs(model, b.input_ids, b.attention_mask, entropy=False)
+        logp, _ = sequence_logprobs(
+            model, b.input_ids, b.attention_mask, entropy=False, pack_tokens=pack_tokens
+        )
         parts.append(logp)
     return torch.cat(parts)  # [B, L-1]
 
@@ -126,6 +134,7 @@ class Prepared:
     ref_logp: Tensor | None  # the reference model's, when the preset has a KL term
     adv: Tensor  # advantages (0 on expert rows)
     metrics: dict[str, Any]  # rollout/* and adv/* statistics of the batch
+    pack_tokens: int | None = None  # forward passes packed into rows of this many tokens
 
 
 def _stale_rows(samples: Sequence[Sample], version: int | None) -> Tensor:
@@ -143,6 +152,7 @@ def _old_logp(
     stale: Tensor,
     preset: Preset,
     chunk: int,
+    pack_tokens: int | None,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """pi_old ``[B, L-1]`` as ``preset.old_logp`` chooses it per row (see
     ``learner.algos.presets.OldLogp``), the truncated-IS weights ``[B, L-1]`` and metrics.
@@ -167,7 +177,7 @@ def _old_logp(
     rows = recompute.nonzero().squeeze(-1)  # [R]
     if len(rows):
         sub = batch.select(rows)
-        recomputed = _no_grad_logp(engine, sub, chunk)  # [R, L-1]
+        recomputed = _no_grad_logp(engine, sub, chunk, pack_tokens)  # [R, L-1]
         old_logp[rows] = recomputed
         weights, tis_metrics = truncated_is_weights(
             recomputed, sub.rollout_logp, mask[rows], cap=preset.tis_cap or float("inf")
@@ -189,12 +199,14 @@ def prepare(
     minibatch_size: int = 32,
     micro_batch_size: int | None = None,
     version: int | None = None,
+    pack_tokens: int | None = None,
 ) -> Prepared:
     """Collate ``samples`` (whole groups) and compute, once, everything the minibatches need.
 
     ``version`` is the learner's current policy version: samples of an older one are stale
     (see ``preset.old_logp``); None treats every sample as sampled by the current weights.
-    The forward passes run ``micro_batch_size`` sequences at a time (None: ``minibatch_size``).
+    The forward passes run ``micro_batch_size`` sequences at a time (None: ``minibatch_size``),
+    packed into rows of ``pack_tokens`` tokens when set (learner/lm/packing.py).
     """
     chunk = micro_batch_size or minibatch_size
     batch = collate(samples, pad_id)
@@ -205,11 +217,11 @@ def prepare(
     expert_mask = batch.mask & batch.expert[:, None]  # [B, L-1] CHORD's SFT tokens
 
     stale = _stale_rows(samples, version)  # [B]
-    old_logp, tis, metrics = _old_logp(engine, batch, mask, stale, preset, chunk)
+    old_logp, tis, metrics = _old_logp(engine, batch, mask, stale, preset, chunk, pack_tokens)
     ref_logp = None
     if preset.kl_beta > 0:
         assert reference is not None, "kl_beta > 0 needs a reference model"
-        ref_logp = _no_grad_logp(reference, batch, chunk)
+        ref_logp = _no_grad_logp(reference, batch, chunk, pack_tokens)
 
     # Advantages over the RL rows (group statistics never see expert completions).
     token_rewards = None
@@ -230,7 +242,7 @@ def prepare(
     if preset.dynamic_sampling and len(rl_rows):
         keep = dynamic_sampling_keep(batch.rewards[rl_rows], batch.group_ids[rl_rows])
         metrics["rollout/kept_frac"] = keep.float().mean()
-    return Prepared(batch, mask, expert_mask, old_logp, tis, ref_logp, adv, metrics)
+    return Prepared(batch, mask, expert_mask, old_logp, tis, ref_logp, adv, metrics, pack_tokens)
 
 
 def minibatch_loss(
@@ -251,7 +263,7 @@ def minibatch_loss(
     then describe the micro-batch alone, its loss terms weighted so (``lm_update`` reports the
     minibatch's own)."""
     entropy_grad = preset.entropy_coef != 0
-    logp, entropy = _forward_logp(engine, prep.batch, rows, entropy_grad)  # [b, L-1] each
+    logp, entropy = _forward_logp(engine, prep.batch, rows, entropy_grad, prep.pack_tokens)
     return _objective(prep, rows, logp, entropy, preset, step, minibatch)
 
 
@@ -319,7 +331,7 @@ def _train_minibatch(
     logps, entropies, losses = [], [], []
     try:
         for i, part in enumerate(parts):
-            logp, entropy = _forward_logp(engine, prep.batch, part, entropy_grad)  # [b, L-1]
+            logp, entropy = _forward_logp(engine, prep.batch, part, entropy_grad, prep.pack_tokens)
             loss, _, _ = _objective(prep, part, logp, entropy, preset, step, rows)
             engine.accumulation_boundary(last=i == len(parts) - 1)
             engine.backward(loss)
@@ -353,6 +365,7 @@ def lm_update(
     micro_batch_size: int | None = None,
     version: int | None = None,
     generator: torch.Generator | None = None,
+    pack_tokens: int | None = None,
 ) -> dict[str, float]:
     """Train on ``samples`` (whole groups) at the learner's policy ``version`` (see
     ``prepare``); returns scalar metrics (CleanRL-style names), each the mean over the
@@ -360,7 +373,8 @@ def lm_update(
 
     ``micro_batch_size``: sequences per forward/backward pass (None: the minibatch); the
     gradients of a minibatch's micro-batches accumulate into its one optimizer step, with the
-    same loss (and metrics) as the minibatch at once."""
+    same loss (and metrics) as the minibatch at once. ``pack_tokens``: forward passes packed
+    into rows of that many tokens (None: padded rows), the same values on less padding."""
     if micro_batch_size is not None and not 1 <= micro_batch_size <= minibatch_size:
         raise ValueError(
             f"micro_batch_size ({micro_batch_size}) must lie in [1, minibatch_size "
@@ -376,6 +390,7 @@ def lm_update(
         minibatch_size=minibatch_size,
         micro_batch_size=micro_batch_size,
         version=version,
+        pack_tokens=pack_tokens,
     )
     sums: dict[str, float] = collections.defaultdict(float)
     chord_sums: dict[str, float] = collections.defaultdict(float)

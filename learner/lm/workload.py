@@ -171,6 +171,7 @@ class LMWorkload:
             batch_size=s.sft.batch_size,
             learning_rate=s.sft.learning_rate,
             on_step=on_step,
+            pack_tokens=self.pack_tokens(),
         )
         for metrics in history:
             run.write_scalars(metrics, int(metrics["sft/step"]))
@@ -292,6 +293,17 @@ class LMWorkload:
 
     # ------------------------------------------------------------------ training
 
+    def pack_tokens(self) -> int | None:
+        """Tokens per packed row with ``packing`` (the model's context length), else None."""
+        if not self.settings.packing:
+            return None
+        assert self.engine is not None
+        module: Any = self.engine.module
+        config = (
+            module.get_base_model().config if hasattr(module, "get_base_model") else module.config
+        )
+        return int(config.max_position_embeddings)
+
     def train(
         self, items: list[Sample], progress: Progress, generator: torch.Generator
     ) -> dict[str, float]:
@@ -311,6 +323,7 @@ class LMWorkload:
             micro_batch_size=s.micro_batch_size,
             version=progress.version,  # older samples are stale: preset.old_logp
             generator=generator,
+            pack_tokens=self.pack_tokens(),
         )
         metrics["charts/policy_lag"] = float(np.mean(lags)) if lags else 0.0
         return metrics

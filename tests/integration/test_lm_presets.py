@@ -168,3 +168,26 @@ async def test_lora_run_publishes_merged_full_weights(tiny_model_dir, nats_serve
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(final[name], base[name])  # the adapters were merged in
     assert torch.equal(final["model.norm.weight"], base["model.norm.weight"])  # not adapted
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+async def test_a_packed_lora_run_trains_end_to_end(
+    tiny_model_dir, nats_server, tmp_path, monkeypatch
+):
+    """`packing: true` through the real learner (its SFT phase and updates), with LoRA adapters
+    around the model: the packed forward goes through the DeepSpeed engine and PEFT."""
+    from learner.lm import packing
+
+    budgets: list[int] = []
+    original = packing.packed_logprobs
+
+    def counted(model, input_ids, attention_mask, budget, **kwargs):
+        budgets.append(budget)
+        return original(model, input_ids, attention_mask, budget, **kwargs)
+
+    monkeypatch.setattr(packing, "packed_logprobs", counted)
+    knobs = small_job(tiny_model_dir, sft_steps=5, eval_count=0, packing=True, lora={"r": 4})
+    summary = await run_job("grpo", knobs, tmp_path / "run", nats_server.url)
+    assert summary["updates"] == 2
+    assert budgets and set(budgets) == {512}  # the tiny model's context length
+    assert (tmp_path / "run" / "final" / "config.json").is_file()

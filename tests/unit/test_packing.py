@@ -11,6 +11,9 @@ import torch
 
 from learner.lm.model import sequence_logprobs
 from learner.lm.packing import pack, packed_logprobs
+from tests.unit.test_lm_learner import tok_model
+
+__all__ = ["tok_model"]  # the shared fixture (a tiny real model and its tokenizer)
 
 TOLERANCE = 1e-5
 
@@ -86,3 +89,49 @@ def test_no_grad_passes_pack_too(tiny_model_dir: Path, entropy: bool) -> None:
     counted = torch.arange(ids.shape[1] - 1)[None, :] < (mask.sum(-1, keepdim=True) - 1)
     assert torch.allclose(logp[counted], want[counted], atol=TOLERANCE, rtol=0)
     assert (ent is None) != entropy
+
+
+# ------------------------------------------------------------------ in the LM update
+
+
+@pytest.mark.parametrize(("case", "micro"), [("grpo", None), ("chord", None), ("dapo", 2)])
+def test_a_packed_update_trains_as_the_padded_one(tok_model, case: str, micro: int | None) -> None:
+    """The whole update (pi_old recomputed, the reference's log-probs, the training passes, with
+    and without micro-batches): the same gradients and metrics with ``pack_tokens``."""
+    from learner.algos.presets import resolve_preset
+    from learner.lm.update import lm_update
+    from tests.unit.test_lm_learner import _moved, load_causal_lm_copy
+    from tests.unit.test_lm_micro_batch import CASES, MINIBATCH, SGDEngine, _flat_params, _samples
+
+    tok, base = tok_model
+    name, overrides = CASES[case]
+    preset = resolve_preset(name, **overrides)
+    samples = _samples(tok, base, preset.chord)
+    learner = _moved(base, 0.01)
+    reference = load_causal_lm_copy(base).eval() if preset.kl_beta > 0 else None
+    engines, metrics = {}, {}
+    for pack_tokens in (None, 64):
+        engine = SGDEngine(load_causal_lm_copy(learner))
+        metrics[pack_tokens] = lm_update(
+            engine, reference, samples, preset, pad_id=0, lr=0.05, step=3,
+            minibatch_size=MINIBATCH, micro_batch_size=micro, version=1,
+            generator=torch.Generator().manual_seed(7), pack_tokens=pack_tokens,
+        )  # fmt: skip
+        engines[pack_tokens] = engine
+    padded, packed = engines[None], engines[64]
+    for g_padded, g_packed in zip(padded.grads, packed.grads, strict=True):
+        torch.testing.assert_close(g_packed, g_padded, rtol=1e-4, atol=TOLERANCE)
+    torch.testing.assert_close(
+        _flat_params(packed.module), _flat_params(padded.module), rtol=1e-5, atol=1e-7
+    )
+    for key, value in metrics[None].items():
+        assert metrics[64][key] == pytest.approx(value, rel=1e-4, abs=TOLERANCE), key
+
+
+def test_packing_is_a_job_knob_the_learner_gets() -> None:
+    from learner.lm.jobs import LM_JOBS
+
+    job = LM_JOBS["grpo"]
+    settings = job.settings.model_validate({"packing": True})
+    learner = next(e for e in job.expand(settings, "r") if e["name"] == "learner")
+    assert learner["settings"]["packing"] is True
