@@ -42,7 +42,13 @@ from learner.algos import dpo_loss
 from learner.engine import build_engine
 from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
 from learner.lm.dpo_job import DPOSettings
-from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer, token_logprobs
+from learner.lm.model import (
+    hf_weights,
+    load_causal_lm,
+    load_tokenizer,
+    sequence_logprobs,
+    token_logprobs,
+)
 from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.tracking import NO_TRACKERS, Trackers
 
@@ -163,6 +169,9 @@ class DPOTrainer:
         )
         started = time.perf_counter()
         model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
+        # packing: rows of the model's context length (learner/lm/packing.py)
+        config: Any = model.config
+        self.pack_tokens = int(config.max_position_embeddings) if s.packing else None
         optimizer = OptimizerSettings(lr=s.learning_rate, eps=1e-8, weight_decay=s.weight_decay)
         ds = DeepSpeedSettings(
             zero_stage=s.zero_stage,
@@ -207,8 +216,14 @@ class DPOTrainer:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(chosen [B], rejected [B], completion tokens in the batch) under ``forward``."""
         batch = _collate(pairs, self.tokenizer.pad_token_id, self.engine.device)
-        out = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        logp = token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])  # [2B, L-1]
+        if self.pack_tokens is not None:  # the same log-probs through a packed forward
+            logp, _ = sequence_logprobs(
+                forward, batch.input_ids, batch.attention_mask, entropy=False,
+                pack_tokens=self.pack_tokens,
+            )  # fmt: skip
+        else:
+            out = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            logp = token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])  # [2B, L-1]
         mask = batch.completion_mask[:, 1:].to(logp.dtype)  # [2B, L-1] position t scores t+1
         seq = (logp * mask).sum(-1)  # [2B]
         if self.settings.loss_type == "ipo":  # IPO's margin target assumes per-token averages

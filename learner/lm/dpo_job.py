@@ -17,8 +17,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from learner.lm.settings import LoraSettings
-from learner.settings import DeviceKnob, PrecisionKnob, ZeroStageKnob, check_precision
+from learner.lm.settings import LMTrainingKnobs, LoraSettings
+from learner.settings import (
+    DeviceKnob,
+    PrecisionKnob,
+    ZeroStageKnob,
+    check_precision,
+    knob,
+)
 from services.config import StrictModel
 from services.errors import ConfigError
 from services.registry import JobSpec
@@ -68,6 +74,7 @@ class DPOSettings(StrictModel):
     gradient_clipping: float | None = Field(
         default=1.0, gt=0, description="global gradient-norm clip (null: off)"
     )
+    packing: bool = knob(LMTrainingKnobs, "packing")
     lora: LoraSettings | None = Field(
         default=None, description="train LoRA adapters only, merged into final/ (null: full)"
     )

@@ -356,3 +356,25 @@ def test_data_generator_writes_valid_pairs(tmp_path: Path) -> None:
         assert pair.chosen != pair.rejected
         if op:  # "a+b": the chosen answer is the sum
             assert pair.chosen == f" <answer>{int(a) + int(b)}</answer>"
+
+
+def test_packed_dpo_trains_as_padded(tiny_model: Path, pairs_file: Path, tmp_path: Path) -> None:
+    """`packing: true`: the reference scores and every step's loss and rewards are the padded
+    run's (the forward passes only pack the pairs' sequences: learner/lm/packing.py)."""
+    runs = {}
+    for packing in (False, True):
+        trainer = DPOTrainer(
+            settings(tiny_model, pairs_file, epochs=1, log_every=1, packing=packing),
+            tmp_path / str(packing),
+        )
+        try:
+            runs[packing] = (trainer.ref_train.clone(), trainer.run().history)
+        finally:
+            trainer.close()
+    (ref_padded, padded), (ref_packed, packed) = runs[False], runs[True]
+    # sequence sums of log-probs (tens of nats): float32 rounding, relative
+    torch.testing.assert_close(ref_packed, ref_padded, rtol=1e-6, atol=1e-5)
+    assert len(packed) == len(padded) > 1
+    for row_packed, row_padded in zip(packed, padded, strict=True):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert row_packed[key] == pytest.approx(row_padded[key], rel=1e-4, abs=1e-5), key
