@@ -82,9 +82,6 @@ from services.start_order import in_config_order, start_needs, stop_waves
 
 __all__ = ["Launcher", "check_cpus"]
 
-# vLLM's first compile is slow on CPU, and an LM sampler becomes healthy only once it has
-# loaded the learner's first version (after the learner's SFT warm start).
-HEALTH_TIMEOUT_S = 300.0
 GRACE_S = 10.0
 BACKOFF_S = 0.5  # first restart delay; doubles per restart of the same service, capped
 MAX_BACKOFF_S = 10.0
@@ -246,7 +243,7 @@ class Launcher:
         *,
         out: IO[str] | None = None,
         environ: Mapping[str, str] | None = None,
-        health_timeout_s: float = HEALTH_TIMEOUT_S,
+        health_timeout_s: float | None = None,
         grace_s: float = GRACE_S,
         backoff_s: float = BACKOFF_S,
         verbose: bool | None = None,
@@ -277,7 +274,8 @@ class Launcher:
         self.out = out or sys.stdout
         self.environ = dict(os.environ if environ is None else environ)
         self._security = RunSecurity(self.config.run.name)  # made for real when the run starts
-        self.health_timeout_s = health_timeout_s
+        # the run file's (run.health_timeout_s) unless a caller sets one
+        self.health_timeout_s = health_timeout_s or self.config.run.health_timeout_s
         self.grace_s = grace_s
         self.backoff_s = backoff_s
         self.run_dir = config.run_dir.resolve()

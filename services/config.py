@@ -121,6 +121,15 @@ class RunSection(StrictModel):
         description="experiment trackers the learner logs to beside TensorBoard "
         "(services/tracking.py): wandb, mlflow",
     )
+    # A vLLM engine starting on a loaded CPU machine takes minutes (its processes import torch
+    # and vLLM, then load and warm the model), and an LM sampler is healthy only once it has the
+    # learner's first version (after the SFT warm start); a service that exits fails at once.
+    health_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long `rlfleet up` waits for each service to report healthy before the "
+        "run fails",
+    )
 
 
 class NatsSection(StrictModel):
