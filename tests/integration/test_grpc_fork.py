@@ -84,5 +84,11 @@ def test_the_race_is_real_with_fork_support_on() -> None:
     that fixed the bug loses none: then the setting is no longer needed, which this reports."""
     import grpc
 
-    if _failed_children(300, GRPC_ENABLE_FORK_SUPPORT="true") == 0:
+    try:
+        failed = _failed_children(300, GRPC_ENABLE_FORK_SUPPORT="true")
+    except subprocess.TimeoutExpired:
+        # A child stuck between fork and exec blocks the script's wait for it: the same race,
+        # hanging instead of aborting (seen beside a CPU hog), where fork support off never did.
+        return
+    if failed == 0:
         pytest.skip(f"grpcio {grpc.__version__} lost no child with fork support on (fixed?)")
