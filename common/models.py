@@ -207,6 +207,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     )
 
 
+def _initialised(model_class: Any, config: Any, *, seed: int, dtype: str, eos_id: int) -> Any:
+    """A randomly initialised ``model_class(config)`` (seeded) in ``dtype``, generating until
+    ``eos_id``."""
+    import torch
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
+    )
+    return model
+
+
 def init_model(
     out_dir: str | Path,
     *,
@@ -223,8 +237,7 @@ def init_model(
     tokenizer; default: the arithmetic generator. ``env`` (``{"env_id", "kwargs"}``) adds a text
     environment's episodes, rendered with its tools, so its prompts stay short.
     """
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from common.datasets import iter_tasks
 
@@ -258,11 +271,7 @@ def init_model(
         pad_token_id=eos_id,
         **extra,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
-    )
+    model = _initialised(Qwen2ForCausalLM, config, seed=seed, dtype=dtype, eos_id=eos_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
@@ -310,9 +319,7 @@ def init_vision_model(
     (docs/platform.md); its text side is always Llama in vLLM. ``dataset`` trains the tokenizer
     (default: the ``shapes`` generator's questions and the arithmetic generator's text).
     """
-    import torch
     from transformers import (
-        GenerationConfig,
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
@@ -373,10 +380,8 @@ def init_vision_model(
         pad_token_id=eos_id,
         **cast(dict[str, Any], {"torch_dtype": dtype}),  # not a typed field, as in init_model
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
+    model = _initialised(
+        Idefics3ForConditionalGeneration, config, seed=seed, dtype=dtype, eos_id=eos_id
     )
     edge = {"longest_edge": vision.image_size}
     processor = Idefics3Processor(
