@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
@@ -38,11 +38,44 @@ from services.grpc_names import service_name
 from services.membership import Balancer, PeerView
 from services.server import channel
 
-__all__ = ["SERVICE_NAME", "PromptLike", "SamplerClient", "SamplerPool", "to_prompt"]
+__all__ = [
+    "SERVICE_NAME",
+    "PromptLike",
+    "SamplerClient",
+    "SamplerPool",
+    "chat_message",
+    "to_prompt",
+]
 
 SERVICE_NAME = service_name(sampler_pb2, "SamplerService")  # for health checks
 
-PromptLike = str | Sequence[int] | np.ndarray | Sequence[Mapping[str, str]] | sampler_pb2.Prompt
+PromptLike = str | Sequence[int] | np.ndarray | Sequence[Mapping[str, Any]] | sampler_pb2.Prompt
+
+
+def chat_message(
+    message: Mapping[str, Any], images: Iterator[sampler_pb2.Image] | None = None
+) -> sampler_pb2.ChatMessage:
+    """A chat message (OpenAI's shape) as a ChatMessage. Content parts: ``{"type": "text",
+    "text": ...}`` and ``{"type": "image", "image": <encoded bytes>}``; an image part without
+    bytes (a dataset's placeholder) takes the next of ``images``."""
+    role, content = str(message["role"]), message.get("content")
+    if content is None or isinstance(content, str):
+        return sampler_pb2.ChatMessage(role=role, content=content or "")
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(sampler_pb2.ContentPart(text=str(part.get("text", ""))))
+        elif kind == "image" and isinstance(part.get("image"), bytes):
+            parts.append(sampler_pb2.ContentPart(image=sampler_pb2.Image(data=part["image"])))
+        elif kind == "image" and images is not None:
+            image = next(images, None)
+            if image is None:
+                raise ValueError("more image parts in the messages than images given")
+            parts.append(sampler_pb2.ContentPart(image=image))
+        else:
+            raise ValueError(f"a content part of type {kind!r} without what it needs")
+    return sampler_pb2.ChatMessage(role=role, parts=parts)
 
 
 def to_prompt(prompt: PromptLike) -> sampler_pb2.Prompt:
@@ -54,8 +87,8 @@ def to_prompt(prompt: PromptLike) -> sampler_pb2.Prompt:
     if isinstance(prompt, np.ndarray) or (prompt and isinstance(prompt[0], int | np.integer)):
         ids = np.asarray(prompt, dtype=np.int32)
         return sampler_pb2.Prompt(token_ids=tensor.encode(ids))
-    chat = cast("Sequence[Mapping[str, str]]", prompt)  # the one form left: chat messages
-    messages = [sampler_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]
+    chat = cast("Sequence[Mapping[str, Any]]", prompt)  # the one form left: chat messages
+    messages = [chat_message(m) for m in chat]
     return sampler_pb2.Prompt(chat=sampler_pb2.ChatPrompt(messages=messages))
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from launch.certs import ensure_certs
 from services.bus import Bus, NatsUser, service_permissions, stream_name, traj_subject
+from services.bus.images import ImageStore
 from services.bus.subjects import KIND_RIGHTS, work_queue_stream, work_queue_subject
 from services.config import RunConfig, ServiceEntry
 from services.membership import ensure_bucket
@@ -87,8 +88,9 @@ class RunSecurity:
 
     async def create_streams(self, url: str) -> None:
         """With NATS auth: the run's trajectory stream and its payload bucket, its membership
-        bucket, and each prompt queue with its feeder's cursor bucket, as the services would
-        make them on first use (services may use but not create them)."""
+        bucket, and each prompt queue with its feeder's cursor bucket (and the run's image
+        bucket), as the services would make them on first use (services may use but not create
+        them)."""
         if not self.nats:
             return
         async with Bus.connect(url, name="rlfleet-launcher") as bus:
@@ -96,6 +98,8 @@ class RunSecurity:
             await bus.ensure_stream(stream_name(self.run), [traj])
             await bus.payloads.ensure(traj)
             await ensure_bucket(bus, self.run)
+            if self.queues:  # prompts may hold images, stored by the feeder
+                await ImageStore(bus.payloads, self.run).ensure()
             for queue in self.queues:
                 stream = work_queue_stream(self.run, queue)
                 subject = work_queue_subject(self.run, queue)

@@ -10,10 +10,11 @@ import numpy as np
 from google.protobuf import timestamp_pb2
 
 from clients.env.episodes import Episode
-from clients.trajectories.prompts import prompt_key
+from clients.trajectories.prompts import image_digests, prompt_key
 from common import tensor
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
+from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import InvalidArgument
 
 __all__ = [
@@ -39,8 +40,15 @@ def prompt_text(task: trajectory_pb2.PromptTask) -> str:
     message (the task itself; the rendered template is the sampler's business)."""
     if task.WhichOneof("prompt") == "text":
         return task.text
-    users = [m.content for m in task.chat.messages if m.role == "user"]
-    return users[-1] if users else "\n".join(m.content for m in task.chat.messages)
+    users = [_text(m) for m in task.chat.messages if m.role == "user"]
+    return users[-1] if users else "\n".join(_text(m) for m in task.chat.messages)
+
+
+def _text(message: sampler_pb2.ChatMessage) -> str:
+    """A message's text: its content, or its text parts (an image part reads ``<image>``)."""
+    if not message.parts:
+        return message.content
+    return "".join(p.text if p.WhichOneof("part") == "text" else "<image>" for p in message.parts)
 
 
 def transcript(episode: Episode) -> str:
@@ -75,6 +83,7 @@ def group_header(
         source=source,
         dataset=task.dataset,
         create_time=now,
+        image_sha256=image_digests(task),
     )
 
 

@@ -27,10 +27,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from clients.sampler import chat_message
 from common.datasets import SOLUTION_COLUMN, DatasetSpecError, Task, iter_tasks
+from common.images import image_digest
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.bus import Bus, Delivery, work_queue_stream, work_queue_subject
+from services.bus.images import ImageStore
 from services.bus.subjects import QUEUE_DURABLE
 from services.errors import Unavailable
 
@@ -41,8 +44,10 @@ __all__ = [
     "PromptQueue",
     "dataset_name",
     "ensure_queue",
+    "image_digests",
     "prompt_key",
     "prompt_task",
+    "with_image_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,19 +65,47 @@ def dataset_name(spec: dict[str, Any]) -> str:
     return f"{spec.get('generator')}:{spec.get('split', 'train')}:{spec.get('seed', 0)}"
 
 
+def image_digests(task: trajectory_pb2.PromptTask) -> list[str]:
+    """The SHA-256 of each image of a task's messages, in order."""
+    if task.WhichOneof("prompt") != "chat":
+        return []
+    return [
+        part.image.sha256
+        for message in task.chat.messages
+        for part in message.parts
+        if part.WhichOneof("part") == "image"
+    ]
+
+
+async def with_image_bytes(
+    task: trajectory_pb2.PromptTask, images: ImageStore
+) -> trajectory_pb2.PromptTask:
+    """A copy of ``task`` whose images hold their bytes (fetched from the run's image store),
+    as a sampler takes them; ``task`` itself when it has none."""
+    if not image_digests(task):
+        return task
+    inlined = trajectory_pb2.PromptTask()
+    inlined.CopyFrom(task)
+    for i, message in enumerate(inlined.chat.messages):
+        for j, part in enumerate(message.parts):
+            if part.WhichOneof("part") == "image" and part.image.sha256:
+                where = f"prompt {prompt_key(task)} messages[{i}].parts[{j}]"
+                data = await images.get(part.image.sha256, where)
+                part.image.data = data  # the oneof: the digest gives way to the bytes
+    return inlined
+
+
 def prompt_task(run: str, dataset: str, epoch: int, task: Task) -> trajectory_pb2.PromptTask:
     """The queue message of one dataset task (its solution goes into extra, see SOLUTION_KEY)."""
-    if task.images:  # never sample an image prompt as its text: the model would not see it
-        raise DatasetSpecError(
-            f"task {task.prompt_id} has images: rollout drivers sample text prompts only"
-        )
     message = trajectory_pb2.PromptTask(
         run=run, prompt_id=task.prompt_id, dataset=dataset, epoch=epoch
     )
     if task.messages:
-        message.chat.messages.extend(
-            sampler_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in task.messages
-        )
+        # Images by digest: their bytes go to the run's image store (PromptFeeder).
+        refs = iter(sampler_pb2.Image(sha256=image_digest(data)) for data in task.images)
+        message.chat.messages.extend(chat_message(m, refs) for m in task.messages)
+    elif task.images:
+        raise DatasetSpecError(f"task {task.prompt_id} has images but no chat messages")
     else:
         message.text = task.prompt
     extra = task.columns()  # every column reaches the reward functions, as in TRL
@@ -117,6 +150,7 @@ class PromptFeeder:
         self.epochs = epochs
         self.poll_s = poll_s
         self.published = 0  # by this feeder (duplicates the stream dropped not counted)
+        self.images = ImageStore(bus.payloads, run)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         """Feed until the last epoch is queued or ``stop`` is set."""
@@ -141,6 +175,8 @@ class PromptFeeder:
                 if stop.is_set():
                     return
                 for _ in range(room):
+                    for data in upcoming.images:
+                        await self.images.put(data)
                     message = prompt_task(self.run, self.dataset, epoch, upcoming)
                     ack = await self.bus.publish(subject, message, msg_id=prompt_key(message))
                     self.published += not ack.duplicate

@@ -1,10 +1,12 @@
 """The engine protocol: what the language-model sampler needs from a generation engine.
 
 Engines see token ids only; tokenization and chat templates happen once, in the service
-(sampler/lm/prompts.py), so every engine generates from exactly the same prompt. Engines are
-found by name in ENGINES ("vllm", "hf"), which maps each name to its factory's import path, so
-adding an engine never touches the service and the service never imports an engine it does not
-run.
+(sampler/lm/requests.py), so every engine generates from exactly the same prompt. A prompt with
+images also comes with the images and its ids before expansion (PromptImages): the service's ids
+hold each image's tokens as the model's processor expands them, which is what the model sees.
+Engines are found by name in ENGINES ("vllm", "hf"), which maps each name to its factory's
+import path, so adding an engine never touches the service and the service never imports an
+engine it does not run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "EngineInfo",
     "GenerationEngine",
     "PromptCounts",
+    "PromptImages",
     "SamplingOptions",
     "build_engine",
 ]
@@ -60,6 +63,16 @@ class SamplingOptions:
     # ("json_schema", the schema's JSON text) or ("json_object", ""): the completion's format,
     # for engines whose EngineInfo says structured_output; None: free text.
     structured_output: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """The images of one prompt, in the order the prompt shows them. ``placeholder_ids`` is the
+    prompt with one image token per image, before the processor expanded each: engines that
+    expand images themselves (vLLM) take that form."""
+
+    data: tuple[bytes, ...]  # encoded image files, checked to decode by the service
+    placeholder_ids: tuple[int, ...]
 
 
 @dataclass
@@ -116,6 +129,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     prefix_caching: bool = False  # whether repeated prompt prefixes skip their prefill
     structured_output: bool = False  # whether it takes SamplingOptions.structured_output
+    max_images: int = 0  # images one prompt may hold (0: the engine reads text only)
 
 
 # The weight dtypes an engine runs in (SamplerSettings.dtype); every engine takes all three.
@@ -136,6 +150,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 256
     served_model_name: str | None = None
+    max_images: int = 0  # per prompt, for a vision-language model
     extra: Mapping[str, Any] = field(default_factory=dict)  # engine-specific arguments
 
 
@@ -146,13 +161,22 @@ class GenerationEngine(Protocol):
     counts: PromptCounts  # every request's prompt, Generate and stream alike
 
     async def generate(
-        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+        self,
+        prompts: Sequence[Sequence[int]],
+        options: SamplingOptions,
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[list[Completion]]:
-        """`options.n` completions per prompt, in prompt order. Concurrent calls are allowed
-        (and batched together by engines that can)."""
+        """`options.n` completions per prompt, in prompt order; `images[i]`: prompt i's images
+        (only ever given to an engine whose info.max_images allows them). Concurrent calls are
+        allowed (and batched together by engines that can)."""
         ...
 
-    def stream(self, prompt: Sequence[int], options: SamplingOptions) -> AsyncIterator[list[Delta]]:
+    def stream(
+        self,
+        prompt: Sequence[int],
+        options: SamplingOptions,
+        images: PromptImages | None = None,
+    ) -> AsyncIterator[list[Delta]]:
         """One prompt's `options.n` completions as they are generated (`options.max_tokens` has
         one entry): batches of Deltas, every completion ending with a Delta whose finish_reason
         is set. Closing the iterator early (or cancelling the task reading it) aborts the

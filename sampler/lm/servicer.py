@@ -31,7 +31,13 @@ from common import tensor
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import Completion, Delta, GenerationEngine, SamplingOptions
 from sampler.lm.gate import VersionGate
-from sampler.lm.requests import Limits, PromptRenderer, parse_request, parse_stream_request
+from sampler.lm.requests import (
+    Limits,
+    PromptRenderer,
+    Rendered,
+    parse_request,
+    parse_stream_request,
+)
 from sampler.lm.tool_calls import ToolCallReader
 from services.errors import InvalidArgument, ResourceExhausted, Unavailable
 
@@ -72,10 +78,11 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         self.waiting_for = "the engine to start"  # what Generate's UNAVAILABLE says
         self.queued = 0  # engine requests (prompts) admitted and not finished
 
-    def attach(self, engine: GenerationEngine, tokenizer: object) -> None:
-        """The engine is up (with the weights from disk, version 0)."""
+    def attach(self, engine: GenerationEngine, tokenizer: object, processor: object = None) -> None:
+        """The engine is up (with the weights from disk, version 0); ``processor``: a
+        vision-language model's, which expands the images of prompts."""
         self.engine = engine
-        self.renderer = PromptRenderer(tokenizer)
+        self.renderer = PromptRenderer(tokenizer, processor)
         self.tool_calls = ToolCallReader(tokenizer, self.settings.tool_parser)
         info = engine.info
         self.limits = Limits(
@@ -83,6 +90,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
             max_prompts=self.settings.max_prompts_per_request,
             max_context=info.max_model_len,
             vocab_size=info.vocab_size,
+            max_images=info.max_images if processor is not None else 0,
         )
 
     def set_ready(self) -> None:
@@ -167,7 +175,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         response = sampler_pb2.GenerateResponse()
         for prompt, completions, listed in zip(prompts, results, tools, strict=True):
             result = response.results.add()
-            result.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(prompt, np.int32)))
+            result.prompt_token_ids.CopyFrom(tensor.encode(np.asarray(prompt.ids, np.int32)))
             if completions:
                 result.cached_prompt_tokens = completions[0].cached_prompt_tokens
             for completion in completions:
@@ -200,11 +208,11 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         try:
             async with self.gate.reading() as version:
                 start = sampler_pb2.StreamStart(
-                    prompt_token_ids=tensor.encode(np.asarray(prompt, np.int32)),
+                    prompt_token_ids=tensor.encode(np.asarray(prompt.ids, np.int32)),
                     policy_version=version,
                 )
                 yield sampler_pb2.GenerateStreamResponse(start=start)
-                stream = self.engine.stream(prompt, engine_options)
+                stream = self.engine.stream(prompt.ids, engine_options, prompt.images)
                 async with contextlib.aclosing(stream):  # type: ignore[type-var]
                     async for batch in stream:
                         for delta in batch:
@@ -240,17 +248,22 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
             reply.eos_token_ids.extend(info.eos_token_ids)
             reply.vocab_size = info.vocab_size
             reply.prefix_caching = info.prefix_caching
+        if self.limits is not None:
+            reply.max_images_per_prompt = self.limits.max_images
         return reply
 
 
 async def _generate(
-    engine: GenerationEngine, prompts: list[list[int]], options: SamplingOptions
+    engine: GenerationEngine, prompts: list[Rendered], options: SamplingOptions
 ) -> list[list[Completion]]:
     """Greedy decoding gives one answer however often it is asked (vLLM refuses n > 1 with
     temperature 0): generate once per prompt and repeat it n times."""
+    ids = [p.ids for p in prompts]
+    # Text-only requests keep the engine call they always made.
+    images = [p.images for p in prompts] if any(p.images for p in prompts) else None
     if options.temperature > 0 or options.n == 1:
-        return await engine.generate(prompts, options)
-    once = await engine.generate(prompts, dataclasses.replace(options, n=1))
+        return await engine.generate(ids, options, images)
+    once = await engine.generate(ids, dataclasses.replace(options, n=1), images)
     return [[copy.deepcopy(c[0]) for _ in range(options.n)] for c in once]
 
 

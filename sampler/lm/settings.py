@@ -28,6 +28,9 @@ class SamplerSettings(StrictModel):
     # RESOURCE_EXHAUSTED rather than queueing without bound.
     max_queued_requests: int = Field(default=4096, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)  # vLLM: sequences per scheduler step
+    # Images one prompt may hold, for a vision-language model (vLLM's limit_mm_per_prompt);
+    # more is INVALID_ARGUMENT. A text model takes none whatever this says.
+    max_images: int = Field(default=4, ge=1)
     kv_cache_gib: int = Field(default=1, ge=1)  # vLLM KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
     # vLLM's KV block, in tokens (None: vLLM's, 128 on CPU). The prefix cache reuses whole
     # blocks only: smaller ones keep more of short multi-turn conversations (a multiple of 32

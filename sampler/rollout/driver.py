@@ -36,7 +36,7 @@ from clients.sampler import SERVICE_NAME as SAMPLER_SERVICE
 from clients.sampler import SamplerPool
 from clients.trajectories.groups import episode_group, group_id
 from clients.trajectories.pacing import Pacer
-from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
+from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key, with_image_bytes
 from common.datasets import ENV_SEED_KEY
 from rlfleet.bus.v1 import trajectory_pb2
 from rlfleet.reward.v1 import reward_pb2
@@ -54,6 +54,7 @@ from sampler.rollout.settings import RolloutSettings
 from sampler.rollout.stats import RolloutStats
 from sampler.rollout.turns import sampler_turns
 from services.bus import Bus, Delivery, stop_when_run_over, stream_name, traj_subject
+from services.bus.images import ImageStore
 from services.calls import call_with_retry, wait_healthy
 from services.errors import ConfigError, InvalidArgument, Unavailable
 from services.membership import Balancer, Members, PeerView
@@ -95,6 +96,7 @@ class RolloutDriver:
         self.watch = self.pacer.watch
         self.queue: PromptQueue | None = None
         self.stats: RolloutStats | None = None
+        self.images: ImageStore | None = None  # the prompts' images, by digest
         self.tokenizer: Any = None
         self.eos_token_id: int | None = None
         self.prefix_caching = False  # the samplers' engines keep one (GetInfo)
@@ -107,6 +109,7 @@ class RolloutDriver:
         if not self.ctx.nats_url:
             raise ConfigError(f"rollout {self.ctx.name}: needs a NATS url (RLFLEET_NATS_URL)")
         self.bus = await Bus.connect(self.ctx.nats_url, name=f"{self.ctx.name}-rollout")
+        self.images = ImageStore(self.bus.payloads, self.run_name)
         try:
             if await self._prepare():
                 await self._work()
@@ -328,7 +331,9 @@ class RolloutDriver:
         assert self.queue is not None and self.stats is not None
         settings = self.settings
         while batch:
-            tasks = [d.message for d in batch]
+            tasks = await self._with_images(batch)
+            if not tasks:
+                continue  # a prompt whose images are gone was dropped: ask for the rest
             request = generate_request(tasks, settings.sampling, settings.group_size, settings.seed)
             started = time.monotonic()
             try:
@@ -356,6 +361,22 @@ class RolloutDriver:
                     await self.watch.observe(completion.end_policy_version)
             return batch, list(response.results)
         return None
+
+    async def _with_images(self, batch: list[Prompt]) -> list[trajectory_pb2.PromptTask]:
+        """The batch's tasks with their images' bytes; [] after dropping (from ``batch``) a
+        prompt whose images the store no longer holds."""
+        assert self.images is not None and self.queue is not None
+        tasks = []
+        for i, delivery in enumerate(batch):
+            try:
+                tasks.append(await with_image_bytes(delivery.message, self.images))
+            except InvalidArgument as exc:
+                log.error("dropping prompt %s: %s", prompt_key(delivery.message), exc)
+                del batch[i]
+                await self.queue.term(delivery)
+                self.pacer.credit([group_id(self.run_name, delivery.message)])
+                return []
+        return tasks
 
     async def _roll_episodes(self, delivery: Prompt) -> None:
         """Play one task's group of episodes, publish it, ack the task. An env server that

@@ -65,19 +65,42 @@ class PayloadStore:
     async def ensure(self, subject: str) -> None:
         """Create the bucket of ``subject`` if missing (the launcher does, under NATS auth,
         where publishers may use the bucket but not create it)."""
-        await self._bucket(bucket_for(subject), create=True)
+        await self.ensure_bucket(bucket_for(subject))
+
+    async def ensure_bucket(self, bucket: str) -> None:
+        """Create ``bucket`` if missing."""
+        await self._bucket(bucket, create=True)
+
+    async def store(self, bucket: str, name: str, data: bytes) -> None:
+        """Put ``data`` under ``name`` in ``bucket`` (created on first use)."""
+        try:
+            store = await self._bucket(bucket, create=True)
+            await store.put(name, data)
+        except (TimeoutError, nats.errors.Error) as exc:
+            what = f"storing {len(data)} bytes of {name!r} in {bucket}"
+            raise Unavailable(f"{what}: {exc}") from exc
+
+    async def fetch(self, bucket: str, name: str, where: str) -> bytes:
+        """The bytes under ``name``; InvalidArgument when gone (the message naming it can never
+        be read), Unavailable when NATS is."""
+        try:
+            store = await self._bucket(bucket, create=False)
+            result = await store.get(name)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError) as exc:
+            raise InvalidArgument(
+                f"{where}: payload {bucket}/{name} is gone ({type(exc).__name__})",
+                field="payload",
+            ) from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Unavailable(f"{where}: fetching payload {name}: {exc}") from exc
+        return bytes(result.data or b"")
 
     async def put(
         self, subject: str, msg_id: str, data: bytes, type_name: str
     ) -> trajectory_pb2.PayloadRef:
         """Store ``data``; the PayloadRef to publish instead."""
         bucket = bucket_for(subject)
-        try:
-            store = await self._bucket(bucket, create=True)
-            await store.put(msg_id, data)
-        except (TimeoutError, nats.errors.Error) as exc:
-            what = f"storing {len(data)} bytes of {msg_id!r} in {bucket}"
-            raise Unavailable(f"{what}: {exc}") from exc
+        await self.store(bucket, msg_id, data)
         return trajectory_pb2.PayloadRef(
             bucket=bucket,
             object=msg_id,
@@ -89,17 +112,7 @@ class PayloadStore:
     async def get(self, ref: trajectory_pb2.PayloadRef, where: str) -> bytes:
         """The referenced bytes, checked; InvalidArgument when gone or corrupt (the message can
         never be read: the consumer terminates it), Unavailable when NATS is."""
-        try:
-            store = await self._bucket(ref.bucket, create=False)
-            result = await store.get(ref.object)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError) as exc:
-            raise InvalidArgument(
-                f"{where}: payload {ref.bucket}/{ref.object} is gone ({type(exc).__name__})",
-                field="payload",
-            ) from exc
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise Unavailable(f"{where}: fetching payload {ref.object}: {exc}") from exc
-        data = bytes(result.data or b"")
+        data = await self.fetch(ref.bucket, ref.object, where)
         if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
             raise InvalidArgument(
                 f"{where}: payload {ref.object} is {len(data)} bytes with another digest than "

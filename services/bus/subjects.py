@@ -23,6 +23,7 @@ __all__ = [
     "QUEUE_DURABLE",
     "events_subject",
     "events_wildcard",
+    "images_bucket",
     "inbox_prefix",
     "payload_bucket",
     "service_permissions",
@@ -175,6 +176,12 @@ def payload_bucket(subject: str) -> str:
     return "PAYLOADS_" + re.sub(r"[^A-Za-z0-9_-]", "_", subject.replace(".", "_"))
 
 
+def images_bucket(run: str) -> str:
+    """The object store bucket of a run's prompt images, named by their SHA-256
+    (services/bus/images.py)."""
+    return "IMAGES_" + re.sub(r"[^A-Za-z0-9_-]", "_", run)
+
+
 def _stream_api(stream: str, *calls: str) -> tuple[str, ...]:
     return tuple(f"{_API}.{call}.{stream}" for call in calls)
 
@@ -253,19 +260,24 @@ def _capability(
         return (traj, *_stream_api(stream, "STREAM.INFO"), *_payload_api(bucket, read=False)), ()
     if name == "manage_run_stream":
         return _stream_api(stream, "STREAM.CREATE", "STREAM.UPDATE", "STREAM.INFO"), ()
+    images = images_bucket(run)
     if name == "consume_trajectories":  # its own durables on the run's stream, payloads too
-        rights = (*_consumer_api(stream, "*"), *_payload_api(payload_bucket(traj), read=True))
+        rights = (
+            *_consumer_api(stream, "*"),
+            *_payload_api(payload_bucket(traj), read=True),
+            *_payload_api(images, read=True),
+        )
         return rights, ()
-    if name == "feed_queue":  # the feeder: publish tasks, watch the depth, keep its cursor
+    if name == "feed_queue":  # the feeder: publish tasks and their images, keep its cursor
         feeds = [
             (subject, *_stream_api(s, "STREAM.INFO"), *_kv_api(f"{s}-FEED")) for s, subject in work
         ]
-        return tuple(x for group in feeds for x in group), ()
-    if name == "take_queue":  # the drivers' shared durable on each work queue
+        return (*(x for group in feeds for x in group), *_payload_api(images, read=False)), ()
+    if name == "take_queue":  # the drivers' shared durable on each work queue, tasks' images
         takes = [
             (*_stream_api(s, "STREAM.INFO"), *_consumer_api(s, QUEUE_DURABLE)) for s, _ in work
         ]
-        return tuple(x for group in takes for x in group), ()
+        return (*(x for group in takes for x in group), *_payload_api(images, read=True)), ()
     if name in ("register", "follow_members"):
         return _members_api(run, kind if name == "register" else None), ()
     raise InvalidArgument(f"unknown NATS capability {name!r}", field="rights")

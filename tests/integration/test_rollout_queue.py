@@ -18,6 +18,7 @@ from clients.trajectories.prompts import PromptFeeder, PromptQueue, prompt_key
 from sampler.rollout.driver import RolloutDriver
 from sampler.rollout.settings import RolloutSettings
 from services.bus import Bus, EmbeddedNats, work_queue_stream
+from services.errors import InvalidArgument
 from services.ports import free_port
 from services.registry import ServiceContext
 
@@ -260,3 +261,53 @@ async def test_driver_waits_for_its_peers_and_stops_cleanly(nats_server: Embedde
     assert not running.done()  # still waiting for the sampler to come up
     ctx.stop_event.set()
     await asyncio.wait_for(running, 10)
+
+
+async def test_image_prompts_travel_by_digest_and_come_back_whole(
+    bus: Bus, nats_server: EmbeddedNats
+) -> None:
+    """A task's images go to the run's image store, never into the queue's messages; a driver
+    gets the same bytes back by digest, and the group names them for the learner."""
+    from clients.trajectories.groups import group_header, now
+    from clients.trajectories.prompts import image_digests, with_image_bytes
+    from common.datasets import iter_tasks, take
+    from common.images import image_digest
+    from services.bus.images import ImageStore
+
+    run, spec = _run(), {"generator": "shapes", "split": "eval"}
+    tasks = take(iter_tasks(spec), 3)
+    feeder = PromptFeeder(bus, run, "prompts", spec, depth=3, epochs=1)
+    stop = asyncio.Event()
+    feeding = asyncio.create_task(feeder.run_until(stop))
+    async with Bus.connect(nats_server.url, name="driver-images") as own:
+        queue = PromptQueue(own, run, "prompts", ack_wait_s=5.0, prefetch=3)
+        await queue.start()
+        try:
+            batch = []
+            while len(batch) < 3:
+                batch += await queue.take(3 - len(batch), stop)
+            store = ImageStore(own.payloads, run)
+            for delivery, task in zip(batch, tasks, strict=True):
+                message = delivery.message
+                assert image_digests(message) == [image_digest(d) for d in task.images]
+                assert all(
+                    not part.image.data for m in message.chat.messages for part in m.parts
+                )  # by digest only
+                inlined = await with_image_bytes(message, store)
+                sent = [
+                    p.image.data for m in inlined.chat.messages for p in m.parts if p.image.data
+                ]
+                assert sent == list(task.images)
+                header = group_header(run, "driver-images", message, now())
+                assert list(header.image_sha256) == image_digests(message)
+                assert header.prompt_text.startswith("<image>")
+            await queue.ack(batch)
+            gone = message.__class__()
+            gone.CopyFrom(message)
+            gone.chat.messages[0].parts[0].image.sha256 = "0" * 64
+            with pytest.raises(InvalidArgument, match="gone"):
+                await with_image_bytes(gone, store)
+        finally:
+            stop.set()
+            await queue.close()
+            await asyncio.gather(feeding, return_exceptions=True)

@@ -67,7 +67,7 @@ class RolloutFragment(_message.Message):
     def __init__(self, run: _Optional[str] = ..., actor_id: _Optional[str] = ..., fragment_id: _Optional[str] = ..., sequence: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_envs: _Optional[int] = ..., observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., actions: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., next_observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., bootstrap_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., final_indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_tensor_pb2.TensorTree, _Mapping]] = ..., final_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., episode_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., env_id: _Optional[str] = ..., env_address: _Optional[str] = ..., env_session_id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
-    __slots__ = ("run", "group_id", "prompt_id", "prompt_token_ids", "prompt_text", "completions", "policy_version", "source", "dataset", "create_time")
+    __slots__ = ("run", "group_id", "prompt_id", "prompt_token_ids", "prompt_text", "completions", "policy_version", "source", "dataset", "create_time", "image_sha256")
     RUN_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class TrajectoryGroup(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SHA256_FIELD_NUMBER: _ClassVar[int]
     run: str
     group_id: str
     prompt_id: str
@@ -88,7 +89,8 @@ class TrajectoryGroup(_message.Message):
     source: str
     dataset: str
     create_time: _timestamp_pb2.Timestamp
-    def __init__(self, run: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt_text: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[TrajectoryCompletion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., source: _Optional[str] = ..., dataset: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    image_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt_text: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[TrajectoryCompletion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., source: _Optional[str] = ..., dataset: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., image_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrajectoryCompletion(_message.Message):
     __slots__ = ("token_ids", "logprobs", "loss_mask", "finish_reason", "rewards", "reward", "policy_version", "end_policy_version", "expert", "text")

@@ -28,7 +28,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from rlfleet.common.v1 import tensor_pb2 as rlfleet_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/sampler/v1/sampler.proto\x12\x12rlfleet.sampler.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1erlfleet/common/v1/tensor.proto\"\xa0\x01\n\x0fGenerateRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.rlfleet.sampler.v1.Prompt\x12\x34\n\x08sampling\x18\x02 \x01(\x0b\x32\".rlfleet.sampler.v1.SamplingParams\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x81\x01\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.TensorH\x00\x12.\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1e.rlfleet.sampler.v1.ChatPromptH\x00\x42\x07\n\x05input\"\x8c\x02\n\nChatPrompt\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.rlfleet.sampler.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x05tools\x18\x04 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x10prefix_token_ids\x18\x05 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x17\n\x0fprefix_messages\x18\x06 \x01(\r\"\x82\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.rlfleet.sampler.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"J\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x08\n\x06\x66ormat\"\x94\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12?\n\x11structured_output\x18\x10 \x01(\x0b\x32$.rlfleet.sampler.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"E\n\x10GenerateResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .rlfleet.sampler.v1.PromptResult\"\x96\x01\n\x0cPromptResult\x12\x33\n\x10prompt_token_ids\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x33\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1e.rlfleet.sampler.v1.Completion\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf7\x02\n\nCompletion\x12,\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .rlfleet.sampler.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x1a\n\x12\x65nd_policy_version\x18\x06 \x01(\x03\x12\x30\n\rtop_token_ids\x18\x07 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12/\n\x0ctop_logprobs\x18\x08 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x30\n\ntool_calls\x18\t \x03(\x0b\x32\x1c.rlfleet.sampler.v1.ToolCall\"\xa5\x01\n\x15GenerateStreamRequest\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.rlfleet.sampler.v1.Prompt\x12\x34\n\x08sampling\x18\x02 \x01(\x0b\x32\".rlfleet.sampler.v1.SamplingParams\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x89\x01\n\x16GenerateStreamResponse\x12\x30\n\x05start\x18\x01 \x01(\x0b\x32\x1f.rlfleet.sampler.v1.StreamStartH\x00\x12\x34\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32#.rlfleet.sampler.v1.CompletionDeltaH\x00\x42\x07\n\x05\x65vent\"Z\n\x0bStreamStart\x12\x33\n\x10prompt_token_ids\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x8a\x03\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .rlfleet.sampler.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x30\n\rtop_token_ids\x18\x07 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12/\n\x0ctop_logprobs\x18\x08 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x17\n\x0ftop_token_texts\x18\t \x03(\t\x12\x35\n\ntool_calls\x18\n \x03(\x0b\x32!.rlfleet.sampler.v1.ToolCallDelta\"\x10\n\x0eGetInfoRequest\"\xc8\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x33\n\x0b\x65ngine_kind\x18\x05 \x01(\x0e\x32\x1e.rlfleet.sampler.v1.EngineKind\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\r\n\x05max_n\x18\x07 \x01(\r\x12\x1f\n\x17max_prompts_per_request\x18\x08 \x01(\r\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*o\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x01\x12\x12\n\x0e\x45NGINE_KIND_HF\x10\x02\x12\x1a\n\x16\x45NGINE_KIND_GAME_ACTOR\x10\x03\x32\xa6\x02\n\x0eSamplerService\x12U\n\x08Generate\x12#.rlfleet.sampler.v1.GenerateRequest\x1a$.rlfleet.sampler.v1.GenerateResponse\x12i\n\x0eGenerateStream\x12).rlfleet.sampler.v1.GenerateStreamRequest\x1a*.rlfleet.sampler.v1.GenerateStreamResponse0\x01\x12R\n\x07GetInfo\x12\".rlfleet.sampler.v1.GetInfoRequest\x1a#.rlfleet.sampler.v1.GetInfoResponseBX\n\x12rlfleet.sampler.v1P\x01Z+rlfleet/gen/go/rlfleet/sampler/v1;samplerv1\xaa\x02\x12Rlfleet.Sampler.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/sampler/v1/sampler.proto\x12\x12rlfleet.sampler.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1erlfleet/common/v1/tensor.proto\"\xa0\x01\n\x0fGenerateRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.rlfleet.sampler.v1.Prompt\x12\x34\n\x08sampling\x18\x02 \x01(\x0b\x32\".rlfleet.sampler.v1.SamplingParams\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x81\x01\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.TensorH\x00\x12.\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1e.rlfleet.sampler.v1.ChatPromptH\x00\x42\x07\n\x05input\"\x8c\x02\n\nChatPrompt\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.rlfleet.sampler.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x05tools\x18\x04 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x10prefix_token_ids\x18\x05 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x17\n\x0fprefix_messages\x18\x06 \x01(\r\"\xb2\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.rlfleet.sampler.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12.\n\x05parts\x18\x06 \x03(\x0b\x32\x1f.rlfleet.sampler.v1.ContentPart\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.rlfleet.sampler.v1.ImageH\x00\x42\x06\n\x04part\"3\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x10\n\x06sha256\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"J\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x08\n\x06\x66ormat\"\x94\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12?\n\x11structured_output\x18\x10 \x01(\x0b\x32$.rlfleet.sampler.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"E\n\x10GenerateResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .rlfleet.sampler.v1.PromptResult\"\x96\x01\n\x0cPromptResult\x12\x33\n\x10prompt_token_ids\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x33\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1e.rlfleet.sampler.v1.Completion\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf7\x02\n\nCompletion\x12,\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .rlfleet.sampler.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x1a\n\x12\x65nd_policy_version\x18\x06 \x01(\x03\x12\x30\n\rtop_token_ids\x18\x07 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12/\n\x0ctop_logprobs\x18\x08 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x30\n\ntool_calls\x18\t \x03(\x0b\x32\x1c.rlfleet.sampler.v1.ToolCall\"\xa5\x01\n\x15GenerateStreamRequest\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.rlfleet.sampler.v1.Prompt\x12\x34\n\x08sampling\x18\x02 \x01(\x0b\x32\".rlfleet.sampler.v1.SamplingParams\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x89\x01\n\x16GenerateStreamResponse\x12\x30\n\x05start\x18\x01 \x01(\x0b\x32\x1f.rlfleet.sampler.v1.StreamStartH\x00\x12\x34\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32#.rlfleet.sampler.v1.CompletionDeltaH\x00\x42\x07\n\x05\x65vent\"Z\n\x0bStreamStart\x12\x33\n\x10prompt_token_ids\x18\x01 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x8a\x03\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .rlfleet.sampler.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x30\n\rtop_token_ids\x18\x07 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12/\n\x0ctop_logprobs\x18\x08 \x01(\x0b\x32\x19.rlfleet.common.v1.Tensor\x12\x17\n\x0ftop_token_texts\x18\t \x03(\t\x12\x35\n\ntool_calls\x18\n \x03(\x0b\x32!.rlfleet.sampler.v1.ToolCallDelta\"\x10\n\x0eGetInfoRequest\"\xe7\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x33\n\x0b\x65ngine_kind\x18\x05 \x01(\x0e\x32\x1e.rlfleet.sampler.v1.EngineKind\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\r\n\x05max_n\x18\x07 \x01(\r\x12\x1f\n\x17max_prompts_per_request\x18\x08 \x01(\r\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12\x1d\n\x15max_images_per_prompt\x18\r \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*o\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x01\x12\x12\n\x0e\x45NGINE_KIND_HF\x10\x02\x12\x1a\n\x16\x45NGINE_KIND_GAME_ACTOR\x10\x03\x32\xa6\x02\n\x0eSamplerService\x12U\n\x08Generate\x12#.rlfleet.sampler.v1.GenerateRequest\x1a$.rlfleet.sampler.v1.GenerateResponse\x12i\n\x0eGenerateStream\x12).rlfleet.sampler.v1.GenerateStreamRequest\x1a*.rlfleet.sampler.v1.GenerateStreamResponse0\x01\x12R\n\x07GetInfo\x12\".rlfleet.sampler.v1.GetInfoRequest\x1a#.rlfleet.sampler.v1.GetInfoResponseBX\n\x12rlfleet.sampler.v1P\x01Z+rlfleet/gen/go/rlfleet/sampler/v1;samplerv1\xaa\x02\x12Rlfleet.Sampler.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.sampler.v1.sampler_
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\022rlfleet.sampler.v1P\001Z+rlfleet/gen/go/rlfleet/sampler/v1;samplerv1\252\002\022Rlfleet.Sampler.V1'
-  _globals['_FINISHREASON']._serialized_start=3342
-  _globals['_FINISHREASON']._serialized_end=3462
-  _globals['_ENGINEKIND']._serialized_start=3464
-  _globals['_ENGINEKIND']._serialized_end=3575
+  _globals['_FINISHREASON']._serialized_start=3557
+  _globals['_FINISHREASON']._serialized_end=3677
+  _globals['_ENGINEKIND']._serialized_start=3679
+  _globals['_ENGINEKIND']._serialized_end=3790
   _globals['_GENERATEREQUEST']._serialized_start=151
   _globals['_GENERATEREQUEST']._serialized_end=311
   _globals['_PROMPT']._serialized_start=314
@@ -47,33 +47,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATPROMPT']._serialized_start=446
   _globals['_CHATPROMPT']._serialized_end=714
   _globals['_CHATMESSAGE']._serialized_start=717
-  _globals['_CHATMESSAGE']._serialized_end=847
-  _globals['_TOOLCALL']._serialized_start=849
-  _globals['_TOOLCALL']._serialized_end=904
-  _globals['_TOOLCALLDELTA']._serialized_start=906
-  _globals['_TOOLCALLDELTA']._serialized_end=981
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=983
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1057
-  _globals['_SAMPLINGPARAMS']._serialized_start=1060
-  _globals['_SAMPLINGPARAMS']._serialized_end=1592
-  _globals['_GENERATERESPONSE']._serialized_start=1594
-  _globals['_GENERATERESPONSE']._serialized_end=1663
-  _globals['_PROMPTRESULT']._serialized_start=1666
-  _globals['_PROMPTRESULT']._serialized_end=1816
-  _globals['_COMPLETION']._serialized_start=1819
-  _globals['_COMPLETION']._serialized_end=2194
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=2197
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=2362
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2365
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2502
-  _globals['_STREAMSTART']._serialized_start=2504
-  _globals['_STREAMSTART']._serialized_end=2594
-  _globals['_COMPLETIONDELTA']._serialized_start=2597
-  _globals['_COMPLETIONDELTA']._serialized_end=2991
-  _globals['_GETINFOREQUEST']._serialized_start=2993
-  _globals['_GETINFOREQUEST']._serialized_end=3009
-  _globals['_GETINFORESPONSE']._serialized_start=3012
-  _globals['_GETINFORESPONSE']._serialized_end=3340
-  _globals['_SAMPLERSERVICE']._serialized_start=3578
-  _globals['_SAMPLERSERVICE']._serialized_end=3872
+  _globals['_CHATMESSAGE']._serialized_end=895
+  _globals['_CONTENTPART']._serialized_start=897
+  _globals['_CONTENTPART']._serialized_end=978
+  _globals['_IMAGE']._serialized_start=980
+  _globals['_IMAGE']._serialized_end=1031
+  _globals['_TOOLCALL']._serialized_start=1033
+  _globals['_TOOLCALL']._serialized_end=1088
+  _globals['_TOOLCALLDELTA']._serialized_start=1090
+  _globals['_TOOLCALLDELTA']._serialized_end=1165
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1167
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1241
+  _globals['_SAMPLINGPARAMS']._serialized_start=1244
+  _globals['_SAMPLINGPARAMS']._serialized_end=1776
+  _globals['_GENERATERESPONSE']._serialized_start=1778
+  _globals['_GENERATERESPONSE']._serialized_end=1847
+  _globals['_PROMPTRESULT']._serialized_start=1850
+  _globals['_PROMPTRESULT']._serialized_end=2000
+  _globals['_COMPLETION']._serialized_start=2003
+  _globals['_COMPLETION']._serialized_end=2378
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=2381
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=2546
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2549
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2686
+  _globals['_STREAMSTART']._serialized_start=2688
+  _globals['_STREAMSTART']._serialized_end=2778
+  _globals['_COMPLETIONDELTA']._serialized_start=2781
+  _globals['_COMPLETIONDELTA']._serialized_end=3175
+  _globals['_GETINFOREQUEST']._serialized_start=3177
+  _globals['_GETINFOREQUEST']._serialized_end=3193
+  _globals['_GETINFORESPONSE']._serialized_start=3196
+  _globals['_GETINFORESPONSE']._serialized_end=3555
+  _globals['_SAMPLERSERVICE']._serialized_start=3793
+  _globals['_SAMPLERSERVICE']._serialized_end=4087
 # @@protoc_insertion_point(module_scope)
