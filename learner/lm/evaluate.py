@@ -16,7 +16,7 @@ from common.datasets import Task, iter_tasks, shared_prompts, take
 if TYPE_CHECKING:
     from learner.lm.settings import EvalSettings
 
-__all__ = ["generate_greedy", "held_out_tasks", "score_accuracy"]
+__all__ = ["generate_greedy", "held_out_tasks", "prompt_batch", "score_accuracy"]
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,17 @@ def held_out_tasks(cfg: EvalSettings, train_prompts: int) -> list[Task]:
 
 @torch.no_grad()
 def generate_greedy(
-    model: Any, tokenizer: Any, tasks: Sequence[Task], *, max_tokens: int, batch_size: int
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[Task],
+    *,
+    max_tokens: int,
+    batch_size: int,
+    processor: Any = None,
 ) -> list[str]:
-    """Greedy completions (text, special tokens skipped) for ``tasks``, batched, left-padded."""
+    """Greedy completions (text, special tokens skipped) for ``tasks``, batched, left-padded.
+    Chat tasks are rendered with the chat template, as samplers render them; tasks with images
+    need the vision-language model's ``processor``, which expands them and makes the pixels."""
     was_training = model.training
     model.eval()
     texts: list[str] = []
@@ -54,8 +62,7 @@ def generate_greedy(
     try:
         for start in range(0, len(tasks), batch_size):
             chunk = tasks[start : start + batch_size]
-            prompts = [t.prompt for t in chunk]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = prompt_batch(tokenizer, processor, chunk)
             out = model.generate(
                 **enc,
                 max_new_tokens=max_tokens,
@@ -69,6 +76,32 @@ def generate_greedy(
         tokenizer.padding_side = previous_side
         model.train(was_training)
     return texts
+
+
+def prompt_batch(tokenizer: Any, processor: Any, tasks: Sequence[Task]) -> Any:
+    """The model inputs of ``tasks``' prompts, padded on the tokenizer's side: raw text as it
+    is, chat messages through the template, images through ``processor``."""
+    prompts = [
+        tokenizer.apply_chat_template(list(t.messages), tokenize=False, add_generation_prompt=True)
+        if t.messages
+        else t.prompt
+        for t in tasks
+    ]
+    if not any(t.images for t in tasks):
+        return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if processor is None:
+        raise ValueError("tasks with images need the model's processor (a vision-language model)")
+    from common.images import open_image
+
+    images = [[open_image(data) for data in t.images] for t in tasks]
+    return processor(
+        text=prompts,
+        images=images,
+        return_tensors="pt",
+        padding=True,
+        padding_side=tokenizer.padding_side,
+        add_special_tokens=False,
+    )
 
 
 async def score_accuracy(

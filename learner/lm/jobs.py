@@ -236,9 +236,10 @@ class LMJobSettings(LMTrainingKnobs):
 
     # A default the learner has not: the folder init-model fills when it is missing.
     model_path: Path = knob(LMTrainingKnobs, "model_path", default=Path("runs/models/tiny-arith"))
-    init_model: Literal["tiny", "small", "base100m"] | None = Field(
+    init_model: Literal["tiny", "small", "base100m", "tiny-vision"] | None = Field(
         default="tiny",
-        description="size of the model init-model creates at model_path when missing (null: never)",
+        description="size of the model init-model creates at model_path when missing "
+        "(tiny-vision: a vision-language model, init-model --vision; null: never)",
     )
     dataset: dict[str, Any] = Field(
         default_factory=lambda: {"generator": "arith"},
@@ -357,6 +358,9 @@ class LMJobSettings(LMTrainingKnobs):
             return {**data, "rewards": []}
         return data
 
+
+# init_model's suffix for a vision-language model of that size.
+VISION_SUFFIX = "-vision"
 
 # Where an agent job's gateway port is derived from its run name (below the ephemeral range).
 AGENT_PORTS = (20000, 30000)
@@ -570,9 +574,12 @@ def create_model(
 
     started = time.perf_counter()
     print(f"init-model: creating a {size} model at {path} (model_path is missing)", flush=True)
-    from common.models import init_model
+    from common.models import init_model, init_vision_model
 
-    init_model(path, size=size, dataset=dataset, seed=seed, env=env)
+    if size.endswith(VISION_SUFFIX):  # its tokenizer knows the image questions already
+        init_vision_model(path, size=size.removesuffix(VISION_SUFFIX), seed=seed)
+    else:
+        init_model(path, size=size, dataset=dataset, seed=seed, env=env)
     print(f"init-model: {path} created in {time.perf_counter() - started:.1f} s", flush=True)
 
 
