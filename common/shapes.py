@@ -32,6 +32,12 @@ QUESTIONS = {
     "count_circles": "How many circles are there?",
     "square_side": "Is the square on the left or the right?",
 }
+# Every answer a question can have (a wrong answer is another of its question's).
+ANSWERS = {
+    "largest_colour": tuple(COLOURS),
+    "count_circles": ("0", "1", "2", "3"),
+    "square_side": ("left", "right"),
+}
 BACKGROUND = (255, 255, 255)
 
 

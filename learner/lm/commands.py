@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from learner.lm.dpo_data import arith_pairs, write_pairs
+from learner.lm.dpo_data import arith_pairs, shapes_pairs, write_pairs
 from services.commands import Command
 from services.errors import ConfigError
 
@@ -20,19 +21,31 @@ def _dpo_data_args(parser: argparse.ArgumentParser) -> None:
         "--split", default="train", help="train, eval, ... (each split has different prompts)"
     )
     parser.add_argument("--digits", type=int, default=2, help="operand digits (default 2)")
+    parser.add_argument(
+        "--task",
+        choices=("arith", "shapes"),
+        default="arith",
+        help="arith (text) or shapes (questions about images, written as PNG files in "
+        "OUT's folder, under <OUT's name>-images/)",
+    )
 
 
 def _dpo_data(args: argparse.Namespace) -> int:
     if args.count < 1 or args.digits < 1:
         raise ConfigError("--count and --digits must be at least 1")
-    pairs = arith_pairs(args.count, seed=args.seed, split=args.split, digits=args.digits)
+    if args.task == "shapes":
+        out = Path(args.out)
+        images = out.parent / f"{out.stem}-images"
+        pairs = shapes_pairs(args.count, images, seed=args.seed, split=args.split)
+    else:
+        pairs = arith_pairs(args.count, seed=args.seed, split=args.split, digits=args.digits)
     print(f"wrote {write_pairs(args.out, pairs)} pairs to {args.out}")
     return 0
 
 
 DPO_DATA = Command(
-    "write arithmetic DPO preference pairs (prompt, correct answer chosen, a near miss "
-    "rejected) as JSONL for job: {kind: dpo}",
+    "write DPO preference pairs (prompt, correct answer chosen, a wrong one rejected) as JSONL "
+    "for job: {kind: dpo}: arithmetic, or questions about images (--task shapes)",
     _dpo_data_args,
     _dpo_data,
 )
