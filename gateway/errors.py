@@ -192,6 +192,10 @@ _PARAMS = {
 }
 
 
+# A sampler field inside one chat message, or one part of its content.
+_CHAT_PART = re.compile(r"prompt\.chat\.messages\[(\d+)\](?:\.parts\[(\d+)\])?")
+
+
 def sampler_param(field: str | None, *, prompt_param: str) -> str | None:
     """The OpenAI request field behind a sampler BadRequest field: ``sampling.<x>`` maps by
     name, anything under ``prompt`` to ``prompt_param`` ("prompt" or "messages")."""
@@ -200,6 +204,12 @@ def sampler_param(field: str | None, *, prompt_param: str) -> str | None:
     for prefix, param in _PARAMS.items():
         if field == prefix or field.startswith(prefix + "["):
             return param
+    part = _CHAT_PART.match(field)
+    if part is not None and prompt_param == "messages":
+        # The gateway sends a message's content parts one for one, so a part's index is the
+        # client's own.
+        message, index = part[1], part[2]
+        return f"messages[{message}]" + (f".content[{index}]" if index is not None else "")
     if field.startswith("prompt"):
         return prompt_param
     return field
@@ -242,8 +252,9 @@ def from_backend(exc: BaseException, *, prompt_param: str, top_logprobs: str) ->
             no_room = _NO_ROOM.search(detail)
             if no_room is not None:
                 return context_length_exceeded(int(no_room[2]), int(no_room[1]), param=prompt_param)
-            if field and detail.startswith(f"{field}: "):
-                detail = detail[len(field) + 2 :]  # the sampler's field name, not the client's
+        at_prompt = param is not None and param.startswith(prompt_param)
+        if at_prompt and field and detail.startswith(f"{field}: "):
+            detail = detail[len(field) + 2 :]  # the sampler's field name, not the client's
         return BadRequest(detail, param=param)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Overloaded(_strip_peer(message))

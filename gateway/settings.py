@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from common.images import MAX_IMAGE_BYTES
 from services.config import ServiceRef, StrictModel
 from services.errors import ConfigError
 
@@ -76,6 +77,27 @@ class Limits(StrictModel):
         default=64,
         ge=4,
         description="deepest nesting of arrays and objects in a request body (400 deeper)",
+    )
+    max_images: int | None = Field(
+        default=None,
+        ge=0,
+        description="images per chat request (null: as many as the sampler's "
+        "max_images_per_prompt; 0: none, 400 for any)",
+    )
+    max_image_bytes: int = Field(
+        default=MAX_IMAGE_BYTES // 2,
+        ge=1024,
+        le=MAX_IMAGE_BYTES,
+        description="one encoded image, from a data URL or fetched (400 above); a data URL "
+        "is also part of the body, which max_body_bytes bounds",
+    )
+    image_url_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts whose http(s) image URLs the gateway fetches, by exact name "
+        "(empty: data URLs only, 400 for any remote URL)",
+    )
+    image_fetch_timeout_s: float = Field(
+        default=10.0, gt=0, description="time to fetch one remote image (400 past it)"
     )
 
 

@@ -2,7 +2,7 @@
 
 Requests follow vLLM's protocol: fields the OpenAI spec defines are typed and range-checked;
 unknown fields are accepted and ignored (``extra="allow"``; the route logs them), as vLLM does;
-fields we parse but cannot honour (``suffix``, ``logit_bias``, images, audio...) are
+fields we parse but cannot honour (``suffix``, ``logit_bias``, audio...) are
 rejected by the serving classes with a 400 naming them. Responses mirror OpenAI's objects so the
 official ``openai`` client parses them.
 
@@ -27,6 +27,8 @@ __all__ = [
     "CompletionChunk",
     "CompletionRequest",
     "CompletionResponse",
+    "ContentPart",
+    "ImageURL",
     "ModelCard",
     "ModelList",
     "StreamOptions",
@@ -166,9 +168,15 @@ class CompletionChunk(Response):
 # --------------------------------------------------------------------------- chat
 
 
+class ImageURL(OpenAIModel):
+    url: str = Field(min_length=1)  # a data URL, or http(s) from a host the settings allow
+    detail: Literal["auto", "low", "high"] | None = None  # accepted and ignored, as vLLM does
+
+
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(OpenAIModel):

@@ -66,13 +66,18 @@ def param_of(loc: tuple[Any, ...]) -> str | None:
 def validation_error(exc: ValidationError) -> BadRequest:
     first = exc.errors()[0]
     param = param_of(tuple(first["loc"]))
-    message = first["msg"]
     if param == "prompt" and len(exc.errors()) > 1:  # no member of the union matched
         return BadRequest(
             "prompt: must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists (token ids are 32-bit integers)",
             param="prompt",
         )
+    if first["loc"] and first["loc"][-1] in _UNION_MEMBERS:
+        # A value no member of a union took: the member that got deepest into it says what is
+        # wrong (a content part's image_url), not the first one tried (a string).
+        first = max(exc.errors(), key=lambda e: len(e["loc"]))
+        param = param_of(tuple(first["loc"]))
+    message = first["msg"]
     if param:
         message = f"{param}: {message}"
     more = len(exc.errors()) - 1

@@ -4,7 +4,7 @@ template is applied once, by the sampler, with the model's own tokenizer."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -12,6 +12,7 @@ from google.protobuf import struct_pb2
 
 from gateway.backends import BackendLost, OpenedStream
 from gateway.errors import ApiError, BadRequest
+from gateway.openai.images import check_count, image_refs, load_images
 from gateway.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -19,6 +20,7 @@ from gateway.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChoiceLogprobs,
     DeltaMessage,
     TokenLogprob,
@@ -69,6 +71,30 @@ def chat_logprobs(items: list[tuple[str, float, list[tuple[str, float]]]]) -> Ch
     )
 
 
+def message_content(
+    message: ChatMessage, images: Iterator[bytes]
+) -> tuple[str, list[sampler_pb2.ContentPart]]:
+    """(content, parts) of a message as the sampler takes it: a message with images keeps its
+    parts in order (the template puts each image where its part is), each image part taking
+    the next of ``images``; any other gives its text parts joined as the content, as before
+    images, so text-only models and engines see what they always saw."""
+    content = message.content
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    if all(part.type == "text" for part in content):
+        return "\n".join(part.text or "" for part in content), []
+    parts = []
+    for part in content:
+        if part.type == "text":
+            parts.append(sampler_pb2.ContentPart(text=part.text or ""))
+        else:
+            image = sampler_pb2.Image(data=next(images))
+            parts.append(sampler_pb2.ContentPart(image=image))
+    return "", parts
+
+
 class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
     top_logprobs_param = "top_logprobs"
@@ -92,26 +118,19 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         return plan
 
-    def chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> sampler_pb2.Prompt:
+    def chat_prompt(
+        self, request: ChatCompletionRequest, plan: ToolPlan, images: Sequence[bytes] = ()
+    ) -> sampler_pb2.Prompt:
+        """The sampler's prompt; ``images`` are the bytes of the request's image parts, in
+        order (load_images), each put where its part is."""
+        if len(image_refs(request.messages)) != len(images):
+            raise ValueError("chat_prompt needs the bytes of every image part (load_images)")
         messages = []
         chars = 0
+        pending = iter(images)
         for i, message in enumerate(request.messages):
-            content = message.content
-            if content is None:
-                text = ""
-            elif isinstance(content, str):
-                text = content
-            else:
-                parts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise BadRequest(
-                            f"content parts of type {part.type!r} are not supported (text only)",
-                            param=f"messages[{i}].content[{j}]",
-                        )
-                    parts.append(part.text)
-                text = "\n".join(parts)
-            chars += len(text)
+            text, parts = message_content(message, pending)
+            chars += len(text) + sum(len(p.text) for p in parts)
             role = _ROLES.get(message.role, message.role)
             calls = proto_tool_calls(message.tool_calls or [], f"messages[{i}].tool_calls")
             chars += sum(len(c.arguments) for c in calls)
@@ -128,6 +147,7 @@ class OpenAIServingChat(OpenAIServing):
                 sampler_pb2.ChatMessage(
                     role=role,
                     content=text,
+                    parts=parts,
                     tool_calls=calls,
                     tool_call_id=message.tool_call_id or "",
                     name=message.name or "",
@@ -182,7 +202,18 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         model = self.check_model(request.model)
         plan = self.check(request)
-        prompt = self.chat_prompt(request, plan)
+        refs = image_refs(request.messages)
+        if refs and session is not None:
+            raise BadRequest(
+                f"{refs[0].param}: a training session's calls cannot hold images yet (they "
+                "would be recorded without their pixels)",
+                param=refs[0].param,
+            )
+        info = self.pool.info()
+        model_max = info.max_images_per_prompt if info is not None else 0
+        check_count(refs, model_max=model_max, limit=self.limits.max_images)
+        images = await load_images(refs, self.limits)
+        prompt = self.chat_prompt(request, plan, images)
         if request.max_completion_tokens is not None:
             max_tokens = self.max_tokens(request.max_completion_tokens, "max_completion_tokens")
         else:

@@ -1,7 +1,8 @@
 """`rlfleet export RUN_OR_CHECKPOINT OUT`: a trained policy in the form something else runs.
 
 - Language-model runs: a Hugging Face folder (``model.safetensors``, ``config.json``,
-  ``generation_config.json``, tokenizer files, ``chat_template.jinja``), LoRA merged, from the
+  ``generation_config.json``, tokenizer files, ``chat_template.jinja``; a vision-language model's
+  ``processor_config.json`` too), LoRA merged, from the
   run's ``final/`` folder or any DeepSpeed checkpoint (ZeRO 0-3) (`learner.export.lm`);
   optionally quantized by llmcompressor into a compressed-tensors checkpoint vLLM loads
   (``--quantize w8a8|w4a16|w4a16-awq``, calibrated on the run's own prompts;
@@ -107,12 +108,25 @@ def calibration_texts(
 
                 tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
             prompt: Any = tokenizer.apply_chat_template(
-                list(task.messages), tokenize=False, add_generation_prompt=True
+                _without_images(task.messages), tokenize=False, add_generation_prompt=True
             )
         else:
             prompt = task.prompt
         texts.append(str(prompt) + (task.solution or ""))
     return texts, dataset
+
+
+def _without_images(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages with their image parts left out: calibration runs the text model on
+    token ids alone, and an image token without its pixels is a token the model never saw
+    there."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [p for p in content if p.get("type") == "text"]
+        out.append({**message, "content": content})
+    return out
 
 
 def export(

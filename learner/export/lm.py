@@ -1,6 +1,6 @@
 """Language-model export: a Hugging Face folder (safetensors, config, generation config,
-tokenizer, chat template), LoRA merged, from a run's ``final/`` folder or from any DeepSpeed
-checkpoint (ZeRO 0-3).
+tokenizer, chat template; a vision-language model's processor too), LoRA merged, from a run's
+``final/`` folder or from any DeepSpeed checkpoint (ZeRO 0-3).
 
 Checkpoints: ZeRO 1-3 keep the fp32 master weights in the optimizer shards, read with DeepSpeed's
 ``get_fp32_state_dict_from_zero_checkpoint`` (all ranks, all stages that shard); ZeRO 0 has no
@@ -12,6 +12,7 @@ versions and writes ``final/`` with, so an export of the last checkpoint equals 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ __all__ = ["checkpoint_state", "export_lm"]
 
 SKIP_FROM_FINAL = ("rlfleet_run.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# A vision-language model's processor: its image processor's settings (transformers writes
+# them into processor_config.json, older versions into preprocessor_config.json) and the chat
+# template that places the image tokens. The learner's final/ holds only the tokenizer.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 def checkpoint_state(tag_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -101,9 +107,15 @@ def _lora(settings: Any) -> dict[str, Any] | None:
 
 def _from_checkpoint(source: Source, out: Path, say: Any) -> tuple[dict[str, Any], str]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer
+    from learner.lm.model import (
+        hf_weights,
+        is_vision_model,
+        load_causal_lm,
+        load_processor,
+        load_tokenizer,
+    )
 
     settings = _base_settings(source)
     base = Path(settings.model_path)
@@ -125,10 +137,13 @@ def _from_checkpoint(source: Source, out: Path, say: Any) -> tuple[dict[str, Any
         )
     weights = hf_weights(module, torch.float32)
     say("merging LoRA adapters and saving safetensors" if settings.lora else "saving safetensors")
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    vision = bool(is_vision_model(base))
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(str(base), dtype=torch.float32)
     model.load_state_dict(weights, strict=False)
     model.save_pretrained(out)
-    load_tokenizer(base).save_pretrained(out)
+    # A processor saves its tokenizer, image processor and chat template together.
+    (load_processor(base) if vision else load_tokenizer(base)).save_pretrained(out)
     ds_config = client.get("ds_config") or {}
     zero = int(ds_config.get("zero_optimization", {}).get("stage", settings.zero_stage))
     fields = {
@@ -165,3 +180,34 @@ def _complete(out: Path, base: str | None, say: Any) -> None:
         template = Path(base) / "chat_template.jinja"
         if template.is_file():
             shutil.copy2(template, out / template.name)
+    if is_vision_config(out / "config.json"):
+        _complete_processor(out, base, say)
+
+
+def is_vision_config(config: Path) -> bool:
+    """Whether a config.json is a vision-language model's (it has a ``vision_config``)."""
+    return "vision_config" in json.loads(config.read_text())
+
+
+def _complete_processor(out: Path, base: str | None, say: Any) -> None:
+    """A vision-language model's processor files, from the base model where the source has
+    none (a final/ the learner wrote); ConfigError when neither has them, since a server
+    cannot turn an image into the model's tokens without them."""
+    if not any((out / n).is_file() for n in PROCESSOR_FILES) and base is not None:
+        found = [Path(base) / n for n in (*PROCESSOR_FILES, *CHAT_TEMPLATE_FILES)]
+        found = [f for f in found if f.is_file() and not (out / f.name).is_file()]
+        if found:
+            say(f"copying the processor from the base model {base}")
+            for path in found:
+                shutil.copy2(path, out / path.name)
+    missing = []
+    if not any((out / n).is_file() for n in PROCESSOR_FILES):
+        missing.append(" or ".join(PROCESSOR_FILES))
+    if not any((out / n).is_file() for n in CHAT_TEMPLATE_FILES):
+        missing.append(" or ".join(CHAT_TEMPLATE_FILES))
+    if missing:
+        where = f"the source nor the base model {base}" if base else "the source (no base model)"
+        raise ConfigError(
+            f"export of a vision-language model is missing its processor: {'; '.join(missing)} "
+            f"in neither {where}"
+        )

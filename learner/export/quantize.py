@@ -38,6 +38,7 @@ from services.errors import ConfigError, RlfleetError
 
 __all__ = [
     "SCHEMES",
+    "VISION_SCHEMES",
     "ensure_quant_env",
     "quant_python",
     "quant_venv_path",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 SCHEMES = ("w8a8", "w4a16", "w4a16-awq")
+# What llmcompressor quantizes of a vision-language model (quantize_worker.py says why).
+VISION_SCHEMES = ("w8a8", "w4a16")
 ENV_VAR = "RLFLEET_QUANT_VENV"
 STAMP = ".rlfleet-quant-env"
 TORCH_PIN = "torch==2.13.0"
@@ -208,6 +211,14 @@ def quantize(
         raise ConfigError(f"--quantize {scheme!r}: unknown scheme; known: {', '.join(SCHEMES)}")
     if not texts:
         raise ConfigError("quantization needs calibration prompts; the dataset gave none")
+    config = json.loads((fp_dir / "config.json").read_text())
+    if "vision_config" in config and scheme not in VISION_SCHEMES:
+        raise ConfigError(
+            f"--quantize {scheme}: llmcompressor cannot quantize a vision-language model "
+            f"({config.get('model_type')}) with AWQ (it does not resolve the smoothing layers "
+            f"through the model's wrapper); use one of {', '.join(VISION_SCHEMES)}, which "
+            "quantize the text model and keep the vision encoder and aligner in full precision"
+        )
     python = ensure_quant_env(say=say)
     with tempfile.TemporaryDirectory(prefix="rlfleet-quant-") as tmp:
         calib, report = Path(tmp) / "calibration.jsonl", Path(tmp) / "report.json"
