@@ -442,7 +442,9 @@ def build_engine(
     _skip_shm_op_unless_built()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        # Frozen parameters (LoRA's base weights, a frozen vision encoder) hold no optimizer
+        # state and are never stepped.
+        [p for p in model.parameters() if p.requires_grad],
         lr=optimizer_cfg.lr,
         betas=optimizer_cfg.betas,
         eps=optimizer_cfg.eps,

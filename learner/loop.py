@@ -283,7 +283,7 @@ class LearnerLoop:
                 await self._drop(envelope, "stale", delivery.ack())
                 continue
             try:
-                kept, reason = w.accept(w.decode(delivery.message))
+                kept, reason = w.accept(await w.decode(delivery.message))
             except InvalidArgument as exc:
                 log.warning("dropped %s %s: %s", w.noun, envelope.id, exc)
                 await self._drop(envelope, "invalid", delivery.term(), error=str(exc))

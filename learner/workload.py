@@ -271,8 +271,9 @@ class Workload(Protocol):
     def envelope(self, message: Any) -> Envelope:
         """Id, policy version and ledger fields of a message (never raises)."""
 
-    def decode(self, message: Any) -> Any:
-        """The message checked and decoded; raises InvalidArgument naming the bad field."""
+    async def decode(self, message: Any) -> Any:
+        """The message checked and decoded; raises InvalidArgument naming the bad field. Async:
+        decoding may fetch what the message names by reference (a prompt's images)."""
 
     def accept(self, decoded: Any) -> tuple[list[Any], str | None]:
         """The items of a decoded message to train on, or ([], why it is filtered out)."""

@@ -203,7 +203,7 @@ class GameWorkload:
             sequence=sequence,
         )
 
-    def decode(self, message: Any) -> Fragment:
+    async def decode(self, message: Any) -> Fragment:
         assert self.spaces is not None
         s = self.settings
         if message.env_id and message.env_id != s.env_id:

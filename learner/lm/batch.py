@@ -7,6 +7,10 @@ so one malformed message is dropped and counted instead of stopping the learner.
 Layout of a collated batch (right padding, B sequences of prompt + completion, L tokens): position
 t of the ``[B, L-1]`` tensors scores token t+1, so completion token j of a sequence whose prompt
 has P tokens sits at position P - 1 + j.
+
+A vision-language model's prompt holds its images already expanded to placeholder tokens; their
+pixels ride beside the tokens, ``[B, I, ...]`` with all-zero padding images after a row's own
+(the model skips an image that is all zeros).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +31,15 @@ from rlfleet.reward.v1 import reward_pb2
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import InvalidArgument
 
-__all__ = ["Batch", "Sample", "collate", "decode_group"]
+__all__ = [
+    "Batch",
+    "PromptPixels",
+    "Sample",
+    "collate",
+    "decode_group",
+    "image_counts",
+    "image_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,20 @@ class Sample:
     expert: bool
     policy_version: int
     scores: dict[str, float]  # raw per-function scores that were OK
+    # The prompt's images as the model's image processor made them (None: a text prompt).
+    pixel_values: np.ndarray | None = None  # float32 [I, 3, H, W]
+    pixel_attention_mask: np.ndarray | None = None  # bool [I, H, W]
+
+
+@dataclass(frozen=True)
+class PromptPixels:
+    """A group's images (none for a text prompt), processed for a vision-language model, and
+    what its tokens must hold for them."""
+
+    values: np.ndarray  # float32 [I, 3, H, W]: one per image slot (I may be 0)
+    mask: np.ndarray  # bool [I, H, W]
+    image_token_id: int  # the placeholder each slot is expanded to
+    tokens_per_image: int  # placeholders per slot
 
 
 def _ids(tensor: tensor_pb2.Tensor, field: str, *, allow_empty: bool = False) -> np.ndarray:
@@ -58,9 +85,39 @@ def _ids(tensor: tensor_pb2.Tensor, field: str, *, allow_empty: bool = False) ->
     return array.astype(np.int64)
 
 
-def decode_group(msg: trajectory_pb2.TrajectoryGroup, vocab_size: int) -> list[Sample]:
-    """The samples of one TrajectoryGroup; InvalidArgument names the first bad field."""
+def _check_images(
+    msg: trajectory_pb2.TrajectoryGroup, prompt: np.ndarray, pixels: PromptPixels | None
+) -> None:
+    """InvalidArgument unless ``pixels`` (None: the model reads text only) fit the images the
+    group names and the placeholders its prompt holds: the model fills every placeholder of a
+    batch, in order, with the batch's image features, and fails when the counts differ."""
+    count = len(msg.image_sha256)
+    if count and pixels is None:
+        raise InvalidArgument(
+            f"image_sha256: the group names {count} images, but the learner's model reads text "
+            "only",
+            field="image_sha256",
+        )
+    if pixels is None:
+        return
+    held = int((prompt == pixels.image_token_id).sum())
+    expected = len(pixels.values) * pixels.tokens_per_image
+    if held != expected:
+        raise InvalidArgument(
+            f"image_sha256: {count} images make {expected} image tokens, but prompt_token_ids "
+            f"holds {held}",
+            field="image_sha256",
+        )
+
+
+def decode_group(
+    msg: trajectory_pb2.TrajectoryGroup, vocab_size: int, pixels: PromptPixels | None = None
+) -> list[Sample]:
+    """The samples of one TrajectoryGroup; InvalidArgument names the first bad field.
+    ``pixels``: on a vision-language model, the images the group names (``image_sha256``; none
+    for a text prompt), processed for the model."""
     prompt = _ids(msg.prompt_token_ids, "prompt_token_ids")
+    _check_images(msg, prompt, pixels)
     samples = []
     for i, comp in enumerate(msg.completions):
         where = f"completions[{i}]"
@@ -68,6 +125,14 @@ def decode_group(msg: trajectory_pb2.TrajectoryGroup, vocab_size: int) -> list[S
         if ids.size and ids.max() >= vocab_size:
             raise InvalidArgument(
                 f"{where}.token_ids: id {int(ids.max())} is outside the vocabulary ({vocab_size})",
+                field=f"{where}.token_ids",
+            )
+        if pixels is not None and bool((ids == pixels.image_token_id).any()):
+            # The sampler embedded a generated placeholder as text; the training forward would
+            # fill it with image features it does not have (samplers should never sample it).
+            raise InvalidArgument(
+                f"{where}.token_ids: holds the image token ({pixels.image_token_id}), which no "
+                "image fills",
                 field=f"{where}.token_ids",
             )
         logp = None
@@ -106,6 +171,10 @@ def decode_group(msg: trajectory_pb2.TrajectoryGroup, vocab_size: int) -> list[S
                 scores={
                     s.name: s.score for s in comp.rewards if s.status == reward_pb2.SCORE_STATUS_OK
                 },
+                pixel_values=None if pixels is None or not len(pixels.values) else pixels.values,
+                pixel_attention_mask=None
+                if pixels is None or not len(pixels.mask)
+                else pixels.mask,
             )
         )
     return samples
@@ -123,12 +192,55 @@ class Batch:
     group_ids: Tensor  # [B] int64
     truncated: Tensor  # [B] bool
     expert: Tensor  # [B] bool
+    # The rows' images, zero-padded to the most any row has (None: no row has one).
+    pixel_values: Tensor | None = None  # [B, I, 3, H, W] float32
+    pixel_attention_mask: Tensor | None = None  # [B, I, H, W] bool
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
     def select(self, rows: Tensor) -> Batch:
-        return Batch(**{k: v[rows] for k, v in vars(self).items()})
+        picked: dict[str, Any] = {k: None if v is None else v[rows] for k, v in vars(self).items()}
+        values, mask = _trim_images(picked["pixel_values"], picked["pixel_attention_mask"])
+        return Batch(**{**picked, "pixel_values": values, "pixel_attention_mask": mask})
+
+
+def image_counts(pixel_values: Tensor) -> Tensor:
+    """``[B]`` images of each row of ``pixel_values`` ``[B, I, 3, H, W]``: the ones not all
+    zero (padding images are all zero and come after a row's own)."""
+    return pixel_values.flatten(2).ne(0).any(-1).sum(-1)
+
+
+def _trim_images(values: Tensor | None, mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Image slots cut to the most a row has (None when no row has any): selected rows need not
+    carry the padding of others, nor a forward an image pass with no image."""
+    if values is None:
+        return None, None
+    most = int(image_counts(values).max()) if len(values) else 0
+    if most == 0:
+        return None, None
+    return values[:, :most], None if mask is None else mask[:, :most]
+
+
+def _pad_images(samples: Sequence[Sample]) -> tuple[Tensor | None, Tensor | None]:
+    """The samples' images stacked ``[B, I, ...]``, zero-padded (None when none has one)."""
+    shown = [s for s in samples if s.pixel_values is not None and len(s.pixel_values)]
+    if not shown:
+        return None, None
+    most = max(len(s.pixel_values) for s in shown)  # type: ignore[arg-type]
+    first = shown[0]
+    assert first.pixel_values is not None and first.pixel_attention_mask is not None
+    values = torch.zeros((len(samples), most, *first.pixel_values.shape[1:]), dtype=torch.float32)
+    mask = torch.zeros(
+        (len(samples), most, *first.pixel_attention_mask.shape[1:]), dtype=torch.bool
+    )
+    for row, s in enumerate(samples):
+        if s.pixel_values is None or s.pixel_attention_mask is None:
+            continue
+        n = len(s.pixel_values)
+        values[row, :n] = torch.from_numpy(s.pixel_values)
+        mask[row, :n] = torch.from_numpy(s.pixel_attention_mask)
+    return values, mask
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
@@ -148,6 +260,7 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
         if s.rollout_logp is not None:
             rollout[row, p - 1 : p - 1 + c] = torch.from_numpy(s.rollout_logp)
         groups.setdefault(s.group_id, len(groups))
+    pixel_values, pixel_mask = _pad_images(samples)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -157,4 +270,19 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
         group_ids=torch.tensor([groups[s.group_id] for s in samples], dtype=torch.int64),
         truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool),
         expert=torch.tensor([s.expert for s in samples], dtype=torch.bool),
+        pixel_values=pixel_values,
+        pixel_attention_mask=pixel_mask,
     )
+
+
+def image_inputs(
+    pixel_values: Tensor | None, pixel_attention_mask: Tensor | None, device: torch.device
+) -> dict[str, Tensor]:
+    """The forward's image keywords on ``device`` (none for a text batch: a text model's
+    forward takes no such arguments)."""
+    if pixel_values is None:
+        return {}
+    images = {"pixel_values": pixel_values.to(device)}
+    if pixel_attention_mask is not None:
+        images["pixel_attention_mask"] = pixel_attention_mask.to(device)
+    return images

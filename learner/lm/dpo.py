@@ -43,6 +43,7 @@ from learner.engine import build_engine
 from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
 from learner.lm.dpo_job import DPOSettings
 from learner.lm.model import (
+    context_length,
     hf_weights,
     load_causal_lm,
     load_tokenizer,
@@ -168,10 +169,15 @@ class DPOTrainer:
             f"{len(self.eval_pairs)} eval pairs)"
         )
         started = time.perf_counter()
-        model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
+        model = load_causal_lm(
+            s.model_path,
+            precision=s.precision,
+            lora=s.lora,
+            freeze_vision_encoder=s.freeze_vision_encoder,
+            freeze_aligner=s.freeze_aligner,
+        )
         # packing: rows of the model's context length (learner/lm/packing.py)
-        config: Any = model.config
-        self.pack_tokens = int(config.max_position_embeddings) if s.packing else None
+        self.pack_tokens = context_length(model) if s.packing else None
         optimizer = OptimizerSettings(lr=s.learning_rate, eps=1e-8, weight_decay=s.weight_decay)
         ds = DeepSpeedSettings(
             zero_stage=s.zero_stage,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from learner.lm.settings import LMTrainingKnobs, LoraSettings
+from learner.lm.settings import LMTrainingKnobs, LoraSettings, check_freeze
 from learner.settings import (
     DeviceKnob,
     PrecisionKnob,
@@ -75,6 +75,8 @@ class DPOSettings(StrictModel):
         default=1.0, gt=0, description="global gradient-norm clip (null: off)"
     )
     packing: bool = knob(LMTrainingKnobs, "packing")
+    freeze_vision_encoder: bool = knob(LMTrainingKnobs, "freeze_vision_encoder")
+    freeze_aligner: bool = knob(LMTrainingKnobs, "freeze_aligner")
     lora: LoraSettings | None = Field(
         default=None, description="train LoRA adapters only, merged into final/ (null: full)"
     )
@@ -98,6 +100,11 @@ class DPOSettings(StrictModel):
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError("label_smoothing applies to loss_type 'sigmoid' only")
         check_precision(self.precision, self.device)
+        check_freeze(
+            self.model_path,
+            freeze_vision_encoder=self.freeze_vision_encoder,
+            freeze_aligner=self.freeze_aligner,
+        )
         return self
 
 

@@ -1,31 +1,51 @@
 """Loading the causal LM the learner trains (and its frozen reference), optionally with LoRA.
 
 Everything goes through ``from_pretrained`` on a local folder (``rlfleet init-model`` makes one).
+A folder whose config.json has a ``vision_config`` is a vision-language model (an image-text to
+text model: a vision encoder, an aligner projecting its features into the text model, the text
+model): it trains on token ids plus the prompt's pixels, and its vision parts may be frozen.
 Published weights are always the full Hugging Face checkpoint names of the base model, LoRA merged
-in, so samplers load them with ``reload_weights`` whatever the learner trains.
+in, so samplers load them with ``reload_weights`` whatever the learner trains; a vision part that
+never trains is left out of every version after the first (``static_prefixes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from learner.lm.settings import LoraSettings
+from learner.lm.batch import image_inputs
+from learner.lm.settings import LoraSettings, is_vision_model
 
 __all__ = [
     "LoraSettings",
+    "context_length",
     "hf_weights",
+    "image_pixels",
+    "is_vision_model",
     "load_causal_lm",
+    "load_processor",
     "load_tokenizer",
+    "model_class",
     "sequence_logprobs",
+    "static_prefixes",
     "token_logprobs",
+    "vision_parts",
 ]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Attribute names transformers' vision-language models give their parts: the vision encoder
+# (Idefics3, SigLIP-based: vision_model; LLaVA: vision_tower; Qwen-VL: visual), the aligner
+# (Idefics3: connector; LLaVA: multi_modal_projector) and the text model the adapters go on.
+_VISION_ENCODERS = ("vision_model", "vision_tower", "visual")
+_ALIGNERS = ("connector", "multi_modal_projector", "mm_projector")
+_TEXT_MODELS = ("text_model", "language_model")
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -37,23 +57,87 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
+def load_processor(path: str | Path) -> Any:
+    """The vision-language model's processor (image processor, tokenizer, chat template)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(path))
+
+
+def model_class(path: str | Path) -> Any:
+    """The transformers auto class that loads the folder: image-text to text for a
+    vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(Path(path)) else AutoModelForCausalLM
+
+
+def _part(model: nn.Module, names: Sequence[str]) -> str | None:
+    """The module name of the first (outermost) submodule called one of ``names``."""
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in names:
+            return name
+    return None
+
+
+def vision_parts(model: nn.Module) -> dict[str, str]:
+    """The vision parts ``model`` has, by knob: ``freeze_vision_encoder`` and
+    ``freeze_aligner`` -> module name (a text model: empty)."""
+    parts = {
+        "freeze_vision_encoder": _part(model, _VISION_ENCODERS),
+        "freeze_aligner": _part(model, _ALIGNERS),
+    }
+    return {knob: name for knob, name in parts.items() if name is not None}
+
+
+def _freeze(model: nn.Module, path: str | Path, flags: dict[str, bool]) -> None:
+    """requires_grad False on the parts whose knob is set; ValueError naming a knob set for a
+    part the model lacks."""
+    parts = vision_parts(model)
+    for knob, value in flags.items():
+        if not value:
+            continue
+        if knob not in parts:
+            raise ValueError(f"{knob}: {path} has no such vision part (a text model?)")
+        model.get_submodule(parts[knob]).requires_grad_(False)
+
+
+def _lora_targets(model: nn.Module, lora: LoraSettings) -> list[str] | str:
+    """``lora.target_modules``; on a vision-language model a pattern matching them inside the
+    text model only (the vision encoder has projections of the same names)."""
+    if not vision_parts(model):
+        return lora.target_modules
+    text = _part(model, _TEXT_MODELS)
+    if text is None:
+        raise ValueError(
+            f"lora: no text model ({', '.join(_TEXT_MODELS)}) found in "
+            f"{type(model).__name__} to put the adapters on"
+        )
+    names = "|".join(re.escape(name) for name in lora.target_modules)
+    return rf"{re.escape(text)}\..*\.({names})"
+
+
 def load_causal_lm(
     path: str | Path,
     *,
     precision: str = "fp32",
     lora: LoraSettings | None = None,
     frozen: bool = False,
+    freeze_vision_encoder: bool = False,
+    freeze_aligner: bool = False,
 ) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path)``; with ``lora`` only the adapters train;
-    ``frozen`` returns an eval-mode model without gradients (the KL reference)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[precision])
+    """``from_pretrained(path)`` of a causal LM, or of an image-text to text model when the
+    folder's config has a ``vision_config``; with ``lora`` only the adapters train (on a
+    vision-language model: in its text model); ``frozen`` returns an eval-mode model without
+    gradients (the KL reference); ``freeze_*`` keep those vision parts from training."""
+    model = model_class(path).from_pretrained(str(path), dtype=_DTYPES[precision])
     model.config.use_cache = False
     if frozen:
         model.eval()
         model.requires_grad_(False)
         return model
+    flags = {"freeze_vision_encoder": freeze_vision_encoder, "freeze_aligner": freeze_aligner}
+    _freeze(model, path, flags)
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -62,16 +146,59 @@ def load_causal_lm(
             # peft annotates lora_alpha as int, but only ever divides it (by r or sqrt(r)).
             lora_alpha=lora.alpha,  # type: ignore[arg-type]
             lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
+            target_modules=_lora_targets(model, lora),
             task_type="CAUSAL_LM",
         )
         return get_peft_model(model, config)
     return model
 
 
-def hf_weights(module: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+def context_length(module: nn.Module) -> int:
+    """The most tokens a sequence of ``module`` may hold (a vision-language model: its text
+    model's)."""
+    config: Any = (
+        module.get_base_model().config  # type: ignore[operator]
+        if hasattr(module, "get_base_model")
+        else module.config
+    )
+    if getattr(config, "max_position_embeddings", None) is None:
+        config = config.text_config
+    return int(config.max_position_embeddings)
+
+
+def static_prefixes(module: nn.Module) -> list[str]:
+    """Hugging Face name prefixes of the vision parts of ``module`` none of whose parameters
+    train (frozen by a knob, or left out of LoRA): their tensors never change, so a weight
+    version after the first need not carry them."""
+    from peft import PeftModel
+
+    base = module.get_base_model() if isinstance(module, PeftModel) else module
+    prefixes = []
+    for name in vision_parts(base).values():
+        if not any(p.requires_grad for p in base.get_submodule(name).parameters()):
+            prefixes.append(f"{name}.")
+    return prefixes
+
+
+def image_pixels(processor: Any, images: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The image processor's pixels of one prompt's PIL ``images``, exactly what
+    ``processor(text=..., images=...)`` gives the model: pixel_values float32 [I, 3, H, W] and
+    pixel_attention_mask bool [I, H, W] (I: image slots; one per image unless it splits
+    images into tiles)."""
+    out = processor.image_processor(images=[list(images)], return_tensors="np")
+    values = np.asarray(out["pixel_values"][0], dtype=np.float32)
+    mask = out.get("pixel_attention_mask")
+    if mask is None:
+        mask = np.ones((values.shape[0], *values.shape[2:]), dtype=bool)
+    return values, np.asarray(mask[0], dtype=bool)
+
+
+def hf_weights(
+    module: nn.Module, dtype: torch.dtype | None = None, *, skip: Sequence[str] = ()
+) -> dict[str, Tensor]:
     """Full-model tensors by Hugging Face checkpoint name (a LoRA model is merged into a copy of
-    its base weights; the trained module is left untouched)."""
+    its base weights; the trained module is left untouched), but those whose name starts with
+    one of the ``skip`` prefixes."""
     from peft import PeftModel
 
     with torch.no_grad():
@@ -81,6 +208,8 @@ def hf_weights(module: nn.Module, dtype: torch.dtype | None = None) -> dict[str,
             state = dict(module.state_dict())
         out = {}
         for name, tensor in state.items():
+            if name.startswith(tuple(skip)):
+                continue
             value = tensor.detach()
             if dtype is not None and value.is_floating_point():
                 value = value.to(dtype)
@@ -130,6 +259,8 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     entropy: bool = True,
     pack_tokens: int | None = None,
+    pixel_values: Tensor | None = None,
+    pixel_attention_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-position log-probability of each next token and the logits' entropy, under ``model``:
     a causal LM, or an engine around one (``model(input_ids=, attention_mask=).logits``).
@@ -140,7 +271,9 @@ def sequence_logprobs(
     passes that only need log-probs (reference, recomputed pi_old) save that vocabulary-wide work.
     One log-softmax serves both: the picked log-probs and the entropy read the same tensor.
     ``pack_tokens``: one packed forward of rows of at most that many tokens instead (the same
-    values: learner/lm/packing.py)."""
+    values: learner/lm/packing.py). ``pixel_values`` [B, I, 3, H, W] and
+    ``pixel_attention_mask`` [B, I, H, W]: a vision-language model's images of each row (all-zero
+    padding images where a row has fewer: the model skips them)."""
     if pack_tokens is not None:
         from learner.lm.packing import packed_logprobs
 
@@ -151,8 +284,12 @@ def sequence_logprobs(
             pack_tokens,
             entropy_grad=entropy_grad,
             entropy=entropy,
+            pixel_values=pixel_values,
+            pixel_attention_mask=pixel_attention_mask,
         )
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [B, L-1, V]
+    images = image_inputs(pixel_values, pixel_attention_mask, input_ids.device)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, **images)
+    logits = out.logits[:, :-1]  # [B, L-1, V]
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [B, L-1, V]
     logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
     if not entropy:

@@ -7,6 +7,10 @@ does, on less padding.
 ``[B, L-1]`` layout back (position t of row b scores token t+1 of sequence b), so the losses
 read it unchanged. Positions past a sequence's last token are 0 there (the unpacked forward
 leaves the padding's values, which no loss reads: they are outside every mask).
+
+Images (a vision-language model): a packed row's images are its sequences' images in the order
+the sequences sit in it, so the model fills the row's image placeholders, in order, with the
+right features (``packed_images``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Packed", "pack", "packed_logprobs"]
+from learner.lm.batch import image_counts, image_inputs
+
+__all__ = ["Packed", "pack", "packed_images", "packed_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,35 @@ def pack(input_ids: Tensor, attention_mask: Tensor, budget: int) -> Packed:
     )
 
 
+def packed_images(
+    p: Packed, pixel_values: Tensor, pixel_attention_mask: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """The images of each packed row: its sequences' own (``pixel_values`` ``[B, I, 3, H, W]``,
+    ``pixel_attention_mask`` ``[B, I, H, W]``, all-zero padding images last) one after the
+    other in the order the sequences sit in the row, zero-padded -> ``[R, I', ...]`` (None when
+    no sequence has an image)."""
+    counts = image_counts(pixel_values).tolist()  # [B]
+    members: list[list[int]] = [[] for _ in range(p.input_ids.shape[0])]
+    for b in sorted(range(len(counts)), key=lambda i: (int(p.row[i]), int(p.start[i]))):
+        members[int(p.row[b])].append(b)
+    most = max(sum(counts[b] for b in row) for row in members)
+    if most == 0:
+        return None, None
+    values = pixel_values.new_zeros((len(members), most, *pixel_values.shape[2:]))
+    mask = None
+    if pixel_attention_mask is not None:
+        mask = pixel_attention_mask.new_zeros((len(members), most, *pixel_attention_mask.shape[2:]))
+    for r, row in enumerate(members):
+        at = 0
+        for b in row:
+            n = counts[b]
+            values[r, at : at + n] = pixel_values[b, :n]
+            if mask is not None and pixel_attention_mask is not None:
+                mask[r, at : at + n] = pixel_attention_mask[b, :n]
+            at += n
+    return values, mask
+
+
 def packed_logprobs(
     model: Callable[..., Any],
     input_ids: Tensor,
@@ -87,15 +122,23 @@ def packed_logprobs(
     *,
     entropy_grad: bool = False,
     entropy: bool = True,
+    pixel_values: Tensor | None = None,
+    pixel_attention_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``sequence_logprobs`` of the right-padded ``[B, L]`` batch through one packed forward of
-    rows of at most ``budget`` tokens -> (logp [B, L-1], entropy [B, L-1] or None)."""
+    rows of at most ``budget`` tokens -> (logp [B, L-1], entropy [B, L-1] or None); with the
+    rows' images (``pixel_values`` ``[B, I, 3, H, W]``, ``pixel_attention_mask``) packed along."""
     p = pack(input_ids, attention_mask, budget)
     device = input_ids.device
+    images: dict[str, Tensor] = {}
+    if pixel_values is not None:
+        values, mask = packed_images(p, pixel_values, pixel_attention_mask)
+        images = image_inputs(values, mask, device)
     logits = model(
         input_ids=p.input_ids.to(device),
         position_ids=p.position_ids.to(device),
         attention_mask=p.attention_mask.to(device),
+        **images,
     ).logits  # [R, S, V]
     log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [R, S-1, V]
     next_ids = p.input_ids[:, 1:].to(device)

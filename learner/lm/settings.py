@@ -9,6 +9,7 @@ are declared once, in ``LMTrainingKnobs``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,11 @@ __all__ = [
     "LearnerTextEnv",
     "LoraSettings",
     "SFTSettings",
+    "check_freeze",
     "check_micro_batch_size",
     "check_preset",
     "check_preset_name",
+    "is_vision_model",
 ]
 
 
@@ -62,6 +65,26 @@ def check_micro_batch_size(size: int | None, minibatch_size: int | None) -> int 
             "micro-batches split each minibatch"
         )
     return size
+
+
+def is_vision_model(model_path: Path) -> bool | None:
+    """Whether the Hugging Face folder ``model_path`` holds a vision-language model (its
+    config.json has a ``vision_config``); None when there is no config.json to read yet."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    return "vision_config" in json.loads(config.read_text())
+
+
+def check_freeze(model_path: Path, **flags: bool) -> None:
+    """``ValueError`` naming the first ``freeze_*`` knob that is set for a text model (a folder
+    not there yet is checked when the learner loads it)."""
+    for name, value in flags.items():
+        if value and is_vision_model(model_path) is False:
+            raise ValueError(
+                f"{name}: {model_path} is a text model (its config.json has no vision_config): "
+                "there is no vision part to freeze"
+            )
 
 
 def check_preset(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +220,18 @@ class LMTrainingKnobs(StrictModel):
         "context length (own positions, block-diagonal attention): the same loss and gradients "
         "on less padding",
     )
+    freeze_vision_encoder: bool = Field(
+        default=False,
+        description="a vision-language model's vision encoder does not train: no gradients, "
+        "not in the optimizer, never sent again after the first weight version (a text model: "
+        "an error)",
+    )
+    freeze_aligner: bool = Field(
+        default=False,
+        description="a vision-language model's aligner (the connector projecting image "
+        "features into the text model) does not train, as freeze_vision_encoder (a text "
+        "model: an error)",
+    )
     # How the older groups kept are corrected: the preset's old_logp (algo: {old_logp: ...}).
     max_policy_lag: int = Field(
         default=1,
@@ -239,6 +274,11 @@ class LMTrainingKnobs(StrictModel):
     @model_validator(mode="after")
     def _trainable_precision(self) -> LMTrainingKnobs:
         check_precision(self.precision, self.device)
+        check_freeze(
+            self.model_path,
+            freeze_vision_encoder=self.freeze_vision_encoder,
+            freeze_aligner=self.freeze_aligner,
+        )
         return self
 
 

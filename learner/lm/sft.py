@@ -1,5 +1,6 @@
 """The supervised warm start: next-token NLL on expert completions (a dataset's solutions, or a
-text env's demonstrated episodes, whose loss masks keep the env's turns out).
+text env's demonstrated episodes, whose loss masks keep the env's turns out). A task with images
+is rendered by the vision-language model's processor and trains on its pixels.
 
 Runs on the same DeepSpeed engine as the RL updates, before the first weight version is
 published, so samplers start from the warm-started model.
@@ -28,16 +29,43 @@ __all__ = ["expert_sample", "expert_samples", "sft_phase"]
 log = logging.getLogger(__name__)
 
 
-def expert_sample(task: Task, tokenizer: Any, group_id: str = "sft") -> Sample:
-    """The task's prompt and solution (+ end of sequence) as one expert completion."""
+def _prompt(
+    task: Task, tokenizer: Any, processor: Any
+) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+    """The task's prompt ids as the model sees them, and its images' pixels (None: text)."""
+    if not task.images:
+        if task.messages:
+            ids = tokenizer.apply_chat_template(list(task.messages), add_generation_prompt=True)
+        else:
+            ids = tokenizer(task.prompt, add_special_tokens=False)["input_ids"]
+        return list(ids), None, None
+    if processor is None:  # the prompt's tokens alone would train on image markers without pixels
+        raise ValueError(
+            f"task {task.prompt_id} has images, but the model reads text only (no vision_config)"
+        )
+    from common.images import open_image
+    from learner.lm.model import image_pixels
+
+    images = [open_image(data) for data in task.images]
+    if task.messages:
+        text = processor.apply_chat_template(list(task.messages), add_generation_prompt=True)
+    else:
+        text = task.prompt
+    # The processor expands each image marker to the model's placeholder tokens: the prompt
+    # exactly as a sampler sees it.
+    ids = processor(text=[text], images=[images])["input_ids"][0]
+    values, mask = image_pixels(processor, images)
+    return list(ids), values, mask
+
+
+def expert_sample(
+    task: Task, tokenizer: Any, group_id: str = "sft", processor: Any = None
+) -> Sample:
+    """The task's prompt and solution (+ end of sequence) as one expert completion; a task with
+    images needs the vision-language model's ``processor`` (its prompt and pixels)."""
     if task.solution is None:
         raise ValueError(f"task {task.prompt_id} has no solution to learn from")
-    if task.images:  # the prompt's tokens alone would train on image markers without pixels
-        raise ValueError(f"task {task.prompt_id} has images: the learner trains on text only")
-    if task.messages:
-        prompt = tokenizer.apply_chat_template(list(task.messages), add_generation_prompt=True)
-    else:
-        prompt = tokenizer(task.prompt, add_special_tokens=False)["input_ids"]
+    prompt, pixel_values, pixel_mask = _prompt(task, tokenizer, processor)
     completion = tokenizer(task.solution, add_special_tokens=False)["input_ids"]
     completion = [*completion, tokenizer.eos_token_id]
     return Sample(
@@ -51,12 +79,16 @@ def expert_sample(task: Task, tokenizer: Any, group_id: str = "sft") -> Sample:
         expert=True,
         policy_version=0,
         scores={},
+        pixel_values=pixel_values,
+        pixel_attention_mask=pixel_mask,
     )
 
 
-def expert_samples(tasks: Iterable[Task], tokenizer: Any) -> Iterator[Sample]:
+def expert_samples(
+    tasks: Iterable[Task], tokenizer: Any, processor: Any = None
+) -> Iterator[Sample]:
     """The tasks' solutions as expert completions, lazily (generators never end)."""
-    return (expert_sample(task, tokenizer) for task in tasks)
+    return (expert_sample(task, tokenizer, processor=processor) for task in tasks)
 
 
 def sft_phase(
@@ -84,7 +116,12 @@ def sft_phase(
             break
         batch = collate(samples, tokenizer.pad_token_id)
         logp, _ = sequence_logprobs(
-            engine, batch.input_ids, batch.attention_mask, pack_tokens=pack_tokens
+            engine,
+            batch.input_ids,
+            batch.attention_mask,
+            pack_tokens=pack_tokens,
+            pixel_values=batch.pixel_values,
+            pixel_attention_mask=batch.pixel_attention_mask,
         )  # [B, L-1]
         loss = aggregate(sft_loss(logp, batch.mask), batch.mask, "token-mean")
         engine.backward(loss)

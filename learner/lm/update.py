@@ -76,7 +76,13 @@ def _forward_logp(
 ) -> tuple[Tensor, Tensor]:
     b = batch if rows is None else batch.select(rows)
     logp, entropy = sequence_logprobs(
-        model, b.input_ids, b.attention_mask, entropy_grad=entropy_grad, pack_tokens=pack_tokens
+        model,
+        b.input_ids,
+        b.attention_mask,
+        entropy_grad=entropy_grad,
+        pack_tokens=pack_tokens,
+        pixel_values=b.pixel_values,
+        pixel_attention_mask=b.pixel_attention_mask,
     )
     assert entropy is not None
     return logp, entropy
@@ -90,7 +96,13 @@ def _no_grad_logp(
     for start in range(0, len(batch), chunk):
         b = batch.select(torch.arange(start, min(start + chunk, len(batch))))
         logp, _ = sequence_logprobs(
-            model, b.input_ids, b.attention_mask, entropy=False, pack_tokens=pack_tokens
+            model,
+            b.input_ids,
+            b.attention_mask,
+            entropy=False,
+            pack_tokens=pack_tokens,
+            pixel_values=b.pixel_values,
+            pixel_attention_mask=b.pixel_attention_mask,
         )
         parts.append(logp)
     return torch.cat(parts)  # [B, L-1]

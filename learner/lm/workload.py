@@ -14,6 +14,11 @@ announced (see pacing.py for why).
 
 Order of a fresh run: load the model -> optional SFT warm start -> publish version 0 (samplers
 wait for it) -> evaluate it (the warm-started baseline) -> updates, each publishing a version.
+
+A vision-language model: decoding a group fetches the images it names (``image_sha256``) from the
+run's image store and runs the model's image processor on them, so updates score exactly the
+pixels the sampler saw. Its vision parts that never train (``freeze_*``, or left out of LoRA) go
+out in the first version only (``weights/sync_bytes`` counts what each version sends).
 """
 
 from __future__ import annotations
@@ -32,13 +37,24 @@ import torch
 
 from clients.reward import RewardClient
 from common.datasets import Task, iter_tasks
+from common.images import ImageError, open_image
 from learner.algos.presets import Preset, resolve_preset
 from learner.consumer import now
 from learner.engine import Engine, build_engine
-from learner.lm.batch import Sample, decode_group
+from learner.lm.batch import PromptPixels, Sample, decode_group
 from learner.lm.env_episodes import EnvEpisodes
 from learner.lm.evaluate import generate_greedy, held_out_tasks, score_accuracy
-from learner.lm.model import hf_weights, load_causal_lm, load_tokenizer
+from learner.lm.model import (
+    context_length,
+    hf_weights,
+    image_pixels,
+    is_vision_model,
+    load_causal_lm,
+    load_processor,
+    load_tokenizer,
+    model_class,
+    static_prefixes,
+)
 from learner.lm.phases import Announcer
 from learner.lm.settings import LMLearnerSettings
 from learner.lm.sft import expert_samples, sft_phase
@@ -47,6 +63,7 @@ from learner.settings import DeepSpeedSettings, OptimizerSettings
 from learner.workload import Envelope, Progress, RunHandle
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
+from services.bus.images import ImageStore
 from services.errors import InvalidArgument, RlfleetError
 from services.registry import ServiceContext
 from services.run_layout import EVAL_SAMPLES_FILE
@@ -85,7 +102,14 @@ class LMWorkload:
         self.engine: Engine | None = None
         self.reference: torch.nn.Module | None = None  # frozen, for the KL term
         self.tokenizer: Any = None
+        self.processor: Any = None  # a vision-language model's (images -> pixels); else None
+        self._images: ImageStore | None = None  # the run's images, once the bus is up
         self.vocab_size = 0
+        # Vision parts that never change: left out of every version after the first.
+        self._static: list[str] = []
+        self._static_bytes = 0
+        self._published_full = False
+        self._sync: dict[str, float] = {}  # the last version's weights/* metrics
         self.sft_done = False
         self.evals: list[dict[str, float]] = []
         self._eval_tasks: list[Task] | None = None  # the same held-out prompts every time
@@ -113,7 +137,16 @@ class LMWorkload:
         started = time.perf_counter()
         self.phases.say(f"loading model {s.model_path} onto a DeepSpeed engine ({s.device})")
         self.tokenizer = load_tokenizer(s.model_path)
-        model = load_causal_lm(s.model_path, precision=s.precision, lora=s.lora)
+        if is_vision_model(s.model_path):
+            self.processor = load_processor(s.model_path)
+        model = load_causal_lm(
+            s.model_path,
+            precision=s.precision,
+            lora=s.lora,
+            freeze_vision_encoder=s.freeze_vision_encoder,
+            freeze_aligner=s.freeze_aligner,
+        )
+        self._static = static_prefixes(model)
         ds = engine_settings(s)
         self.engine = build_engine(model, OptimizerSettings(lr=s.learning_rate, eps=1e-8), ds)
         module: Any = self.engine.module  # a transformers model
@@ -162,7 +195,9 @@ class LMWorkload:
             )
             samples = iter(fetching.result())
         else:
-            samples = expert_samples(iter_tasks(s.sft.dataset, split="train"), self.tokenizer)
+            samples = expert_samples(
+                iter_tasks(s.sft.dataset, split="train"), self.tokenizer, self.processor
+            )
         history = sft_phase(
             self.engine,
             self.tokenizer,
@@ -184,12 +219,34 @@ class LMWorkload:
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """The full model the first time, then all but the vision parts that never change
+        (samplers replace the tensors a version names and keep the others)."""
         assert self.engine is not None
-        return hf_weights(self.engine.module)
+        skip = self._static if self._published_full else []
+        weights = hf_weights(self.engine.module, skip=skip)
+        if not self._published_full:  # what later versions leave out, as published
+            static = tuple(self._static)
+            self._static_bytes = _tensor_bytes(
+                t for n, t in weights.items() if n.startswith(static)
+            )
+            self._published_full = True
+        sent = _tensor_bytes(weights.values())
+        saved = self._static_bytes if skip else 0
+        self._sync = {"weights/sync_bytes": float(sent), "weights/sync_saved_bytes": float(saved)}
+        if saved:
+            log.info(
+                "weights: %.1f MB sent, %.1f MB of frozen vision parts (%s) not sent again",
+                sent / 1e6,
+                saved / 1e6,
+                ", ".join(p.rstrip(".") for p in skip),
+            )
+        return weights
 
     async def begin(self, run: RunHandle) -> None:
         """Evaluate version 0 (the warm-started baseline) unless a restored run already did."""
         self._run = run
+        if self.processor is not None:
+            self._images = ImageStore(run.bus.payloads, run.run_name)
         p, total = run.progress, self.settings.total_updates
         if self._resumed:
             finished = ": the run is finished" if p.updates >= total else ""
@@ -220,7 +277,7 @@ class LMWorkload:
         sampled = [c.policy_version for c in message.completions if not c.expert]
         return Envelope(message.group_id, int(min(sampled or [message.policy_version])))
 
-    def decode(self, message: Any) -> list[Sample]:
+    async def decode(self, message: Any) -> list[Sample]:
         # The loop accepts (or drops as invalid) what it decodes at once: remember whose it is.
         self._decoding = message
         if not self._first_group_in and self._run is not None:
@@ -231,10 +288,33 @@ class LMWorkload:
                 f"{self._run.progress.updates + 1} of {self.settings.total_updates}"
             )
         try:
-            return decode_group(message, self.vocab_size)
+            pixels = await self._pixels(message)
+            return decode_group(message, self.vocab_size, pixels)
         except InvalidArgument:
             self._announce_drop("invalid")
             raise
+
+    async def _pixels(self, message: Any) -> PromptPixels | None:
+        """The images the group names (none for a text prompt), fetched and processed for a
+        vision-language model; None for a text model (``decode_group`` refuses images)."""
+        if self.processor is None:
+            return None
+        digests = list(message.image_sha256)
+        tokens = (int(self.processor.image_token_id), int(self.processor.image_seq_len))
+        if not digests:
+            return PromptPixels(np.zeros(0, np.float32), np.zeros(0, bool), *tokens)
+        assert self._images is not None  # made by begin, before anything is consumed
+        images = []
+        for i, digest in enumerate(digests):
+            where = f"image_sha256[{i}]"
+            data = await self._images.get(digest, where)
+            try:
+                images.append(open_image(data, name=where))
+            except ImageError as exc:
+                raise InvalidArgument(str(exc), field="image_sha256") from None
+        # Resizing and normalising is CPU work: off the event loop, which serves the bus.
+        values, mask = await asyncio.to_thread(image_pixels, self.processor, images)
+        return PromptPixels(values, mask, *tokens)
 
     def accept(self, decoded: list[Sample]) -> tuple[list[Sample], str | None]:
         kept, reason = group_filter(decoded, self.preset)
@@ -298,11 +378,7 @@ class LMWorkload:
         if not self.settings.packing:
             return None
         assert self.engine is not None
-        module: Any = self.engine.module
-        config = (
-            module.get_base_model().config if hasattr(module, "get_base_model") else module.config
-        )
-        return int(config.max_position_embeddings)
+        return context_length(self.engine.module)
 
     def train(
         self, items: list[Sample], progress: Progress, generator: torch.Generator
@@ -339,6 +415,7 @@ class LMWorkload:
             "charts/train_tokens_per_s": self._tokens_this_run / elapsed_s,
             "charts/dropped_groups": float(dropped),
             "charts/filtered_groups": float(p.filtered_dropped),
+            **self._sync,
         }
 
     def step(self, progress: Progress) -> int:
@@ -398,6 +475,7 @@ class LMWorkload:
             tasks,
             max_tokens=cfg.max_tokens,
             batch_size=cfg.batch_size,
+            processor=self.processor,
         )
 
         assert s.reward_service is not None  # checked above: no env, so a reward service
@@ -454,14 +532,14 @@ class LMWorkload:
     def save_final(self, final_dir: Path, progress: Progress) -> None:
         """``final/``: a Hugging Face folder (LoRA merged) that from_pretrained and vLLM load,
         and ``rlfleet_run.json`` (counters, eval curve)."""
-        from transformers import AutoModelForCausalLM
-
         assert self.engine is not None
         p = progress
-        model = AutoModelForCausalLM.from_pretrained(str(self.settings.model_path))
+        path = self.settings.model_path
+        model = model_class(path).from_pretrained(str(path))
         model.load_state_dict(hf_weights(self.engine.module, torch.float32), strict=False)
         model.save_pretrained(final_dir)
-        self.tokenizer.save_pretrained(final_dir)
+        # A vision-language model's processor holds the tokenizer and the image processor.
+        (self.processor or self.tokenizer).save_pretrained(final_dir)
         summary = {  # the names this file has always used
             "updates": p.updates,
             "version": p.version,
@@ -506,6 +584,11 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
         out["reward/total"] = float(np.mean(totals))
         out["reward/std"] = float(np.std(totals))
     return out
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    """The bytes of ``tensors`` (an iterable of tensors)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def engine_settings(s: LMLearnerSettings) -> DeepSpeedSettings:

@@ -132,7 +132,7 @@ class TwoPerUpdate:
     def envelope(self, message: Message) -> Envelope:
         return Envelope(message.id, message.version, {"size": len(message.payload)})
 
-    def decode(self, message: Message) -> str:
+    async def decode(self, message: Message) -> str:
         if message.payload == "bad":
             raise InvalidArgument("bad payload")
         return message.payload
