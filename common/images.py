@@ -21,11 +21,13 @@ from typing import Any
 
 __all__ = [
     "IMAGE_PART",
+    "IMAGE_TOKEN_BIAS",
     "MAX_IMAGE_BYTES",
     "ImageError",
     "count_images",
     "decode_data_url",
     "image_digest",
+    "image_token_ids",
     "open_image",
     "png_bytes",
     "read_image",
@@ -36,6 +38,11 @@ __all__ = [
 IMAGE_PART = {"type": "image"}  # a content part standing for the task's next image
 MAX_IMAGE_BYTES = 16 << 20  # one encoded image file or data URL payload
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size: a small file can still decompress to gigabytes
+
+
+# What samplers and the learner add to the logits of image tokens (vLLM's lowest logit bias):
+# a model never writes an image marker as text, and both sides score the same distribution.
+IMAGE_TOKEN_BIAS = -100.0
 
 
 class ImageError(ValueError):
@@ -142,3 +149,19 @@ def text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(p.get("text", "") for p in content or () if p.get("type") == "text")
+
+
+def image_token_ids(processor: Any) -> tuple[int, ...]:
+    """The token ids a vision-language model's processor writes for an image (the image token
+    and the markers around it), found by expanding one blank image: what the model must never
+    generate (text cannot stand for pixels, and a stray image token breaks the next forward)."""
+    from PIL import Image
+
+    tokenizer = processor.tokenizer
+    marker = str(processor.image_token)
+    blank = Image.new("RGB", (32, 32))
+    expanded = processor(text=[f"a{marker}"], images=[[blank]], add_special_tokens=False)
+    plain = set(tokenizer("a", add_special_tokens=False)["input_ids"])
+    ids = {int(i) for i in expanded["input_ids"][0]} - plain
+    ids.add(int(tokenizer.convert_tokens_to_ids(marker)))
+    return tuple(sorted(ids))

@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from common.images import IMAGE_TOKEN_BIAS, image_token_ids
 from learner.lm.batch import image_inputs
 from learner.lm.settings import LoraSettings, is_vision_model
 
 __all__ = [
     "LoraSettings",
+    "bias_image_tokens",
     "context_length",
     "hf_weights",
     "image_pixels",
@@ -132,6 +134,8 @@ def load_causal_lm(
     gradients (the KL reference); ``freeze_*`` keep those vision parts from training."""
     model = model_class(path).from_pretrained(str(path), dtype=_DTYPES[precision])
     model.config.use_cache = False
+    if is_vision_model(Path(path)):
+        bias_image_tokens(model, image_token_ids(load_processor(path)))
     if frozen:
         model.eval()
         model.requires_grad_(False)
@@ -151,6 +155,22 @@ def load_causal_lm(
         )
         return get_peft_model(model, config)
     return model
+
+
+def bias_image_tokens(model: nn.Module, token_ids: Sequence[int]) -> None:
+    """Every forward of ``model`` adds IMAGE_TOKEN_BIAS to the logits of ``token_ids``, as
+    the samplers do when they sample a vision-language model: the learner scores (and its
+    evaluation generates from) the distribution that was sampled."""
+    ids = torch.tensor(sorted(token_ids), dtype=torch.int64)
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        logits = output.logits
+        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        bias[ids.to(logits.device)] = IMAGE_TOKEN_BIAS
+        output.logits = logits + bias  # out of place: the graph keeps the model's logits
+        return output
+
+    model.register_forward_hook(hook)
 
 
 def context_length(module: nn.Module) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import time
@@ -64,7 +65,8 @@ from learner.workload import Envelope, Progress, RunHandle
 from rlfleet.bus.v1 import events_pb2, trajectory_pb2
 from services.bus import events_subject
 from services.bus.images import ImageStore
-from services.errors import InvalidArgument, RlfleetError
+from services.calls import call_with_retry
+from services.errors import InvalidArgument, RlfleetError, Unavailable
 from services.registry import ServiceContext
 from services.run_layout import EVAL_SAMPLES_FILE
 
@@ -305,9 +307,17 @@ class LMWorkload:
             return PromptPixels(np.zeros(0, np.float32), np.zeros(0, bool), *tokens)
         assert self._images is not None  # made by begin, before anything is consumed
         images = []
+        store = self._images
         for i, digest in enumerate(digests):
             where = f"image_sha256[{i}]"
-            data = await self._images.get(digest, where)
+            # NATS away for a moment (a restart, a failover) is waited out, not a crash.
+            data = await call_with_retry(
+                functools.partial(store.get, digest, where),
+                f"fetching {where} of {message.group_id}",
+                self.ctx.stop_event,
+            )
+            if data is None:  # stopping: the group is not applied, and comes again
+                raise Unavailable(f"stopped while fetching {where} of {message.group_id}")
             try:
                 images.append(open_image(data, name=where))
             except ImageError as exc:

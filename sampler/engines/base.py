@@ -63,6 +63,9 @@ class SamplingOptions:
     # ("json_schema", the schema's JSON text) or ("json_object", ""): the completion's format,
     # for engines whose EngineInfo says structured_output; None: free text.
     structured_output: tuple[str, str] | None = None
+    # Tokens never to sample: their logits get common.images.IMAGE_TOKEN_BIAS (a vision-language
+    # model's image markers), also in the logprobs reported.
+    suppressed_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

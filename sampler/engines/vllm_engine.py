@@ -15,8 +15,8 @@ calls are scheduled into the same batches.
   busy engine with seeded requests hits (docs/platform.md).
 - Weights: `collective_rpc` to RlfleetWeightReceiver (vllm_worker.py) with raw bytes, then
   `reset_prefix_cache()`, or prompts cached under the old weights would reuse stale KV, and
-  for a vision-language model `reset_encoder_cache()`: vLLM keeps the vision encoder's outputs
-  by image, which new encoder weights make stale.
+  for a vision-language model whose version holds vision tensors `reset_encoder_cache()`: vLLM
+  keeps the vision encoder's outputs by image, which new encoder weights make stale.
 - Images: vLLM expands each image token of a prompt itself, so it takes the prompt with one
   token per image (PromptImages.placeholder_ids) and the decoded images; an already expanded
   prompt would be expanded again. The expansion it makes is checked against the service's.
@@ -35,6 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from common.images import IMAGE_TOKEN_BIAS
 from sampler.engines.base import (
     Completion,
     Delta,
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "sampler.engines.vllm_worker.RlfleetWeightReceiver"
 _EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# A vision-language model's tensors that leave image features unchanged (the encoder cache
+# stays valid when a version holds only these: the learner leaves out frozen vision parts).
+_TEXT_PREFIXES = ("model.text_model.", "lm_head.")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # vLLM's CPU default token budget per scheduler step (OpenAI server context).
 _MIN_BATCHED_TOKENS = 2048
@@ -267,7 +271,7 @@ class VllmEngine:
         started = time.monotonic()
         counts = await self.llm.collective_rpc("rlfleet_reload_weights", args=(items,))
         await self.llm.reset_prefix_cache()
-        if self.vision:
+        if self.vision and any(not name.startswith(_TEXT_PREFIXES) for name in tensors):
             await self.llm.reset_encoder_cache()
         log.info(
             "vLLM: weights v%d loaded (%d tensors) in %.0f ms",
@@ -340,6 +344,7 @@ def _sampling_params(o: SamplingOptions, max_tokens: int, *, delta: bool = False
         skip_special_tokens=True,
         output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
         structured_outputs=_structured(o.structured_output),
+        logit_bias=dict.fromkeys(o.suppressed_token_ids, IMAGE_TOKEN_BIAS) or None,
     )
 
 

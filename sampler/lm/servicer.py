@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from common import tensor
+from common.images import image_token_ids
 from rlfleet.sampler.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler.engines.base import Completion, Delta, GenerationEngine, SamplingOptions
 from sampler.lm.gate import VersionGate
@@ -72,6 +73,7 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         self.engine: GenerationEngine | None = None
         self.renderer: PromptRenderer | None = None
         self.tool_calls: ToolCallReader | None = None  # with the renderer, by `attach`
+        self.suppressed: tuple[int, ...] = ()  # token ids no request may sample, by `attach`
         self.limits: Limits | None = None
         self.gate = VersionGate(0)
         self.ready = False
@@ -83,6 +85,8 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         vision-language model's, which expands the images of prompts."""
         self.engine = engine
         self.renderer = PromptRenderer(tokenizer, processor)
+        # A vision-language model never writes its image markers (common.images).
+        self.suppressed = image_token_ids(processor) if processor is not None else ()
         self.tool_calls = ToolCallReader(tokenizer, self.settings.tool_parser)
         info = engine.info
         self.limits = Limits(
@@ -131,6 +135,14 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         log.info("engine warmed up in %.1fs", seconds)
         return seconds
 
+    def _options(self, options: SamplingOptions) -> SamplingOptions:
+        """The request's options checked against the engine, with what every request of this
+        model gets (the suppressed tokens)."""
+        self._check_format(options)
+        if not self.suppressed:
+            return options
+        return dataclasses.replace(options, suppressed_token_ids=self.suppressed)
+
     def _check_format(self, options: SamplingOptions) -> None:
         assert self.engine is not None
         if options.structured_output is not None and not self.engine.info.structured_output:
@@ -160,8 +172,8 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         self._check_ready()
         assert self.engine is not None
         assert self.renderer is not None and self.limits is not None
-        prompts, options = parse_request(request, self.limits, self.renderer, received)
-        self._check_format(options)
+        prompts, parsed = parse_request(request, self.limits, self.renderer, received)
+        options = self._options(parsed)
         tools = [
             self.renderer.tools(p.chat, f"prompts[{i}].chat") if p.HasField("chat") else []
             for i, p in enumerate(request.prompts)
@@ -194,8 +206,8 @@ class SamplerService(sampler_pb2_grpc.SamplerServiceServicer):
         self._check_ready()
         assert self.engine is not None
         assert self.renderer is not None and self.limits is not None
-        prompt, options = parse_stream_request(request, self.limits, self.renderer, received)
-        self._check_format(options)
+        prompt, parsed = parse_stream_request(request, self.limits, self.renderer, received)
+        options = self._options(parsed)
         listed = self.renderer.tools(request.prompt.chat) if request.prompt.HasField("chat") else []
         # Greedy n > 1: one engine completion, sent under every index (as Generate does).
         copies = options.n if options.temperature == 0 and options.n > 1 else 1

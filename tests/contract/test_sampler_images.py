@@ -62,17 +62,21 @@ async def test_info_says_how_many_images_a_prompt_may_hold(client: SamplerClient
     assert info.max_images_per_prompt == 2
 
 
-async def test_an_image_prompt_is_what_the_processor_makes_and_scores_as_transformers(
+async def test_an_image_prompt_is_what_the_processor_makes_and_scores_as_the_learner(
     client: SamplerClient, vision_model_dir: Path
 ) -> None:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    """The learner's model (its image tokens biased as the sampler biases them) gives the
+    sampler's log-probabilities on the sampler's prompt ids and the same pixels."""
+    from transformers import AutoProcessor
+
+    from learner.lm.model import load_causal_lm
 
     tasks = shapes(2)
     reply = await client.generate(
         [image_messages(t) for t in tasks], max_tokens=6, temperature=0.0, logprobs=True
     )
     processor = AutoProcessor.from_pretrained(vision_model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(vision_model_dir).eval()
+    model = load_causal_lm(vision_model_dir, frozen=True)
     for task, result in zip(tasks, reply.results, strict=True):
         text = processor.apply_chat_template(list(task.messages), add_generation_prompt=True)
         inputs = processor(text=[text], images=[[open_image(task.images[0])]], return_tensors="pt")
@@ -93,6 +97,31 @@ async def test_an_image_prompt_is_what_the_processor_makes_and_scores_as_transfo
         assert max(abs(g - w) for g, w in zip(got, want[:, 0].tolist(), strict=True)) < (
             LOGPROB_TOLERANCE
         )
+
+
+async def test_image_tokens_are_never_sampled(
+    client: SamplerClient, vision_model_dir: Path
+) -> None:
+    """A random model puts some probability on its image markers; the sampler never writes
+    them (they would be text standing for pixels), and says so in the logprobs."""
+    from transformers import AutoProcessor
+
+    from common.images import IMAGE_TOKEN_BIAS, image_token_ids
+
+    banned = set(image_token_ids(AutoProcessor.from_pretrained(vision_model_dir)))
+    reply = await client.generate(
+        [image_messages(t) for t in shapes(2)],
+        n=4, max_tokens=48, temperature=1.5, seed=3, logprobs=True, top_logprobs=20,
+        ignore_eos=True,
+    )  # fmt: skip
+    for result in reply.results:
+        for completion in result.completions:
+            assert not banned & set(ids(completion.token_ids))
+            top = tensor.decode(completion.top_token_ids)
+            listed = tensor.decode(completion.top_logprobs)
+            for row_ids, row_logprobs in zip(top.tolist(), listed.tolist(), strict=True):
+                for token, logprob in zip(row_ids, row_logprobs, strict=True):
+                    assert token not in banned or logprob < IMAGE_TOKEN_BIAS / 2
 
 
 async def test_a_streamed_image_prompt_gives_generates_tokens(client: SamplerClient) -> None:
