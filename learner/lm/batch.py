@@ -39,6 +39,7 @@ __all__ = [
     "decode_group",
     "image_counts",
     "image_inputs",
+    "pad_images",
 ]
 
 
@@ -224,22 +225,35 @@ def _trim_images(values: Tensor | None, mask: Tensor | None) -> tuple[Tensor | N
 
 def _pad_images(samples: Sequence[Sample]) -> tuple[Tensor | None, Tensor | None]:
     """The samples' images stacked ``[B, I, ...]``, zero-padded (None when none has one)."""
-    shown = [s for s in samples if s.pixel_values is not None and len(s.pixel_values)]
+    return pad_images(
+        [
+            (s.pixel_values, s.pixel_attention_mask)
+            if s.pixel_values is not None and s.pixel_attention_mask is not None
+            else None
+            for s in samples
+        ]
+    )
+
+
+def pad_images(
+    pixels: Sequence[tuple[np.ndarray, np.ndarray] | None],
+) -> tuple[Tensor | None, Tensor | None]:
+    """Rows' images (pixel_values [I, 3, H, W] and pixel_attention_mask [I, H, W]; None: no
+    image) stacked ``[B, I, ...]`` and zero-padded: a model drops all-zero images. (None, None)
+    when no row has one."""
+    shown = [p for p in pixels if p is not None and len(p[0])]
     if not shown:
         return None, None
-    most = max(len(s.pixel_values) for s in shown)  # type: ignore[arg-type]
-    first = shown[0]
-    assert first.pixel_values is not None and first.pixel_attention_mask is not None
-    values = torch.zeros((len(samples), most, *first.pixel_values.shape[1:]), dtype=torch.float32)
-    mask = torch.zeros(
-        (len(samples), most, *first.pixel_attention_mask.shape[1:]), dtype=torch.bool
-    )
-    for row, s in enumerate(samples):
-        if s.pixel_values is None or s.pixel_attention_mask is None:
+    most = max(len(values) for values, _ in shown)
+    first_values, first_mask = shown[0]
+    values = torch.zeros((len(pixels), most, *first_values.shape[1:]), dtype=torch.float32)
+    mask = torch.zeros((len(pixels), most, *first_mask.shape[1:]), dtype=torch.bool)
+    for row, p in enumerate(pixels):
+        if p is None:
             continue
-        n = len(s.pixel_values)
-        values[row, :n] = torch.from_numpy(s.pixel_values)
-        mask[row, :n] = torch.from_numpy(s.pixel_attention_mask)
+        n = len(p[0])
+        values[row, :n] = torch.from_numpy(p[0])
+        mask[row, :n] = torch.from_numpy(p[1])
     return values, mask
 
 

@@ -35,17 +35,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from common.images import open_image
 from learner.algos import dpo_loss
 from learner.engine import build_engine
+from learner.lm.batch import image_inputs, pad_images
 from learner.lm.dpo_data import EncodedPair, encode_pair, load_pairs
 from learner.lm.dpo_job import DPOSettings
 from learner.lm.model import (
     context_length,
     hf_weights,
+    image_pixels,
+    is_vision_model,
     load_causal_lm,
+    load_processor,
     load_tokenizer,
     sequence_logprobs,
     token_logprobs,
@@ -128,9 +134,17 @@ class _Batch:
     input_ids: Tensor  # [2B, L]
     attention_mask: Tensor  # [2B, L]
     completion_mask: Tensor  # [2B, L] 1 on completion tokens (the ones scored)
+    pixel_values: Tensor | None = None  # [2B, I, 3, H, W]: each pair's images, on both rows
+    pixel_attention_mask: Tensor | None = None  # [2B, I, H, W]
 
 
-def _collate(pairs: Sequence[EncodedPair], pad_id: int, device: torch.device) -> _Batch:
+def _collate(
+    pairs: Sequence[EncodedPair],
+    pad_id: int,
+    device: torch.device,
+    pixels: Sequence[tuple[np.ndarray, np.ndarray] | None] = (),
+) -> _Batch:
+    """``pixels``: each pair's prompt images (None: none), shown to both its rows."""
     rows = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     prompts = [len(p.prompt) for p in pairs] * 2
     length = max(map(len, rows))
@@ -141,7 +155,10 @@ def _collate(pairs: Sequence[EncodedPair], pad_id: int, device: torch.device) ->
         ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
         completion[i, prompt : len(row)] = 1
-    return _Batch(ids.to(device), attention.to(device), completion.to(device))
+    values, mask = pad_images(list(pixels) * 2) if pixels else (None, None)
+    if values is not None and mask is not None:
+        values, mask = values.to(device), mask.to(device)
+    return _Batch(ids.to(device), attention.to(device), completion.to(device), values, mask)
 
 
 class DPOTrainer:
@@ -162,6 +179,9 @@ class DPOTrainer:
         self.trackers = trackers  # W&B / MLflow beside TensorBoard (rank 0 logs)
         torch.manual_seed(s.seed)
         self.tokenizer = load_tokenizer(s.model_path)
+        # A vision-language model's processor expands the pairs' images and makes their pixels.
+        self.processor = load_processor(s.model_path) if is_vision_model(s.model_path) else None
+        self._pixels: dict[tuple[bytes, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.train_pairs = self._encode(s.data)
         self.eval_pairs = self._encode(s.eval_data) if s.eval_data else []
         self.reporter.status(
@@ -209,7 +229,12 @@ class DPOTrainer:
         return len(self.train_pairs) + len(self.eval_pairs)
 
     def _encode(self, path: Path) -> list[EncodedPair]:
-        pairs = [encode_pair(p, self.tokenizer, self.settings.max_length) for p in load_pairs(path)]
+        max_length, processor = self.settings.max_length, self.processor
+        pairs = [encode_pair(p, self.tokenizer, max_length, processor) for p in load_pairs(path)]
+        for pair in pairs:  # pixels once per distinct image set, not per epoch
+            if pair.images and pair.images not in self._pixels:
+                decoded = [open_image(data) for data in pair.images]
+                self._pixels[pair.images] = image_pixels(processor, decoded)
         cut = sum(p.truncated for p in pairs)
         if cut:
             log.warning("%s: %d of %d pairs cut to max_length", path, cut, len(pairs))
@@ -221,14 +246,19 @@ class DPOTrainer:
         self, forward: Callable[..., Any], pairs: Sequence[EncodedPair]
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(chosen [B], rejected [B], completion tokens in the batch) under ``forward``."""
-        batch = _collate(pairs, self.tokenizer.pad_token_id, self.engine.device)
+        pixels = [self._pixels.get(p.images) if p.images else None for p in pairs]
+        batch = _collate(pairs, self.tokenizer.pad_token_id, self.engine.device, pixels)
         if self.pack_tokens is not None:  # the same log-probs through a packed forward
             logp, _ = sequence_logprobs(
                 forward, batch.input_ids, batch.attention_mask, entropy=False,
-                pack_tokens=self.pack_tokens,
+                pack_tokens=self.pack_tokens, pixel_values=batch.pixel_values,
+                pixel_attention_mask=batch.pixel_attention_mask,
             )  # fmt: skip
         else:
-            out = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            images = image_inputs(
+                batch.pixel_values, batch.pixel_attention_mask, self.engine.device
+            )
+            out = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **images)
             logp = token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])  # [2B, L-1]
         mask = batch.completion_mask[:, 1:].to(logp.dtype)  # [2B, L-1] position t scores t+1
         seq = (logp * mask).sum(-1)  # [2B]
@@ -439,7 +469,8 @@ class DPOTrainer:
     # --- output ----------------------------------------------------------------------------
 
     def export(self) -> Path:
-        """Save the full model (LoRA merged) and the tokenizer to ``output_dir/final``."""
+        """Save the full model (LoRA merged) and the tokenizer (a vision-language model's
+        processor) to ``output_dir/final``."""
         from peft import PeftModel
 
         out = self.output_dir / "final"
@@ -452,7 +483,8 @@ class DPOTrainer:
             # An explicit state_dict: the base model's own would be the unmerged weights, and
             # under ZeRO-3 only this rank's partition.
             model.save_pretrained(out, state_dict=weights)
-            self.tokenizer.save_pretrained(out)
+            # The processor holds the tokenizer, and what expands and sizes the images.
+            (self.processor or self.tokenizer).save_pretrained(out)
             print(f"dpo: saved {out}", flush=True)
             self.trackers.log_final(out)
         return out
