@@ -57,6 +57,19 @@ class Task:
     solution: str | None = None  # an expert completion, when the dataset has one
     images: tuple[bytes, ...] = ()  # PNG bytes of the messages' image parts, in their order
 
+    def text(self) -> str:
+        """The prompt as reward functions and logs see it (as the rollout drivers give it): the
+        raw text, or the last user message's text with ``<image>`` where an image is."""
+        if not self.messages:
+            return self.prompt
+        users = [m for m in self.messages if m.get("role") == "user"] or list(self.messages)
+        content = users[-1].get("content")
+        if isinstance(content, str):
+            return content
+        return "".join(
+            "<image>" if p.get("type") == "image" else str(p.get("text", "")) for p in content or ()
+        )
+
     def columns(self) -> dict[str, Any]:
         """The columns reward functions get as keywords: ``extra`` and ``solution`` (when set),
         every column but the prompt, as TRL passes a dataset's columns."""

@@ -28,6 +28,11 @@ def _dpo_data_args(parser: argparse.ArgumentParser) -> None:
         help="arith (text) or shapes (questions about images, written as PNG files in "
         "OUT's folder, under <OUT's name>-images/)",
     )
+    parser.add_argument(
+        "--question",
+        default="mixed",
+        help="shapes: largest_colour, count_circles, square_side or mixed (default)",
+    )
 
 
 def _dpo_data(args: argparse.Namespace) -> int:
@@ -36,7 +41,9 @@ def _dpo_data(args: argparse.Namespace) -> int:
     if args.task == "shapes":
         out = Path(args.out)
         images = out.parent / f"{out.stem}-images"
-        pairs = shapes_pairs(args.count, images, seed=args.seed, split=args.split)
+        pairs = shapes_pairs(
+            args.count, images, seed=args.seed, split=args.split, question=args.question
+        )
     else:
         pairs = arith_pairs(args.count, seed=args.seed, split=args.split, digits=args.digits)
     print(f"wrote {write_pairs(args.out, pairs)} pairs to {args.out}")

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from learner.lm.settings import LMTrainingKnobs, LoraSettings, check_freeze
+from learner.lm.settings import InitModel, LMTrainingKnobs, LoraSettings, check_freeze
 from learner.settings import (
     DeviceKnob,
     PrecisionKnob,
@@ -137,7 +137,7 @@ class DPOJobSettings(DPOSettings):
         "output_dir": "not a knob: a run writes into its run directory (run: {name, dir})",
     }
 
-    init_model: Literal["tiny", "small", "base100m"] | None = Field(
+    init_model: InitModel | None = Field(
         default=None,
         description="size of the model init-model creates at model_path when missing (null: never)",
     )

@@ -112,7 +112,7 @@ async def score_accuracy(
     """Mean score (abstentions count as wrong) of ``completions`` under the scorer, and each
     completion's score."""
     items = [
-        {"prompt": t.prompt, "completion": c, "extra": t.columns()}  # as the rollout's
+        {"prompt": t.text(), "completion": c, "extra": t.columns()}  # as the rollout's
         for t, c in zip(tasks, completions, strict=True)
     ]
     scores = await score(items)

@@ -26,6 +26,7 @@ from common.datasets import dataset_columns, iter_tasks
 from learner.lm.settings import (
     LEARNER_SESSION_ENVS,
     EvalSettings,
+    InitModel,
     LMTrainingKnobs,
     SFTSettings,
 )
@@ -236,7 +237,7 @@ class LMJobSettings(LMTrainingKnobs):
 
     # A default the learner has not: the folder init-model fills when it is missing.
     model_path: Path = knob(LMTrainingKnobs, "model_path", default=Path("runs/models/tiny-arith"))
-    init_model: Literal["tiny", "small", "base100m", "tiny-vision"] | None = Field(
+    init_model: InitModel | None = Field(
         default="tiny",
         description="size of the model init-model creates at model_path when missing "
         "(tiny-vision: a vision-language model, init-model --vision; null: never)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -28,6 +28,7 @@ __all__ = [
     "ALGO_ALIASES",
     "LEARNER_SESSION_ENVS",
     "EvalSettings",
+    "InitModel",
     "LMLearnerSettings",
     "LMTrainingKnobs",
     "LearnerTextEnv",
@@ -39,6 +40,9 @@ __all__ = [
     "check_preset_name",
     "is_vision_model",
 ]
+
+# What init-model can create at a missing model_path: a text model's size, or tiny-vision.
+InitModel = Literal["tiny", "small", "base100m", "tiny-vision"]
 
 
 def check_preset_name(name: str) -> str:

@@ -497,7 +497,7 @@ class LMWorkload:
 
             accuracy, scores = await score_accuracy(score, tasks, texts)
         samples = [
-            {"prompt": t.prompt, "completion": c, "score": sc}
+            {"prompt": t.text(), "completion": c, "score": sc}
             for t, c, sc in list(zip(tasks, texts, scores, strict=True))[:EVAL_SAMPLES]
         ]
         await self._record_eval(run, {"eval/accuracy": accuracy}, started, samples)

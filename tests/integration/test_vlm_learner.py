@@ -5,7 +5,6 @@ image store; a group naming an image the store does not hold is invalid, naming 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -89,34 +88,3 @@ async def test_decode_fetches_the_named_images(
     finally:
         await workload.close()
         engine.close()
-
-
-@pytest.mark.timeout(600)
-async def test_a_vision_run_with_frozen_vision_parts_trains_end_to_end(
-    vision_model_dir: Path, nats_server: Any, tmp_path: Path
-) -> None:
-    """GRPO on shapes images through vLLM samplers: the learner fetches each group's images,
-    warm-starts on the images' solutions and trains packed with its vision parts frozen."""
-    from tests.integration.test_lm_presets import run_job, small_job
-
-    knobs = small_job(
-        vision_model_dir, dataset={"generator": "shapes"}, engine="vllm", init_model=None,
-        sft_steps=2, eval_count=4, packing=True, freeze_vision_encoder=True, freeze_aligner=True,
-    )  # fmt: skip
-    summary = await run_job("grpo", knobs, tmp_path / "run", nats_server.url)
-    assert summary["updates"] == 2 and summary["groups"] == 4
-    ledger = [
-        json.loads(line)
-        for line in (tmp_path / "run" / "learner" / "applied.jsonl").read_text().splitlines()
-    ]
-    # The samplers never write an image marker (an untrained model would): no group invalid.
-    assert not [e for e in ledger if e["status"] == "invalid"]
-    from tests.integration.test_learner_tracking import tensorboard_points
-
-    board = tensorboard_points(tmp_path / "run" / "tensorboard")
-    mismatch = [value for _, value in board["rollout/mismatch_kl"]]
-    # The learner scores what vLLM sampled: same pixels, same ids, same biased image tokens.
-    assert mismatch and all(abs(v) < 1e-3 for v in mismatch), mismatch
-    assert all(value > 0 for _, value in board["weights/sync_saved_bytes"])
-    final = tmp_path / "run" / "final"
-    assert (final / "processor_config.json").is_file() and (final / "config.json").is_file()
