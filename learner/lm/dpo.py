@@ -51,6 +51,7 @@ from learner.lm.model import (
     image_pixels,
     is_vision_model,
     load_causal_lm,
+    load_policy,
     load_processor,
     load_tokenizer,
     sequence_logprobs,
@@ -189,13 +190,7 @@ class DPOTrainer:
             f"{len(self.eval_pairs)} eval pairs)"
         )
         started = time.perf_counter()
-        model = load_causal_lm(
-            s.model_path,
-            precision=s.precision,
-            lora=s.lora,
-            freeze_vision_encoder=s.freeze_vision_encoder,
-            freeze_aligner=s.freeze_aligner,
-        )
+        model = load_policy(s)
         # packing: rows of the model's context length (learner/lm/packing.py)
         self.pack_tokens = context_length(model) if s.packing else None
         optimizer = OptimizerSettings(lr=s.learning_rate, eps=1e-8, weight_decay=s.weight_decay)

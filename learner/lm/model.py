@@ -21,17 +21,19 @@ import torch
 from torch import Tensor, nn
 
 from common.images import IMAGE_TOKEN_BIAS, image_token_ids
-from learner.lm.batch import image_inputs
+from learner.lm.batch import Batch, image_inputs
 from learner.lm.settings import LoraSettings, is_vision_model
 
 __all__ = [
     "LoraSettings",
+    "batch_logprobs",
     "bias_image_tokens",
     "context_length",
     "hf_weights",
     "image_pixels",
     "is_vision_model",
     "load_causal_lm",
+    "load_policy",
     "load_processor",
     "load_tokenizer",
     "model_class",
@@ -269,6 +271,32 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     logits = logits.float()  # [B, T, V]
     picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
     return picked - torch.logsumexp(logits, dim=-1)  # [B, T]
+
+
+def batch_logprobs(
+    model: Callable[..., Any], batch: Batch, **options: Any
+) -> tuple[Tensor, Tensor | None]:
+    """``sequence_logprobs`` of a collated batch: its token ids, attention and images."""
+    return sequence_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        pixel_values=batch.pixel_values,
+        pixel_attention_mask=batch.pixel_attention_mask,
+        **options,
+    )
+
+
+def load_policy(settings: Any) -> nn.Module:
+    """The model a learner trains, as its settings say: ``model_path``, ``precision``, ``lora``
+    and the freeze knobs (LMLearnerSettings and DPOSettings both have them)."""
+    return load_causal_lm(
+        settings.model_path,
+        precision=settings.precision,
+        lora=settings.lora,
+        freeze_vision_encoder=settings.freeze_vision_encoder,
+        freeze_aligner=settings.freeze_aligner,
+    )
 
 
 def sequence_logprobs(

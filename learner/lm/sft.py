@@ -19,7 +19,7 @@ import numpy as np
 from common.datasets import Task
 from learner.algos import aggregate, sft_loss
 from learner.lm.batch import Sample, collate
-from learner.lm.model import sequence_logprobs
+from learner.lm.model import batch_logprobs
 
 if TYPE_CHECKING:
     from learner.engine import TrainEngine
@@ -115,14 +115,7 @@ def sft_phase(
             log.info("SFT data ran out after %d steps", step - 1)
             break
         batch = collate(samples, tokenizer.pad_token_id)
-        logp, _ = sequence_logprobs(
-            engine,
-            batch.input_ids,
-            batch.attention_mask,
-            pack_tokens=pack_tokens,
-            pixel_values=batch.pixel_values,
-            pixel_attention_mask=batch.pixel_attention_mask,
-        )  # [B, L-1]
+        logp, _ = batch_logprobs(engine, batch, pack_tokens=pack_tokens)  # [B, L-1]
         loss = aggregate(sft_loss(logp, batch.mask), batch.mask, "token-mean")
         engine.backward(loss)
         engine.step()

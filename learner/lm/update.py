@@ -44,7 +44,7 @@ from learner.algos.losses import chord_mix
 from learner.algos.presets import Preset
 from learner.engine import check_step
 from learner.lm.batch import Batch, Sample, collate
-from learner.lm.model import sequence_logprobs
+from learner.lm.model import batch_logprobs
 
 if TYPE_CHECKING:
     from learner.engine import TrainEngine
@@ -75,15 +75,7 @@ def _forward_logp(
     pack_tokens: int | None,
 ) -> tuple[Tensor, Tensor]:
     b = batch if rows is None else batch.select(rows)
-    logp, entropy = sequence_logprobs(
-        model,
-        b.input_ids,
-        b.attention_mask,
-        entropy_grad=entropy_grad,
-        pack_tokens=pack_tokens,
-        pixel_values=b.pixel_values,
-        pixel_attention_mask=b.pixel_attention_mask,
-    )
+    logp, entropy = batch_logprobs(model, b, entropy_grad=entropy_grad, pack_tokens=pack_tokens)
     assert entropy is not None
     return logp, entropy
 
@@ -95,15 +87,7 @@ def _no_grad_logp(
     parts = []
     for start in range(0, len(batch), chunk):
         b = batch.select(torch.arange(start, min(start + chunk, len(batch))))
-        logp, _ = sequence_logprobs(
-            model,
-            b.input_ids,
-            b.attention_mask,
-            entropy=False,
-            pack_tokens=pack_tokens,
-            pixel_values=b.pixel_values,
-            pixel_attention_mask=b.pixel_attention_mask,
-        )
+        logp, _ = batch_logprobs(model, b, entropy=False, pack_tokens=pack_tokens)
         parts.append(logp)
     return torch.cat(parts)  # [B, L-1]
 

@@ -51,6 +51,7 @@ from learner.lm.model import (
     image_pixels,
     is_vision_model,
     load_causal_lm,
+    load_policy,
     load_processor,
     load_tokenizer,
     model_class,
@@ -141,13 +142,7 @@ class LMWorkload:
         self.tokenizer = load_tokenizer(s.model_path)
         if is_vision_model(s.model_path):
             self.processor = load_processor(s.model_path)
-        model = load_causal_lm(
-            s.model_path,
-            precision=s.precision,
-            lora=s.lora,
-            freeze_vision_encoder=s.freeze_vision_encoder,
-            freeze_aligner=s.freeze_aligner,
-        )
+        model = load_policy(s)
         self._static = static_prefixes(model)
         ds = engine_settings(s)
         self.engine = build_engine(model, OptimizerSettings(lr=s.learning_rate, eps=1e-8), ds)

@@ -24,12 +24,12 @@ from common.datasets import iter_tasks, take
 from learner.export import export
 from services.errors import ConfigError
 from services.ports import free_port
-from tests.e2e.test_serve_workflow import _cli, _tail, _wait_healthy
+from tests.e2e.test_serve_workflow import KEY, _cli, _tail, _wait_healthy, serve_config
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-KEY = "sk-e2e-images"
+
 QUESTION = "Which colour is the largest shape?"
 
 
@@ -153,24 +153,7 @@ def test_openai_client_asks_about_an_image(exported: Path, tmp_path: Path) -> No
     import openai
 
     port = free_port()
-    config = tmp_path / "serve.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"name": "serve-images", "dir": str(tmp_path / "runs" / "serve-images")},
-                "job": {
-                    "kind": "serve",
-                    "model": str(exported),
-                    "served_model_name": "tiny-vlm",
-                    "engine": "vllm",
-                    "replicas": 1,
-                    "port": port,
-                    "max_model_len": 256,
-                    "api_keys": [{"key": KEY}],
-                },
-            }
-        )
-    )
+    config = serve_config(tmp_path, "serve-images", exported, "tiny-vlm", port, engine="vllm")
     log = (tmp_path / "up.log").open("w")
     up = _cli("up", str(config), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:

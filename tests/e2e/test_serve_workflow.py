@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -24,6 +25,23 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-e2e"
+
+
+def serve_config(
+    tmp_path: Path, name: str, model: Path, served: str, port: int, **job: Any
+) -> Path:
+    """A `serve` run file under ``tmp_path``: one replica of ``model`` as ``served`` on ``port``
+    with the test's API key (``job``: more knobs)."""
+    config = tmp_path / "serve.yaml"
+    body = {
+        "run": {"name": name, "dir": str(tmp_path / "runs" / name)},
+        "job": {
+            "kind": "serve", "model": str(model), "served_model_name": served, "replicas": 1,
+            "port": port, "max_model_len": 256, "api_keys": [{"key": KEY}], **job,
+        },
+    }  # fmt: skip
+    config.write_text(yaml.safe_dump(body))
+    return config
 
 
 def _cli(*args: str, cwd: Path, **kwargs) -> subprocess.Popen[str]:
@@ -64,23 +82,7 @@ def test_train_export_quantized_serve_openai(lm_run: Path, tmp_path: Path) -> No
     check_quantized(export_dir, "w4a16", samples=64)
 
     port = free_port()
-    config = tmp_path / "serve.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"name": "serve-e2e", "dir": str(tmp_path / "runs" / "serve-e2e")},
-                "job": {
-                    "kind": "serve",
-                    "model": str(export_dir),
-                    "served_model_name": "arith",
-                    "replicas": 1,
-                    "port": port,
-                    "max_model_len": 256,
-                    "api_keys": [{"key": KEY}],
-                },
-            }
-        )
-    )
+    config = serve_config(tmp_path, "serve-e2e", export_dir, "arith", port)
     log = (tmp_path / "up.log").open("w")
     up = _cli("up", str(config), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
