@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from learner.lm.dpo_data import arith_pairs, shapes_pairs, write_pairs
+from learner.lm.dpo_data import generate_pairs
 from services.commands import Command
 from services.errors import ConfigError
 
@@ -38,15 +37,11 @@ def _dpo_data_args(parser: argparse.ArgumentParser) -> None:
 def _dpo_data(args: argparse.Namespace) -> int:
     if args.count < 1 or args.digits < 1:
         raise ConfigError("--count and --digits must be at least 1")
-    if args.task == "shapes":
-        out = Path(args.out)
-        images = out.parent / f"{out.stem}-images"
-        pairs = shapes_pairs(
-            args.count, images, seed=args.seed, split=args.split, question=args.question
-        )
-    else:
-        pairs = arith_pairs(args.count, seed=args.seed, split=args.split, digits=args.digits)
-    print(f"wrote {write_pairs(args.out, pairs)} pairs to {args.out}")
+    written = generate_pairs(
+        args.out, args.task, args.count, split=args.split, seed=args.seed, digits=args.digits,
+        question=args.question,
+    )  # fmt: skip
+    print(f"wrote {written} pairs to {args.out}")
     return 0
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "PreferencePair",
     "arith_pairs",
     "encode_pair",
+    "generate_pairs",
     "load_pairs",
     "shapes_pairs",
     "write_pairs",
@@ -241,6 +242,29 @@ def shapes_pairs(
             "chosen": f"<answer>{answer}</answer>",
             "rejected": f"<answer>{wrong}</answer>",
         }
+
+
+def generate_pairs(
+    path: str | Path,
+    task: str,
+    count: int,
+    *,
+    split: str = "train",
+    seed: int = 0,
+    digits: int = 2,
+    question: str = "mixed",
+) -> int:
+    """Write ``count`` generated pairs of ``task`` ("arith", or "shapes" with its PNG files in
+    ``<path's stem>-images/`` beside it) to ``path``; returns how many."""
+    path = Path(path)
+    if task == "shapes":
+        images = path.parent / f"{path.stem}-images"
+        pairs = shapes_pairs(count, images, seed=seed, split=split, question=question)
+    elif task == "arith":
+        pairs = arith_pairs(count, seed=seed, split=split, digits=digits)
+    else:
+        raise DatasetSpecError(f"unknown pair task {task!r}: arith or shapes")
+    return write_pairs(path, pairs)
 
 
 def write_pairs(path: str | Path, pairs: Iterable[dict[str, Any]]) -> int:

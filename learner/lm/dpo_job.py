@@ -108,6 +108,21 @@ class DPOSettings(StrictModel):
         return self
 
 
+class PairsKnob(StrictModel):
+    """Preference pairs `rlfleet up` writes (as `rlfleet dpo-data` does) when the job's data or
+    eval_data file is missing."""
+
+    task: Literal["arith", "shapes"] = Field(
+        default="arith", description="arith (text) or shapes (questions about images)"
+    )
+    count: int = Field(default=512, ge=1, description="training pairs (data)")
+    eval_count: int = Field(default=128, ge=1, description="held-out pairs (eval_data)")
+    question: str = Field(
+        default="mixed", description="shapes: largest_colour, count_circles, square_side, mixed"
+    )
+    digits: int = Field(default=2, ge=1, description="arith: operand digits")
+
+
 class DPOJobSettings(DPOSettings):
     """Offline DPO of a causal LM on preference pairs (one learner service, no sampling).
 
@@ -142,6 +157,11 @@ class DPOJobSettings(DPOSettings):
         description="size of the model init-model creates at model_path when missing (null: never)",
     )
     restarts: int = Field(default=2, ge=0, description="restarts of the learner before it fails")
+    make_pairs: PairsKnob | None = Field(
+        default=None,
+        description="write data and eval_data (the eval split) with dpo-data's generators when "
+        "they are missing (null: they must exist)",
+    )
 
     @model_validator(mode="after")
     def _model_known(self) -> DPOJobSettings:
@@ -168,16 +188,24 @@ def expand(settings: DPOJobSettings, run_name: str) -> list[dict[str, Any]]:
 
 
 def prepare(settings: DPOJobSettings, run_dir: Path) -> None:
-    """Check every pair file line by line (a bad line fails `rlfleet up` before the learner
-    starts, naming file:line), then create the model with init-model when asked to
-    (idempotent)."""
+    """Write missing pair files when make_pairs says how, check every pair file line by line (a
+    bad line fails `rlfleet up` before the learner starts, naming file:line), then create the
+    model with init-model when asked to (idempotent)."""
     from common.datasets import DatasetSpecError
-    from learner.lm.dpo_data import load_pairs
+    from learner.lm.dpo_data import generate_pairs, load_pairs
 
-    for key in ("data", "eval_data"):
+    made = settings.make_pairs
+    for key, split in (("data", "train"), ("eval_data", "eval")):
         path = getattr(settings, key)
         if path is None:
             continue
+        if not Path(path).is_file() and made is not None:
+            count = made.count if split == "train" else made.eval_count
+            print(f"dpo-data: writing {count} {made.task} pairs to {path}", flush=True)
+            generate_pairs(
+                path, made.task, count, split=split, seed=settings.seed, digits=made.digits,
+                question=made.question,
+            )  # fmt: skip
         if not Path(path).is_file():
             raise ConfigError(
                 f"job.{key}: {path} does not exist (arithmetic pairs: "

@@ -1,7 +1,7 @@
 """The two vision examples as users run them, shortened: `rlfleet up examples/vlm_grpo.yaml`
 (the model created by init-model, SFT on the images, vLLM sampling the images the feeder stored
 by digest, packed updates with the vision parts frozen, under the launcher's NATS authorization)
-and `rlfleet dpo-data --task shapes` then `rlfleet up examples/vlm_dpo.yaml` (the vision encoder
+and `rlfleet up examples/vlm_dpo.yaml` (its image pairs written on first use, the vision encoder
 frozen). The examples' own numbers come from their full runs (their headers); these runs check
 the path, not the learning."""
 
@@ -17,7 +17,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from launch.cli import main as cli_main
 from tests.fixtures.launch import Up, assert_nothing_left
 
 pytestmark = pytest.mark.slow
@@ -81,14 +80,11 @@ def test_vlm_grpo_example_trains_on_images_under_rlfleet_up(tmp_path: Path) -> N
 
 @pytest.mark.timeout(900)
 def test_vlm_dpo_example_trains_with_the_vision_encoder_frozen(tmp_path: Path) -> None:
-    model = tmp_path / "models" / "tiny-vision"
-    data = tmp_path / "data"
-    for name, split, count in (("train", "train", 32), ("eval", "eval", 16)):
-        args = ["dpo-data", str(data / f"{name}.jsonl"), "--task", "shapes", "--count", str(count)]
-        assert cli_main([*args, "--question", "largest_colour", "--split", split]) == 0
+    model, data = tmp_path / "models" / "tiny-vision", tmp_path / "data"
+    pairs = {"task": "shapes", "question": "largest_colour", "count": 32, "eval_count": 16}
     config, run_dir = shortened(
         "vlm_dpo.yaml", tmp_path, model_path=str(model), data=str(data / "train.jsonl"),
-        eval_data=str(data / "eval.jsonl"), epochs=1, checkpoint_every=1000,
+        eval_data=str(data / "eval.jsonl"), make_pairs=pairs, epochs=1, checkpoint_every=1000,
     )  # fmt: skip
     up = Up(config, run_dir, services=["dpo"], budget_s=600)
     try:
@@ -97,6 +93,9 @@ def test_vlm_dpo_example_trains_with_the_vision_encoder_frozen(tmp_path: Path) -
         up.stop()
     assert_nothing_left(run_dir)
     assert "rlfleet: run 'vlm-dpo' ok (exit 0)" in up.output
+    # make_pairs wrote the pairs and their images on first use.
+    assert len((data / "train.jsonl").read_text().splitlines()) == 32
+    assert len(list((data / "eval-images").glob("*.png"))) == 16
     assert "eval loss 0.693 ->" in up.output
     start, final = (
         load_file(model / "model.safetensors"),
