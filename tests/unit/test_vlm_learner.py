@@ -18,6 +18,7 @@ from common import tensor
 from common.datasets import iter_tasks, take
 from common.images import open_image
 from learner.lm.batch import PromptPixels, Sample, collate, decode_group
+from learner.lm.jobs import PRESET_NAMES
 from learner.lm.model import (
     hf_weights,
     image_pixels,
@@ -334,3 +335,37 @@ def test_sft_on_shapes_images_reduces_the_loss(vision_model_dir: Path) -> None:
     )  # fmt: skip
     losses = [h["sft/loss"] for h in history]
     assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.slow  # a DeepSpeed engine per preset
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_every_preset_trains_on_image_groups(vision_model_dir: Path, preset: str) -> None:
+    """Each GRPO-family preset's update runs on groups with images: finite loss, the text model
+    moves (expert completions for CHORD come from the same groups)."""
+    from learner.lm.settings import LMLearnerSettings
+    from learner.lm.workload import LMWorkload
+    from learner.workload import Progress
+    from services.registry import ServiceContext
+
+    settings = LMLearnerSettings.model_validate({
+        "model_path": str(vision_model_dir), "device": "cpu", "preset": preset,
+        "minibatch_size": 4, "learning_rate": 1e-2, "packing": True,
+    })  # fmt: skip
+    workload = LMWorkload(ServiceContext("learner", "lm_learner", settings), settings)
+    torch.manual_seed(0)
+    engine = workload.build()
+    try:
+        module = engine.module
+        before = {
+            n: p.detach().clone() for n, p in module.named_parameters() if ".text_model." in n
+        }
+        items = []
+        for gid in ("a", "b"):
+            msg, pngs = _group(workload.processor, 1, gid)
+            items += decode_group(msg, workload.vocab_size, _pixels(workload.processor, pngs))
+        metrics = workload.train(items, Progress(), torch.Generator().manual_seed(0))
+        assert np.isfinite(metrics["losses/loss"]), metrics
+        after = dict(module.named_parameters())
+        assert any(not torch.equal(after[n], t) for n, t in before.items())
+    finally:
+        engine.close()
