@@ -91,7 +91,9 @@ def test_awq_is_refused_for_a_vision_model(vision_model: Path, tmp_path: Path) -
 
 
 @pytest.mark.timeout(900)  # the quantizer environment on first use, then a vLLM start
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+# w8a8, whose SmoothQuant mappings are the vision-specific part; w4a16 differs only in the
+# scheme's name here (the text model's w4a16 is exported and served by test_serve_workflow).
+@pytest.mark.parametrize("scheme", ["w8a8"])
 def test_quantized_vision_export_answers_in_vllm(
     vision_model: Path, tmp_path: Path, scheme: str
 ) -> None:
