@@ -74,7 +74,7 @@ class PromptImages:
     prompt with one image token per image, before the processor expanded each: engines that
     expand images themselves (vLLM) take that form."""
 
-    data: tuple[bytes, ...]  # encoded image files, checked to decode by the service
+    images: tuple[Any, ...]  # decoded once by the service (PIL images, RGB)
     placeholder_ids: tuple[int, ...]
 
 

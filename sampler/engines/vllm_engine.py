@@ -294,11 +294,9 @@ def _inputs(prompt: Sequence[int], images: PromptImages | None) -> Any:
 
     if images is None:
         return TokensPrompt(prompt_token_ids=list(prompt))
-    from common.images import open_image
-
-    decoded = [open_image(data).convert("RGB") for data in images.data]
     return TokensPrompt(
-        prompt_token_ids=list(images.placeholder_ids), multi_modal_data={"image": decoded}
+        prompt_token_ids=list(images.placeholder_ids),
+        multi_modal_data={"image": list(images.images)},
     )
 
 

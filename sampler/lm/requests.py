@@ -164,12 +164,11 @@ class PromptRenderer:
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not images:
             return ids, None
-        decoded = [image for image, _ in images]
         try:
-            expanded = self.processor(text=[text], images=[decoded])["input_ids"][0]
+            expanded = self.processor(text=[text], images=[images])["input_ids"][0]
         except Exception as exc:  # the processor's own checks (an image token count mismatch)
             raise InvalidArgument(f"{field}: the processor failed: {exc}", field=field) from None
-        placeholders = PromptImages(tuple(data for _, data in images), tuple(ids))
+        placeholders = PromptImages(tuple(images), tuple(ids))
         return [int(i) for i in expanded], placeholders
 
     def _continued_chat(
@@ -215,7 +214,7 @@ def _message(
     m: sampler_pb2.ChatMessage, field: str, images: list[Any] | None = None
 ) -> dict[str, Any]:
     """A ChatMessage as the template reads it (OpenAI's shape). Its image parts become
-    ``{"type": "image"}`` parts, their (decoded image, bytes) appended to ``images`` (None:
+    ``{"type": "image"}`` parts, their decoded images (RGB) appended to ``images`` (None:
     images are refused, e.g. in a continued session)."""
     content: str | list[dict[str, Any]] = m.content
     if m.parts:
@@ -256,7 +255,7 @@ def _part(part: sampler_pb2.ContentPart, field: str, images: list[Any] | None) -
             field=field,
         )
     try:
-        images.append((open_image(part.image.data, name=field), part.image.data))
+        images.append(open_image(part.image.data, name=field).convert("RGB"))
     except ImageError as exc:
         raise InvalidArgument(str(exc), field=f"{field}.data") from None
     return dict(IMAGE_PART)

@@ -8,11 +8,9 @@ AWQ is refused for it."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +22,7 @@ from common.datasets import iter_tasks, take
 from learner.export import export
 from services.errors import ConfigError
 from services.ports import free_port
-from tests.e2e.test_serve_workflow import KEY, _cli, _tail, _wait_healthy, serve_config
+from tests.e2e.test_serve_workflow import KEY, _cli, _wait_healthy, serve_config, stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -198,12 +196,4 @@ def test_openai_client_asks_about_an_image(exported: Path, tmp_path: Path) -> No
             )
         assert refused.value.body["param"] == "messages[0].content[4]"
     finally:
-        with contextlib.suppress(ProcessLookupError):  # it ended already: its log says why
-            os.killpg(up.pid, signal.SIGINT)
-        try:
-            code = up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            raise
-        log.close()
-    assert code in (0, 130), _tail(tmp_path / "up.log")
+        stop_up(up, log, tmp_path / "up.log")

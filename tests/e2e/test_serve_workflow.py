@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import yaml
@@ -42,6 +42,20 @@ def serve_config(
     }  # fmt: skip
     config.write_text(yaml.safe_dump(body))
     return config
+
+
+def stop_up(up: subprocess.Popen[str], log: IO[str], log_path: Path) -> None:
+    """SIGINT to `rlfleet up` (killed if it does not end), then its exit must be clean."""
+    with contextlib.suppress(ProcessLookupError):  # it ended already: its log says why
+        os.killpg(up.pid, signal.SIGINT)
+    try:
+        code = up.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(up.pid, signal.SIGKILL)
+        raise
+    finally:
+        log.close()
+    assert code in (0, 130), _tail(log_path)
 
 
 def _cli(*args: str, cwd: Path, **kwargs) -> subprocess.Popen[str]:
@@ -108,12 +122,4 @@ def test_train_export_quantized_serve_openai(lm_run: Path, tmp_path: Path) -> No
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong").models.list()
     finally:
-        with contextlib.suppress(ProcessLookupError):  # it ended already: its log says why
-            os.killpg(up.pid, signal.SIGINT)
-        try:
-            code = up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            raise
-        log.close()
-    assert code in (0, 130), _tail(tmp_path / "up.log")
+        stop_up(up, log, tmp_path / "up.log")

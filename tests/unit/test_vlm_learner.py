@@ -230,6 +230,22 @@ def test_decode_checks_the_groups_images(vlm: tuple[Any, Any]) -> None:
     assert sampled.value.field == "completions[1].token_ids"
 
 
+def _built(model: Path, **settings: Any) -> tuple[Any, Any]:
+    """An LM learner workload on ``model`` (small minibatches, a high learning rate) and its
+    engine, built from seed 0."""
+    from learner.lm.settings import LMLearnerSettings
+    from learner.lm.workload import LMWorkload
+    from services.registry import ServiceContext
+
+    config = LMLearnerSettings.model_validate({
+        "model_path": str(model), "device": "cpu", "minibatch_size": 4, "learning_rate": 1e-2,
+        **settings,
+    })  # fmt: skip
+    workload = LMWorkload(ServiceContext("learner", "lm_learner", config), config)
+    torch.manual_seed(0)
+    return workload, workload.build()
+
+
 def _is_vision(name: str) -> bool:
     """A parameter of the vision parts, by its Hugging Face or peft name."""
     return any(f".{part}" in f".{name}" for part in VISION)
@@ -244,18 +260,9 @@ def _is_vision(name: str) -> bool:
 def test_vision_parts_that_do_not_train_stay_put_and_travel_once(
     vision_model_dir: Path, knobs: dict[str, Any]
 ) -> None:
-    from learner.lm.settings import LMLearnerSettings
-    from learner.lm.workload import LMWorkload
     from learner.workload import Progress
-    from services.registry import ServiceContext
 
-    settings = LMLearnerSettings.model_validate({
-        "model_path": str(vision_model_dir), "device": "cpu", "preset": "grpo",
-        "algo": {"kl_beta": 0.04}, "minibatch_size": 4, "learning_rate": 1e-2, **knobs,
-    })  # fmt: skip
-    workload = LMWorkload(ServiceContext("learner", "lm_learner", settings), settings)
-    torch.manual_seed(0)
-    engine = workload.build()
+    workload, engine = _built(vision_model_dir, preset="grpo", algo={"kl_beta": 0.04}, **knobs)
     try:
         module = engine.module
         before = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -342,18 +349,9 @@ def test_sft_on_shapes_images_reduces_the_loss(vision_model_dir: Path) -> None:
 def test_every_preset_trains_on_image_groups(vision_model_dir: Path, preset: str) -> None:
     """Each GRPO-family preset's update runs on groups with images: finite loss, the text model
     moves (expert completions for CHORD come from the same groups)."""
-    from learner.lm.settings import LMLearnerSettings
-    from learner.lm.workload import LMWorkload
     from learner.workload import Progress
-    from services.registry import ServiceContext
 
-    settings = LMLearnerSettings.model_validate({
-        "model_path": str(vision_model_dir), "device": "cpu", "preset": preset,
-        "minibatch_size": 4, "learning_rate": 1e-2, "packing": True,
-    })  # fmt: skip
-    workload = LMWorkload(ServiceContext("learner", "lm_learner", settings), settings)
-    torch.manual_seed(0)
-    engine = workload.build()
+    workload, engine = _built(vision_model_dir, preset=preset, packing=True)
     try:
         module = engine.module
         before = {
