@@ -47,10 +47,19 @@ VISION_TOKENS = (FAKE_IMAGE, IMAGE_TOKEN, GLOBAL_IMAGE, END_OF_UTTERANCE)
 # format after its content. Tool results keep the "tool" role. A content given as OpenAI parts
 # renders its text parts and one IMAGE_TOKEN per image part (a vision model expands it).
 CHAT_TEMPLATE = (
+    # A message's content is a string or a list of parts (servers such as vLLM's pass every
+    # content as parts once a template iterates them): one macro renders both.
+    "{% macro content(value) %}"
+    "{% if value is string %}{{ value }}"
+    "{% elif value %}{% for part in value %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endmacro %}"
     "{% if tools %}"
     "{{ '<|im_start|>system\\n' }}"
     "{% if messages and messages[0]['role'] == 'system' %}"
-    "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ content(messages[0]['content']) + '\\n\\n' }}{% endif %}"
     "{{ '# Tools\\n\\nYou may call functions. Their signatures are within <tools></tools>:'"
     " + '\\n<tools>' }}"
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
@@ -62,11 +71,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if not (loop.first and tools and message['role'] == 'system') %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% elif message['content'] %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}{{ '<image>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
+    "{{ content(message['content']) }}"
     "{% if message.tool_calls is defined and message.tool_calls %}"
     "{% for call in message.tool_calls %}"
     "{% set function = call.function if call.function is defined else call %}"

@@ -151,6 +151,14 @@ def test_the_chat_template_lists_tools_and_renders_tool_calls(tiny_model_dir: Pa
     (parsed,) = tool_calls({"role": "assistant", "content": text.split("<|im_start|>assistant")[1]})
     assert (parsed.name, parsed.arguments) == ("calculator", {"expression": "2*21"})
 
+    # Content as a list of parts (how vLLM's OpenAI server passes it to a template that reads
+    # parts) renders as the string would, the system prompt beside the tools included.
+    as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conversation]
+    listed = tokenizer.apply_chat_template(
+        as_parts, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert listed == text
+
 
 def test_init_model_refuses_a_size_vllm_cannot_serve(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="head size"):
