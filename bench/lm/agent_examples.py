@@ -12,6 +12,12 @@ held-out questions for agent_openai). An example's model is made by ``init_model
 
 Writes bench/results/agent_examples.json (``examples``: name -> ``accuracy_after_sft``,
 ``accuracy_after_rl``, ``updates``, ``minutes``, ``exit_code``).
+
+The agent program's example is then served as users serve what they trained: its ``final/``
+exported (``rlfleet export``), a ``serve`` run of it (vLLM behind the gateway, tools on), and
+examples/agent_openai.py's own evaluation (``--eval``: the held-out questions, the tool called
+through the serving gateway) gives ``served_accuracy``. ``--reuse`` takes the examples' finished
+run dirs as they are (to serve again without training again).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +40,8 @@ from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR, machine, write_re
 
 RESULTS = RESULTS_DIR / "agent_examples.json"
 BENCH_DIR = WORK_DIR / "agent_examples"
+SERVED = {"agent_openai": ROOT / "examples" / "agent_openai.py"}  # example -> its agent program
+SERVED_QUESTIONS = 64
 EXAMPLES = (
     "agent_calculator",
     "agent_calculator_no_tool",
@@ -42,11 +52,14 @@ EXAMPLES = (
 )
 
 
-def run_example(name: str, timeout_s: float) -> dict[str, Any]:
-    """``rlfleet up`` on a copy of examples/<name>.yaml; its evaluations."""
+def run_example(name: str, timeout_s: float, *, reuse: bool = False) -> dict[str, Any]:
+    """``rlfleet up`` on a copy of examples/<name>.yaml (``reuse``: the run dir as it is); its
+    evaluations."""
     source = ROOT / "examples" / f"{name}.yaml"
     config = yaml.safe_load(source.read_text())
     run_dir = BENCH_DIR / name
+    if reuse:
+        return {**_results(run_dir), "reused": True, "config": str(source.relative_to(ROOT))}
     shutil.rmtree(run_dir, ignore_errors=True)
     config["run"] = {**config["run"], "dir": str(run_dir)}
     # Beside the example, so what it names relative to its folder (a .py env, the agent
@@ -68,6 +81,15 @@ def run_example(name: str, timeout_s: float) -> dict[str, Any]:
     finally:
         copy.unlink(missing_ok=True)
     minutes = (time.time() - started) / 60
+    return {
+        **_results(run_dir),
+        "minutes": round(minutes, 2),
+        "exit_code": code,
+        "config": str(source.relative_to(ROOT)),
+    }
+
+
+def _results(run_dir: Path) -> dict[str, Any]:
     evals_path = run_dir / "learner" / "eval.jsonl"
     evals = (
         [json.loads(x) for x in evals_path.read_text().splitlines()] if evals_path.exists() else []
@@ -77,10 +99,83 @@ def run_example(name: str, timeout_s: float) -> dict[str, Any]:
         "accuracy_after_rl": evals[-1]["eval/accuracy"] if len(evals) > 1 else None,
         "updates": int(evals[-1]["eval/update"]) if evals else 0,
         "evals": evals,
-        "minutes": round(minutes, 2),
-        "exit_code": code,
-        "config": str(source.relative_to(ROOT)),
     }
+
+
+def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
+    """Export the example's trained model, serve it (``kind: serve``, vLLM, one replica) and
+    run ``program --eval`` against the gateway: the accuracy the agent program prints."""
+    import httpx
+
+    from services.ports import free_port
+
+    run_dir = BENCH_DIR / name
+    exported = BENCH_DIR / "exports" / name
+    shutil.rmtree(exported, ignore_errors=True)
+    exported.parent.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "launch"]
+    export = subprocess.run(
+        [*cli, "export", str(run_dir), str(exported)], cwd=ROOT, capture_output=True, text=True
+    )
+    if export.returncode != 0:
+        return {"served_error": f"export failed: {export.stderr[-1500:]}"}
+    port = free_port()
+    config = BENCH_DIR / f"serve-{name}.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": f"serve-{name}", "dir": str(BENCH_DIR / f"serve-{name}")},
+                "job": {
+                    "kind": "serve", "model": str(exported), "served_model_name": name,
+                    "replicas": 1, "engine": "vllm", "max_model_len": 512, "kv_cache_gib": 1,
+                    "host": "127.0.0.1", "port": port,
+                },
+            }
+        )
+    )  # fmt: skip
+    log_path = BENCH_DIR / f"serve-{name}.log"
+    with log_path.open("w") as log:
+        up = subprocess.Popen(
+            [*cli, "up", str(config), "--no-dashboard"], cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while not _healthy(httpx, url):
+            if up.poll() is not None or time.time() > deadline:
+                return {"served_error": f"the serve run did not come up: see {log_path}"}
+            time.sleep(1)
+        started = time.time()
+        env = {**os.environ, "OPENAI_API_KEY": "none", "PYTHONPATH": str(ROOT)}
+        ask = subprocess.run(
+            [sys.executable, str(program), "--eval", str(SERVED_QUESTIONS), "--base-url",
+             f"{url}/v1"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+        found = re.search(r"accuracy ([0-9.]+)", ask.stdout)
+        if ask.returncode != 0 or found is None:
+            return {"served_error": f"the agent program failed: {ask.stderr[-1500:]}"}
+        return {
+            "served_accuracy": float(found.group(1)),
+            "served_questions": SERVED_QUESTIONS,
+            "served_minutes": round((time.time() - started) / 60, 2),
+            "served_model": str(exported.relative_to(ROOT)),
+        }
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+        config.unlink(missing_ok=True)
+
+
+def _healthy(httpx: Any, url: str) -> bool:
+    try:
+        return bool(httpx.get(f"{url}/health", timeout=2).status_code == 200)
+    except httpx.HTTPError:
+        return False
 
 
 def _f(value: float | None) -> str:
@@ -92,6 +187,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=EXAMPLES, default=list(EXAMPLES))
     parser.add_argument("--timeout-min", type=float, default=30.0, help="per example")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--reuse", action="store_true", help="the finished run dirs as they are")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     BENCH_DIR.mkdir(parents=True, exist_ok=True)
@@ -99,12 +195,18 @@ def main() -> None:
     examples = dict(previous)
     for name in args.only:
         print(f"{name}: rlfleet up ...", flush=True)
-        examples[name] = run_example(name, args.timeout_min * 60)
+        examples[name] = run_example(name, args.timeout_min * 60, reuse=args.reuse)
+        if name in SERVED and examples[name]["updates"]:
+            print(f"{name}: export, serve, {SERVED[name].name} --eval ...", flush=True)
+            examples[name].update(serve_and_ask(name, SERVED[name], args.timeout_min * 60))
     payload = {"machine": machine(), "examples": examples}
-    print(f"{'example':<26}{'after SFT':>10}{'after RL':>10}{'updates':>9}{'minutes':>9}")
+    head = f"{'example':<26}{'after SFT':>10}{'after RL':>10}{'served':>8}{'updates':>9}"
+    print(f"{head}{'minutes':>9}")
     for name, r in examples.items():
         sft, rl = (_f(r["accuracy_after_sft"]), _f(r["accuracy_after_rl"]))
-        print(f"{name:<26}{sft:>10}{rl:>10}{r['updates']:>9}{r['minutes']:>9.1f}")
+        served = _f(r.get("served_accuracy"))
+        minutes = r.get("minutes", 0.0)
+        print(f"{name:<26}{sft:>10}{rl:>10}{served:>8}{r['updates']:>9}{minutes:>9.1f}")
     write_results(args.out, payload)
 
 

@@ -19,9 +19,14 @@ with tools against vLLM's own OpenAI server, each pair on one model and one vLLM
    sampler process) against vLLM's OpenAI server with its hermes tool parser
    (``--enable-auto-tool-choice --tool-call-parser hermes``), requests per second.
 
-The model is ``init-model``'s tiny size with its tokenizer trained on Calculator-v0's episodes
-(the tool prompt fits its context); untrained, so most episodes end at the first answer: the
-measure is the path's cost per call and per episode, not learning.
+Two workloads (``--workloads``), each on its own sampler:
+- ``tool_calling`` (the headline ratios): examples/agent_calculator.yaml's model after its SFT
+  warm start (bench.lm.agent_vs_trl's shared post-SFT model, made once): it calls the tool and
+  then answers, so an episode is the multi-turn exchange both paths exist for;
+- ``untrained``: ``init-model``'s tiny size with its tokenizer trained on Calculator-v0's
+  episodes; it answers at once, so every episode is one call and the gateway's per-session
+  requests (start, reward) weigh most: the path's worst case, episodes only.
+Each round also reports the CPU milliseconds per episode of every process (where the cost goes).
 
     .venv/bin/python -m bench.lm.agent_gateway
 
@@ -40,6 +45,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench._shared.cpu import CpuClock
 from bench._shared.lm import SamplerProcess, service_process, stop_process, vllm_environment
 from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR, machine, median, write_results
 from bench.serving.gateway import HttpProcess, gateway_process
@@ -48,6 +54,7 @@ RESULTS = RESULTS_DIR / "agent_gateway.json"
 ENV_ID = "Calculator-v0"
 MODEL = "tiny"
 TARGETS = {"gateway_vs_driver_episodes_ratio": 0.8, "tools_throughput_ratio": 0.9}
+WORKLOADS = ("tool_calling", "untrained")  # the first gives the headline ratios
 SYSTEM = (
     "You are a careful assistant. Use the calculator tool for arithmetic, then give the final "
     "answer as <answer>NUMBER</answer>."
@@ -86,7 +93,7 @@ async def driver_round(
     turns = sampler_turns(sampler, sampling)
     limits = EpisodeLimits(max_turns=a.max_turns, max_total_tokens=a.max_total_tokens)
     queue = list(seeds)
-    totals = {"episodes": 0, "calls": 0}
+    totals = {"episodes": 0, "calls": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
     async def worker() -> None:
         async with TextSession(env_address) as session:
@@ -97,6 +104,8 @@ async def driver_round(
                 episodes = await play_group(session, seed, a.group_size, tokens, turns, limits)
                 totals["episodes"] += len(episodes)
                 totals["calls"] += sum(e.turns for e in episodes)
+                totals["prompt_tokens"] += sum(e.prompt_tokens for e in episodes)
+                totals["completion_tokens"] += sum(sum(e.loss_mask) for e in episodes)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(a.concurrency)))
@@ -152,7 +161,9 @@ async def agent_round(url: str, episodes: int, a: argparse.Namespace) -> dict[st
     http = httpx.AsyncClient(base_url=url, timeout=300)
     tools = env_tools()
     left = [episodes]
-    totals = {"episodes": 0, "calls": 0, "unavailable": 0}
+    totals = {
+        "episodes": 0, "calls": 0, "unavailable": 0, "prompt_tokens": 0, "completion_tokens": 0
+    }  # fmt: skip
 
     async def session() -> None:
         started = await http.post("/rlfleet/v1/sessions", json={})
@@ -168,13 +179,15 @@ async def agent_round(url: str, episodes: int, a: argparse.Namespace) -> dict[st
         ]
         said = ""
         for _ in range(a.max_turns):
-            reply = (
-                await client.chat.completions.create(
-                    model=MODEL, messages=messages, tools=tools, max_tokens=a.max_tokens,
-                    temperature=1.0, extra_headers=headers,
-                )
-            ).choices[0].message  # fmt: skip
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=messages, tools=tools, max_tokens=a.max_tokens,
+                temperature=1.0, extra_headers=headers,
+            )  # fmt: skip
+            reply = answer.choices[0].message
             totals["calls"] += 1
+            if answer.usage is not None:
+                totals["prompt_tokens"] += answer.usage.prompt_tokens
+                totals["completion_tokens"] += answer.usage.completion_tokens
             if not reply.tool_calls:
                 said = reply.content or ""
                 break
@@ -262,14 +275,24 @@ async def tools_load(url: str, requests: int, a: argparse.Namespace) -> dict[str
 # --------------------------------------------------------------------------- the run
 
 
-async def amain(a: argparse.Namespace) -> dict[str, Any]:
+def workload_model(workload: str) -> Path:
+    if workload == "untrained":
+        return calculator_model()
+    from bench.lm.agent_vs_trl import post_sft_model
+    from bench.lm.grpo_vs_trl import load_job
+
+    _, settings = load_job(ROOT / "examples" / "agent_calculator.yaml")
+    return post_sft_model(settings)
+
+
+async def amain(a: argparse.Namespace, model: Path, serve: bool) -> dict[str, Any]:
+    """One workload on ``model``: the episodes pair, then (``serve``) the serving pair."""
     from transformers import AutoTokenizer
 
     from clients.sampler import SamplerClient
     from common.datasets import ENV_SEED_KEY, env_seeds
     from services.bus import EmbeddedNats
 
-    model = calculator_model()
     run_dir = WORK_DIR / f"agent_gateway-{os.getpid()}"
     tokenizer = AutoTokenizer.from_pretrained(model)
     seeds = [int(t.extra[ENV_SEED_KEY]) for t in env_seeds(env_id=ENV_ID, count=a.groups)]
@@ -288,28 +311,47 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         startup = {"sampler_s": sampler.wait_ready()}
         client = SamplerClient(sampler.address)
         trainer = training_gateway(sampler.address, nats.url, f"bench-{uuid.uuid4().hex[:6]}", a)
-        serving = gateway_process("gateway-serve", [sampler.address], run_dir)
-        procs += [trainer, serving]
-        startup["gateways_s"] = max(trainer.wait_ready(120), serving.wait_ready(120))
+        procs.append(trainer)
+        startup["training_gateway_s"] = trainer.wait_ready(120)
         await driver_round(env_address, client, tokenizer, seeds[:2], a)  # warm-up
         await agent_round(trainer.url, a.group_size * 2, a)
         episodes = a.groups * a.group_size
+        processes = {
+            "bench": (os.getpid(), False),  # the agents or the driver's loop
+            "sampler": (sampler.proc.pid, True),  # with its vLLM EngineCore
+            "sampler_frontend": (sampler.proc.pid, False),  # gRPC, rendering, detokenizing
+            "env_server": (env_proc.pid, True),
+            "gateway": (trainer.proc.pid, True),
+        }
+        if nats.pid is not None:
+            processes["nats"] = (nats.pid, False)
+        clock = CpuClock(processes)
         for round_ in range(a.repeats):
             pair = [("driver", driver), ("gateway", gateway)]
             for name, into in pair if round_ % 2 == 0 else pair[::-1]:
+                before = clock.read()
                 if name == "driver":
                     got = await driver_round(env_address, client, tokenizer, seeds, a)
                 else:
                     got = await agent_round(trainer.url, episodes, a)
+                spent = clock.since(before)
+                got["cpu_ms_per_episode"] = {
+                    k: 1000 * v / max(got["episodes"], 1) for k, v in spent.items()
+                }
                 into.append(got)
+                cpu = ", ".join(f"{k} {v:.1f}" for k, v in got["cpu_ms_per_episode"].items())
                 print(f"round {round_ + 1} {name}: {got['episodes_per_s']:.2f} episodes/s "
-                      f"({got['calls']} calls)", flush=True)  # fmt: skip
+                      f"({got['calls']} calls; CPU ms per episode: {cpu})", flush=True)  # fmt: skip
         trainer.stop()
         procs.remove(trainer)
-        raw = vllm_tools_process(model, run_dir / "vllm")
-        procs.append(raw)
-        startup["vllm_openai_server_s"] = raw.wait_ready(600)
-        for round_ in range(a.repeats):
+        if serve:
+            serving = gateway_process("gateway-serve", [sampler.address], run_dir)
+            procs.append(serving)
+            startup["serving_gateway_s"] = serving.wait_ready(120)
+            raw = vllm_tools_process(model, run_dir / "vllm")
+            procs.append(raw)
+            startup["vllm_openai_server_s"] = raw.wait_ready(600)
+        for round_ in range(a.repeats if serve else 0):
             for name, url in (("gateway", serving.url), ("vllm", raw.url)):
                 got = await tools_load(url, a.serve_requests, a)
                 tools[name].append(got)
@@ -322,24 +364,20 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             proc.stop()
         stop_process(env_proc)
         nats.stop()
-    episodes_ratio = median(r["episodes_per_s"] for r in gateway) / median(
-        r["episodes_per_s"] for r in driver
-    )
-    tools_ratio = median(r["requests_per_s"] for r in tools["gateway"]) / median(
-        r["requests_per_s"] for r in tools["vllm"]
-    )
-    ratios = {"gateway_vs_driver_episodes_ratio": episodes_ratio,
-              "tools_throughput_ratio": tools_ratio}  # fmt: skip
-    return {
-        **ratios,
-        "targets": TARGETS,
-        "targets_met": {k: ratios[k] >= v for k, v in TARGETS.items()},
+    out: dict[str, Any] = {
+        "gateway_vs_driver_episodes_ratio": median(r["episodes_per_s"] for r in gateway)
+        / median(r["episodes_per_s"] for r in driver),
+        "calls_per_episode": sum(r["calls"] for r in driver) / sum(r["episodes"] for r in driver),
         "episodes": {"driver": driver, "gateway": gateway},
-        "serving_with_tools": tools,
         "startup_s": startup,
-        "workload": {k: getattr(a, k) for k in vars(a)} | {"env_id": ENV_ID, "model": str(model)},
-        "machine": machine(),
+        "model": str(model.relative_to(ROOT)),
     }
+    if serve:
+        out["tools_throughput_ratio"] = median(
+            r["requests_per_s"] for r in tools["gateway"]
+        ) / median(r["requests_per_s"] for r in tools["vllm"])
+        out["serving_with_tools"] = tools
+    return out
 
 
 def main() -> None:
@@ -348,18 +386,35 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=2, help="groups in flight")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-total-tokens", type=int, default=480)
     parser.add_argument("--serve-requests", type=int, default=64)
     parser.add_argument("--serve-concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     a = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = asyncio.run(amain(a))
-    print(f"{'':32} {'ratio':>7} {'target':>7}")
-    for key, target in TARGETS.items():
-        print(f"{key:32} {result[key]:7.3f} {target:7.2f}")
+    workloads = {}
+    for workload in a.workloads:
+        print(f"workload {workload} ...", flush=True)
+        model = workload_model(workload)
+        workloads[workload] = asyncio.run(amain(a, model, serve=workload == WORKLOADS[0]))
+    headline = workloads.get(WORKLOADS[0], {})
+    ratios = {k: headline[k] for k in TARGETS if k in headline}
+    result = {
+        **ratios,
+        "targets": TARGETS,
+        "targets_met": {k: v >= TARGETS[k] for k, v in ratios.items()},
+        "workloads": workloads,
+        "settings": {k: getattr(a, k) for k in vars(a) if k != "out"} | {"env_id": ENV_ID},
+        "machine": machine(),
+    }
+    print(f"{'workload':<14}{'':34} {'ratio':>7} {'target':>7}")
+    for workload, got in workloads.items():
+        for key, target in TARGETS.items():
+            if key in got:
+                print(f"{workload:<14}{key:34} {got[key]:7.3f} {target:7.2f}")
     write_results(a.out, result)
 
 

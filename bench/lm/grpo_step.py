@@ -61,6 +61,7 @@ from typing import Any
 
 import psutil
 
+from bench._shared.cpu import CpuClock
 from bench._shared.lm import (
     SamplerProcess,
     arith_tasks,
@@ -86,32 +87,6 @@ SYNC_PARTS = (
     "first_sample_s",
     "announce_to_sample_s",
 )
-
-
-class CpuClock:
-    """CPU-seconds (user + system) so far of each process of the step, with or without its
-    children (the sampler's vLLM EngineCore is its child; the services are children of this
-    process, which is counted alone)."""
-
-    def __init__(self, pids: dict[str, tuple[int, bool]]) -> None:
-        self.procs = {name: (psutil.Process(pid), tree) for name, (pid, tree) in pids.items()}
-
-    def read(self) -> dict[str, float]:
-        out = {}
-        for name, (proc, tree) in self.procs.items():
-            total = 0.0
-            for p in [proc, *(proc.children(recursive=True) if tree else [])]:
-                try:
-                    t = p.cpu_times()
-                except psutil.NoSuchProcess:
-                    continue
-                total += t.user + t.system
-            out[name] = total
-        return out
-
-    def since(self, before: dict[str, float]) -> dict[str, float]:
-        now = self.read()
-        return {name: now[name] - before[name] for name in now}
 
 
 def pin_processes(sampler_pid: int, reward_pid: int) -> None:
