@@ -37,6 +37,7 @@ from gateway.openai.serving_engine import (
     delta_logprobs,
     merge,
     sse,
+    stream_request,
     token_count,
 )
 from gateway.openai.tools import (
@@ -226,20 +227,20 @@ class OpenAIServingChat(OpenAIServing):
             sampling.structured_output.CopyFrom(plan.structured_output)
         if session is not None:
             session.prepare(request.n, prompt, sampling)
-        stream_request = sampler_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling)
+        to_sampler = stream_request(prompt, sampling, streamed=request.stream)
         echo = ""
         if request.echo and request.messages[-1].role == "assistant":
             echo = prompt.chat.messages[-1].content
         if request.stream:
             try:
-                streams = await self.open_all([stream_request], max_tokens, ctx)
+                streams = await self.open_all([to_sampler], max_tokens, ctx)
             except BaseException:
                 if session is not None:
                     session.release()
                 raise
             events = self.stream(request, plan, model, streams[0], echo, ctx, session)
             return SSEResponse(events, ctx)
-        opened, choices = await self.collect(stream_request, max_tokens, ctx)
+        opened, choices = await self.collect(to_sampler, max_tokens, ctx)
         answers = [self._choice(c, plan, echo, request.logprobs) for c in choices]
         if session is not None:
             (choice,), (answer,) = choices, answers

@@ -31,6 +31,7 @@ from gateway.openai.serving_engine import (
     delta_logprobs,
     merge,
     sse,
+    stream_request,
     token_count,
 )
 from rlfleet.sampler.v1 import sampler_pb2
@@ -104,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
         sampling = self.sampling(
             request, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=request.logprobs or 0
         )
-        requests = [sampler_pb2.GenerateStreamRequest(prompt=p, sampling=sampling) for p in prompts]
+        requests = [stream_request(p, sampling, streamed=request.stream) for p in prompts]
         echoes = [p.text if request.echo else "" for p in prompts]
         if request.stream:
             streams = await self.open_all(requests, max_tokens, ctx)

@@ -27,7 +27,15 @@ from gateway.settings import Limits
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import RlfleetError
 
-__all__ = ["Choice", "OpenAIServing", "RequestContext", "SSEResponse", "TokenChunk", "sse"]
+__all__ = [
+    "Choice",
+    "OpenAIServing",
+    "RequestContext",
+    "SSEResponse",
+    "TokenChunk",
+    "sse",
+    "stream_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +263,20 @@ def delta_logprobs(
             row = top[i].tolist() if k else []
             tops[i] = [(top_texts[i * k + j] if top_texts else "", row[j]) for j in range(k)]
     return [(texts[i], float(values[i]), tops[i]) for i in range(len(values))]
+
+
+def stream_request(
+    prompt: sampler_pb2.Prompt, sampling: sampler_pb2.SamplingParams, *, streamed: bool
+) -> sampler_pb2.GenerateStreamRequest:
+    """The sampler's request for one prompt. A client that does not stream gets the first
+    token as it comes (its time to first token is measured) and the rest in one delta at the
+    end: a message per token between the processes would only cost CPU."""
+    return sampler_pb2.GenerateStreamRequest(
+        prompt=prompt, sampling=sampling, stream_interval=0 if streamed else _WHOLE
+    )
+
+
+_WHOLE = 2**31 - 1  # a stream_interval no completion reaches
 
 
 def token_count(delta: sampler_pb2.CompletionDelta) -> int:

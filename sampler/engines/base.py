@@ -66,6 +66,8 @@ class SamplingOptions:
     # Tokens never to sample: their logits get common.images.IMAGE_TOKEN_BIAS (a vision-language
     # model's image markers), also in the logprobs reported.
     suppressed_token_ids: tuple[int, ...] = ()
+    # `stream`: new tokens per Delta after the first (GenerateStreamRequest.stream_interval).
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)

@@ -341,6 +341,7 @@ def _sampling_params(o: SamplingOptions, max_tokens: int, *, delta: bool = False
         repetition_penalty=o.repetition_penalty,
         skip_special_tokens=True,
         output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+        stream_interval=o.stream_interval if delta and o.stream_interval > 1 else None,
         structured_outputs=_structured(o.structured_output),
         logit_bias=dict.fromkeys(o.suppressed_token_ids, IMAGE_TOKEN_BIAS) or None,
     )

@@ -420,4 +420,9 @@ def parse_stream_request(
     room = limits.max_context - len(prompt.ids)
     wanted = request.sampling.max_tokens
     max_tokens = [min(wanted, room) if wanted else room]
-    return prompt, SamplingOptions(max_tokens=max_tokens, deadline=deadline, **sampling)
+    return prompt, SamplingOptions(
+        max_tokens=max_tokens,
+        deadline=deadline,
+        stream_interval=max(1, request.stream_interval),
+        **sampling,
+    )

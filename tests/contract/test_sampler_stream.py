@@ -112,6 +112,10 @@ class Streamed:
         return [v for d in self.of(index) for v in tensor.decode(d.logprobs).tolist()]
 
 
+def top_ids(s: Streamed, index: int) -> list[int]:
+    return [t for d in s.of(index) for t in tensor.decode(d.top_token_ids).reshape(-1).tolist()]
+
+
 async def collect(client: SamplerClient, request: Any, n: int = 1) -> Streamed:
     return Streamed([m async for m in client.stream(request)], n)
 
@@ -171,6 +175,22 @@ async def test_n_completions_interleave_and_seed_reproduces(client: SamplerClien
     # Greedy n > 1: one answer under every index.
     g = await collect(client, stream_request(n=2, temperature=0.0, max_tokens=8), 2)
     assert g.tokens(0) == g.tokens(1) and g.text(0) == g.text(1)
+
+
+async def test_a_stream_interval_sends_the_first_token_then_the_rest_at_once(
+    client: SamplerClient,
+) -> None:
+    kw = {"n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 24, "ignore_eos": True}
+    kw |= {"logprobs": True, "top_logprobs": 2}
+    each = await collect(client, stream_request(**kw), 2)
+    request = stream_request(**kw)
+    request.stream_interval = 2**31 - 1  # what the gateway asks for a client that does not stream
+    batched = await collect(client, request, 2)
+    for i in range(2):
+        assert [len(ids(d.token_ids)) for d in batched.of(i)] == [1, 23]
+        assert batched.tokens(i) == each.tokens(i) and batched.text(i) == each.text(i)
+        np.testing.assert_allclose(batched.logprobs(i), each.logprobs(i), atol=1e-5)
+        assert top_ids(batched, i) == top_ids(each, i)
 
 
 async def test_stop_strings_are_held_back(client: SamplerClient, tokenizer: Any) -> None:

@@ -162,6 +162,25 @@ def test_chat_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
 
 
+def test_the_sampler_streams_token_by_token_only_to_streaming_clients(
+    client: openai.OpenAI, replicas: list[FakeReplica]
+) -> None:
+    def asked(**kw: object) -> list[int]:
+        for r in replicas:
+            r.requests.clear()
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, **kw
+        )
+        text = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, **kw)
+        if kw.get("stream"):
+            list(chat), list(text)  # type: ignore[call-overload]
+        return [q.stream_interval for r in replicas for q in r.requests]
+
+    # Not streamed: the first token, then the rest at once (no completion is that long).
+    assert [i > 2**30 for i in asked()] == [True, True]
+    assert asked(stream=True) == [0, 0]  # streamed: every token as it comes
+
+
 async def test_async_client_stream(gw: ThreadedGateway) -> None:
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
     stream = await client.chat.completions.create(
