@@ -73,9 +73,13 @@ def calculator_model() -> Path:
 
 
 def env_tools() -> list[dict[str, Any]]:
+    """Calculator-v0's tools with their keys sorted, as the model saw them in training (the
+    fleet renders tools so); vLLM's server renders the client's key order, and the same tools in
+    another order make a prompt the tiny model never saw."""
+    from common.models import canonical_tools
     from env_server.registry import make_text_env
 
-    return make_text_env(ENV_ID).tools
+    return canonical_tools(make_text_env(ENV_ID).tools) or []
 
 
 # --------------------------------------------------------------------------- 1. the driver
@@ -89,8 +93,6 @@ async def driver_round(
     from rlfleet.sampler.v1 import sampler_pb2
     from sampler.rollout.turns import sampler_turns
 
-    sampling = sampler_pb2.SamplingParams(temperature=1.0, max_tokens=a.max_tokens)
-    turns = sampler_turns(sampler, sampling)
     limits = EpisodeLimits(max_turns=a.max_turns, max_total_tokens=a.max_total_tokens)
     queue = list(seeds)
     totals = {"episodes": 0, "calls": 0, "prompt_tokens": 0, "completion_tokens": 0}
@@ -99,6 +101,11 @@ async def driver_round(
         async with TextSession(env_address) as session:
             info = await session.create(ENV_ID, a.group_size, kwargs={"max_turns": a.max_turns})
             tokens = ChatTokens(tokenizer, info.tools)
+            # As the rollout driver asks: a model turn ends at the template's end of turn.
+            sampling = sampler_pb2.SamplingParams(
+                temperature=1.0, max_tokens=a.max_tokens, stop_token_ids=sorted(tokens.turn_end)
+            )
+            turns = sampler_turns(sampler, sampling)
             while queue:
                 seed = queue.pop()
                 episodes = await play_group(session, seed, a.group_size, tokens, turns, limits)
@@ -238,13 +245,18 @@ def vllm_tools_process(model: Path, run_dir: Path) -> HttpProcess:
     return HttpProcess("vllm-openai-tools", cmd, env, run_dir)
 
 
-async def tools_load(url: str, requests: int, a: argparse.Namespace) -> dict[str, Any]:
+async def tools_load(
+    url: str, requests: int, turn_end: list[int], a: argparse.Namespace
+) -> dict[str, Any]:
+    """``requests`` chat calls with the tool offered; ``turn_end`` (the template's end of turn)
+    is asked as a stop token of both servers: the gateway's sampler stops there for every chat
+    prompt, vLLM's server only at the EOS of the model's generation config."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=300)
     tools = env_tools()
     queue = list(range(requests))
-    counts = {"ok": 0, "errors": 0, "tool_calls": 0}
+    counts = {"ok": 0, "errors": 0, "tool_calls": 0, "completion_tokens": 0}
 
     async def worker() -> None:
         while queue:
@@ -255,16 +267,18 @@ async def tools_load(url: str, requests: int, a: argparse.Namespace) -> dict[str
                     messages=[{"role": "system", "content": SYSTEM},
                               {"role": "user", "content": f"What is {100 + i} * {917 - i}?"}],
                     tools=tools, max_tokens=a.max_tokens, temperature=1.0,
+                    extra_body={"stop_token_ids": turn_end},
                 )  # fmt: skip
             except openai.APIError:
                 counts["errors"] += 1
                 continue
             counts["ok"] += 1
             counts["tool_calls"] += bool(answer.choices[0].message.tool_calls)
+            counts["completion_tokens"] += answer.usage.completion_tokens if answer.usage else 0
 
     await asyncio.gather(*(worker() for _ in range(min(a.serve_concurrency, 4))))  # warm-up
     queue[:] = list(range(requests))
-    counts.update(ok=0, errors=0, tool_calls=0)
+    counts.update(ok=0, errors=0, tool_calls=0, completion_tokens=0)
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(a.serve_concurrency)))
     seconds = time.perf_counter() - started
@@ -289,12 +303,14 @@ async def amain(a: argparse.Namespace, model: Path, serve: bool) -> dict[str, An
     """One workload on ``model``: the episodes pair, then (``serve``) the serving pair."""
     from transformers import AutoTokenizer
 
+    from clients.env.episodes import ChatTokens
     from clients.sampler import SamplerClient
     from common.datasets import ENV_SEED_KEY, env_seeds
     from services.bus import EmbeddedNats
 
     run_dir = WORK_DIR / f"agent_gateway-{os.getpid()}"
     tokenizer = AutoTokenizer.from_pretrained(model)
+    turn_end = ChatTokens(tokenizer).turn_end
     seeds = [int(t.extra[ENV_SEED_KEY]) for t in env_seeds(env_id=ENV_ID, count=a.groups)]
     settings = {"max_model_len": a.max_total_tokens, "kv_cache_gib": 1, "block_size": 32,
                 "served_model_name": MODEL, "max_queued_requests": 4096}  # fmt: skip
@@ -353,7 +369,7 @@ async def amain(a: argparse.Namespace, model: Path, serve: bool) -> dict[str, An
             startup["vllm_openai_server_s"] = raw.wait_ready(600)
         for round_ in range(a.repeats if serve else 0):
             for name, url in (("gateway", serving.url), ("vllm", raw.url)):
-                got = await tools_load(url, a.serve_requests, a)
+                got = await tools_load(url, a.serve_requests, turn_end, a)
                 tools[name].append(got)
                 print(f"round {round_ + 1} serving {name}: {got['requests_per_s']:.2f} req/s",
                       flush=True)  # fmt: skip
