@@ -23,6 +23,7 @@ run dirs as they are (to serve again without training again).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -105,8 +106,6 @@ def _results(run_dir: Path) -> dict[str, Any]:
 def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
     """Export the example's trained model, serve it (``kind: serve``, vLLM, one replica) and
     run ``program --eval`` against the gateway: the accuracy the agent program prints."""
-    import httpx
-
     from services.ports import free_port
 
     run_dir = BENCH_DIR / name
@@ -142,7 +141,7 @@ def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout_s
-        while not _healthy(httpx, url):
+        while not _healthy(url):
             if up.poll() is not None or time.time() > deadline:
                 return {"served_error": f"the serve run did not come up: see {log_path}"}
             time.sleep(1)
@@ -163,7 +162,8 @@ def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
             "served_model": str(exported.relative_to(ROOT)),
         }
     finally:
-        os.killpg(up.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # it ended already: its log says why
+            os.killpg(up.pid, signal.SIGINT)
         try:
             up.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -171,7 +171,9 @@ def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
         config.unlink(missing_ok=True)
 
 
-def _healthy(httpx: Any, url: str) -> bool:
+def _healthy(url: str) -> bool:
+    import httpx
+
     try:
         return bool(httpx.get(f"{url}/health", timeout=2).status_code == 200)
     except httpx.HTTPError:
