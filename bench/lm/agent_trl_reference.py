@@ -103,6 +103,7 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
     from trl.chat_template_utils import qwen3_template
 
     from bench._shared.trl import budget_clock, grpo_config
+    from clients.env.episodes import ChatTokens
     from learner.lm.env_episodes import EnvEpisodes
     from learner.lm.settings import LearnerTextEnv
 
@@ -114,6 +115,11 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
     # The tiny model's template writes tool calls as Qwen does: <tool_call>{json}</tool_call>.
     tokenizer.response_template = qwen3_template
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
+    # A model turn ends at the template's end of turn, as the rollout driver stops it: a chat
+    # model's generation config lists that token as an EOS, the tiny model's only <|endoftext|>
+    # (without it TRL generated every turn to max_completion_length: no reward, no gradient).
+    turn_end = ChatTokens(tokenizer).turn_end
+    model.generation_config.eos_token_id = sorted({*turn_end, tokenizer.eos_token_id})
     episodes = EnvEpisodes(LearnerTextEnv(env_server=env_address, **env), env_address, tokenizer)
     from env_server.registry import make_text_env
 
