@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,26 @@ def answer_reward(completions: list[Any], answer: list[int], **_: Any) -> list[f
     return scores
 
 
+def fleet_tools(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """A tokenizer's ``apply_chat_template`` that renders tools as the fleet renders the env's:
+    the schema TRL derives from a method, less the return type the env's schema does not state,
+    keys sorted (``canonical_tools``). So TRL's prompts are the env's, the ones the post-SFT
+    model was warm-started on (TRL's own key order made the model stop after ``<tool_call>``)."""
+    from transformers.utils import get_json_schema
+
+    from common.models import canonical_tools
+
+    def render(*args: Any, tools: list[Any] | None = None, **kwargs: Any) -> Any:
+        if tools:
+            schemas = [get_json_schema(t) if callable(t) else dict(t) for t in tools]
+            for schema in schemas:
+                schema.get("function", {}).pop("return", None)
+            tools = canonical_tools(schemas)
+        return apply(*args, tools=tools, **kwargs)
+
+    return render
+
+
 def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> None:
     import torch
     from datasets import Dataset
@@ -114,6 +135,7 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     # The tiny model's template writes tool calls as Qwen does: <tool_call>{json}</tool_call>.
     tokenizer.response_template = qwen3_template
+    tokenizer.apply_chat_template = fleet_tools(tokenizer.apply_chat_template)
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
     # A model turn ends at the template's end of turn, as the rollout driver stops it: a chat
     # model's generation config lists that token as an EOS, the tiny model's only <|endoftext|>
