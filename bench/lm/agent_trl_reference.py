@@ -137,12 +137,15 @@ def train(job: dict[str, Any], args: argparse.Namespace, env_address: str) -> No
     tokenizer.response_template = qwen3_template
     tokenizer.apply_chat_template = fleet_tools(tokenizer.apply_chat_template)
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
-    # A model turn ends at the template's end of turn, as the rollout driver stops it: a chat
-    # model's generation config lists that token as an EOS, the tiny model's only <|endoftext|>
-    # (without it TRL generated every turn to max_completion_length: no reward, no gradient).
-    turn_end = ChatTokens(tokenizer).turn_end
-    model.generation_config.eos_token_id = sorted({*turn_end, tokenizer.eos_token_id})
-    episodes = EnvEpisodes(LearnerTextEnv(env_server=env_address, **env), env_address, tokenizer)
+    # TRL takes the tokenizer's EOS for the end of a model turn (it stops the turn there and
+    # splices tool results in after it), as chat models' tokenizers declare it; the tiny model's
+    # declares <|endoftext|> while its template ends turns with <|im_end|>: without this, TRL
+    # generated every turn to its length cap, then lost the newline after each turn.
+    (turn_end,) = ChatTokens(tokenizer).turn_end
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(turn_end)
+    # The evaluator gets the tokenizer as saved, as rlfleet's learner does.
+    saved = AutoTokenizer.from_pretrained(str(args.model))
+    episodes = EnvEpisodes(LearnerTextEnv(env_server=env_address, **env), env_address, saved)
     from env_server.registry import make_text_env
 
     tools = make_text_env(env["env_id"], kwargs=env["kwargs"]).tools
