@@ -59,8 +59,14 @@ def run_example(name: str, timeout_s: float, *, reuse: bool = False) -> dict[str
     source = ROOT / "examples" / f"{name}.yaml"
     config = yaml.safe_load(source.read_text())
     run_dir = BENCH_DIR / name
-    if reuse:
-        return {**_results(run_dir), "reused": True, "config": str(source.relative_to(ROOT))}
+    if reuse:  # the run's length and exit as its launcher recorded them
+        state = json.loads((run_dir / "state.json").read_text())
+        return {
+            **_results(run_dir),
+            "minutes": round((state["ended"] - state["started"]) / 60, 2),
+            "exit_code": state.get("exit"),
+            "config": str(source.relative_to(ROOT)),
+        }
     shutil.rmtree(run_dir, ignore_errors=True)
     config["run"] = {**config["run"], "dir": str(run_dir)}
     # Beside the example, so what it names relative to its folder (a .py env, the agent
