@@ -125,11 +125,12 @@ def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
     if export.returncode != 0:
         return {"served_error": f"export failed: {export.stderr[-1500:]}"}
     port = free_port()
-    config = BENCH_DIR / f"serve-{name}.yaml"
+    serve_name = f"serve-{name}".replace("_", "-")  # a run name: [a-z0-9-]
+    config = BENCH_DIR / f"{serve_name}.yaml"
     config.write_text(
         yaml.safe_dump(
             {
-                "run": {"name": f"serve-{name}", "dir": str(BENCH_DIR / f"serve-{name}")},
+                "run": {"name": serve_name, "dir": str(BENCH_DIR / serve_name)},
                 "job": {
                     "kind": "serve", "model": str(exported), "served_model_name": name,
                     "replicas": 1, "engine": "vllm", "max_model_len": 512, "kv_cache_gib": 1,
@@ -138,7 +139,7 @@ def serve_and_ask(name: str, program: Path, timeout_s: float) -> dict[str, Any]:
             }
         )
     )  # fmt: skip
-    log_path = BENCH_DIR / f"serve-{name}.log"
+    log_path = BENCH_DIR / f"{serve_name}.log"
     with log_path.open("w") as log:
         up = subprocess.Popen(
             [*cli, "up", str(config), "--no-dashboard"], cwd=ROOT, stdout=log,
