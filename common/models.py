@@ -75,7 +75,10 @@ CHAT_TEMPLATE = (
     "{% if message.tool_calls is defined and message.tool_calls %}"
     "{% for call in message.tool_calls %}"
     "{% set function = call.function if call.function is defined else call %}"
-    '{{ \'\\n<tool_call>\\n{"name": "\' + function.name + \'", "arguments": \' }}'
+    # A call starts a line of its own, the turn's first line when it says nothing else (as the
+    # model writes it: a sent-back call renders to the tokens it was sampled as).
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '{{ \'<tool_call>\\n{"name": "\' + function.name + \'", "arguments": \' }}'
     "{% if function.arguments is string %}{{ function.arguments }}"
     "{% else %}{{ function.arguments | tojson }}{% endif %}"
     "{{ '}\\n</tool_call>' }}"

@@ -151,6 +151,19 @@ def test_the_chat_template_lists_tools_and_renders_tool_calls(tiny_model_dir: Pa
     (parsed,) = tool_calls({"role": "assistant", "content": text.split("<|im_start|>assistant")[1]})
     assert (parsed.name, parsed.arguments) == ("calculator", {"expression": "2*21"})
 
+    # A turn that only calls renders as the model wrote it (the call text as its content): a
+    # client sending the call back (OpenAI's tool_calls, no content) gets the sampled prompt.
+    said = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*21"}}\n</tool_call>'
+    as_sent, as_said = (
+        tokenizer.apply_chat_template(
+            [*plain, turn, {"role": "tool", "content": "42"}], tools=tools, tokenize=False
+        )
+        for turn in (
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "assistant", "content": said},
+        )
+    )
+    assert as_sent == as_said
     # Content as a list of parts (how vLLM's OpenAI server passes it to a template that reads
     # parts) renders as the string would, the system prompt beside the tools included.
     as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conversation]
