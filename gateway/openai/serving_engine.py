@@ -22,7 +22,7 @@ from gateway import metrics
 from gateway.backends import BackendLost, BackendPool, OpenedStream
 from gateway.errors import ApiError, BadRequest, ModelNotFound, NoBackend, from_backend
 from gateway.limits import KeyLimiter
-from gateway.openai.protocol import ModelCard, ModelList, SamplingFields, UsageInfo
+from gateway.openai.protocol import INT32_MAX, ModelCard, ModelList, SamplingFields, UsageInfo
 from gateway.settings import Limits
 from rlfleet.sampler.v1 import sampler_pb2
 from services.errors import RlfleetError
@@ -272,11 +272,10 @@ def stream_request(
     token as it comes (its time to first token is measured) and the rest in one delta at the
     end: a message per token between the processes would only cost CPU."""
     return sampler_pb2.GenerateStreamRequest(
-        prompt=prompt, sampling=sampling, stream_interval=0 if streamed else _WHOLE
+        prompt=prompt,
+        sampling=sampling,
+        stream_interval=0 if streamed else INT32_MAX,  # no completion is that long
     )
-
-
-_WHOLE = 2**31 - 1  # a stream_interval no completion reaches
 
 
 def token_count(delta: sampler_pb2.CompletionDelta) -> int:
