@@ -283,9 +283,15 @@ def init_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
-    (out / "rlfleet_model.json").write_text(
-        json.dumps({"size": asdict(arch), "parameters": params, "seed": seed}, indent=2) + "\n"
-    )
+    facts = {
+        "size": asdict(arch),
+        "parameters": params,
+        "seed": seed,
+        # What the tokenizer was trained on beside the dataset: a job on another env reusing the
+        # folder would see its text split into many more tokens.
+        "tokenizer_env": env["env_id"] if env is not None else None,
+    }
+    (out / "rlfleet_model.json").write_text(json.dumps(facts, indent=2) + "\n")
     return out
 
 

@@ -5,10 +5,11 @@ hyperparameters.
 The task is examples/agent_calculator.yaml's: Calculator-v0 (3-digit arithmetic with a product,
 answered by calling a `calculator` tool in the chat template's format). Both sides start from one
 shared post-SFT model: the job's ``init-model`` made for the env (its episodes train the
-tokenizer), warm-started on the env's expert demonstrations exactly as the learner's SFT phase
-does it (``EnvEpisodes.demonstrations`` on an env server, ``learner.lm.sft.sft_phase`` on a
-DeepSpeed engine), saved once under ``runs/bench/agent_vs_trl/``. Then, one after the other, each
-for ``--minutes`` of wall time from its process start:
+tokenizer), warm-started on the env's expert demonstrations as the job's learner does it
+(``EnvEpisodes.demonstrations`` on an env server, ``learner.lm.sft.sft_phase`` on a DeepSpeed
+engine with the learner's settings: the example's own post-SFT model), saved once under
+``runs/bench/agent_vs_trl/``. Then, one after the other, each for ``--minutes`` of wall time
+from its process start:
 
 - rlfleet: ``rlfleet up`` on the run file with that model, ``sft_steps: 0`` and an unbounded
   ``total_updates``: NATS, the env server, the vLLM sampler, the rollout driver (episodes played
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from bench._shared.results import RESULTS_DIR, ROOT, WORK_DIR
 from bench.lm.grpo_vs_trl import (
     add_arguments,
     compare,
+    learner_sft,
     load_job,
     run_reference,
     run_rlfleet,
@@ -75,40 +76,25 @@ def post_sft_model(settings: Any) -> Path:
     out = BENCH_DIR / "models" / name
     if (out / "model.safetensors").is_file():
         return out
-    from learner.engine import build_engine
     from learner.lm.env_episodes import EnvEpisodes
     from learner.lm.jobs import create_model
-    from learner.lm.model import load_causal_lm, load_tokenizer
+    from learner.lm.model import load_tokenizer
     from learner.lm.settings import LearnerTextEnv
-    from learner.lm.sft import sft_phase
-    from learner.settings import DeepSpeedSettings, OptimizerSettings
 
     env = env_spec(settings)
     base = BENCH_DIR / "models" / f"{settings.init_model}-seed{settings.seed}"
     if not (base / "config.json").is_file():
         create_model(base, settings.init_model, dataset=settings.dataset, seed=settings.seed,
                      env={"env_id": env["env_id"], "kwargs": env["kwargs"]})  # fmt: skip
-    print(f"SFT warm start: {settings.sft_steps} steps -> {out}", flush=True)
-    tokenizer = load_tokenizer(base)
     server, address = service_process("env_server", BENCH_DIR / "sft", "env-sft")
     try:
+        tokenizer = load_tokenizer(base)
         episodes = EnvEpisodes(LearnerTextEnv(env_server=address, **env), address, tokenizer)
         count = settings.sft_steps * settings.sft_batch_size
         demos = asyncio.run(episodes.demonstrations(count, settings.seed))
     finally:
         stop_process(server)
-    model = load_causal_lm(base)
-    engine = build_engine(model, OptimizerSettings(lr=settings.sft_learning_rate, eps=1e-8),
-                          DeepSpeedSettings())  # fmt: skip
-    sft_phase(engine, tokenizer, iter(demos),
-              steps=settings.sft_steps, batch_size=settings.sft_batch_size,
-              learning_rate=settings.sft_learning_rate)  # fmt: skip
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(base, partial)
-    engine.module.save_pretrained(partial)
-    partial.rename(out)
-    return out
+    return learner_sft(settings, base, iter(demos), out)
 
 
 def run_trl(settings: Any, model: Path, budget_s: float, eval_every: int) -> dict:
@@ -130,10 +116,18 @@ def run_trl(settings: Any, model: Path, budget_s: float, eval_every: int) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, ROOT / "examples" / "agent_calculator.yaml", "env.max_turns=2")
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="steps of the shared SFT warm start (default: the run file's)",
+    )
     parser.set_defaults(out=RESULTS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     job, settings = load_job(args.config)
+    if args.sft_steps is not None:
+        settings = settings.model_copy(update={"sft_steps": args.sft_steps})
     if settings.env is None:
         sys.exit(f"{args.config}: not an env job (no env:); bench.lm.grpo_vs_trl is single-turn")
     compare(

@@ -42,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,24 +94,37 @@ def post_sft_model(settings: Any) -> Path:
     if (out / "model.safetensors").is_file():
         return out
     from common.datasets import iter_tasks
-    from learner.engine import build_engine
     from learner.lm.jobs import create_model
-    from learner.lm.model import load_causal_lm, load_tokenizer
-    from learner.lm.sft import expert_samples, sft_phase
-    from learner.settings import DeepSpeedSettings, OptimizerSettings
+    from learner.lm.model import load_tokenizer
+    from learner.lm.sft import expert_samples
 
     base = BENCH_DIR / "models" / f"{settings.init_model}-seed{settings.seed}"
     if not (base / "config.json").is_file():
         create_model(base, settings.init_model, dataset=settings.dataset, seed=settings.seed)
+    demos = expert_samples(iter_tasks(settings.dataset, split="train"), load_tokenizer(base))
+    return learner_sft(settings, base, demos, out)
+
+
+def learner_sft(settings: Any, base: Path, demos: Iterator[Any], out: Path) -> Path:
+    """The job's SFT warm start of the model at ``base`` on ``demos``, run as the job's learner
+    runs it (its DeepSpeed engine settings, gradient clipping and packing), saved at ``out``
+    beside ``base``'s tokenizer and template."""
+    from learner.engine import build_engine
+    from learner.lm.jobs import learner_settings
+    from learner.lm.model import context_length, load_causal_lm, load_tokenizer
+    from learner.lm.sft import sft_phase
+    from learner.lm.workload import engine_settings
+    from learner.settings import OptimizerSettings
+
     print(f"SFT warm start: {settings.sft_steps} steps -> {out}", flush=True)
+    learner = learner_settings(settings)
     model = load_causal_lm(base)
-    engine = build_engine(model, OptimizerSettings(lr=settings.sft_learning_rate, eps=1e-8),
-                          DeepSpeedSettings())  # fmt: skip
-    tokenizer = load_tokenizer(base)
-    demos = expert_samples(iter_tasks(settings.dataset, split="train"), tokenizer)
-    sft_phase(engine, tokenizer, demos,
+    engine = build_engine(model, OptimizerSettings(lr=learner.learning_rate, eps=1e-8),
+                          engine_settings(learner))  # fmt: skip
+    sft_phase(engine, load_tokenizer(base), demos,
               steps=settings.sft_steps, batch_size=settings.sft_batch_size,
-              learning_rate=settings.sft_learning_rate)  # fmt: skip
+              learning_rate=settings.sft_learning_rate,
+              pack_tokens=context_length(model) if learner.packing else None)  # fmt: skip
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(base, partial)

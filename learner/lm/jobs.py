@@ -14,6 +14,7 @@ samplers', drivers', SFT's and evaluation's knobs and the table of other tools' 
 
 from __future__ import annotations
 
+import json
 import sys
 import zlib
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from learner.lm.settings import (
     LEARNER_SESSION_ENVS,
     EvalSettings,
     InitModel,
+    LMLearnerSettings,
     LMTrainingKnobs,
     SFTSettings,
 )
@@ -385,6 +387,11 @@ def _resolved(s: LMJobSettings) -> Preset:
     return preset if preset is not None else resolve_preset(s.preset, **s.algo)
 
 
+def learner_settings(s: LMJobSettings) -> LMLearnerSettings:
+    """The job's learner, as the launcher configures it."""
+    return LMLearnerSettings.model_validate(_learner(s))
+
+
 def _learner(s: LMJobSettings) -> dict[str, Any]:
     data = s.model_dump(include=set(LMTrainingKnobs.model_fields))
     if s.sft_steps:
@@ -554,11 +561,30 @@ def _agent(s: LMJobSettings, samplers: list[str], run_name: str) -> list[dict[st
 def prepare(settings: LMJobSettings, run_dir: Path) -> None:
     """Create the model folder with init-model when it is missing (idempotent)."""
     s = settings
-    if (s.model_path / "config.json").is_file() or s.init_model is None:
+    if s.init_model is None:
+        return
+    if (s.model_path / "config.json").is_file():
+        _warn_other_env(s)
         return
     # An env job's episodes train the tokenizer too: its tool text stays a few tokens.
     env = {"env_id": s.env.env_id, "kwargs": s.env.kwargs} if s.env is not None else None
     create_model(s.model_path, s.init_model, dataset=s.dataset, seed=s.seed, env=env)
+
+
+def _warn_other_env(s: LMJobSettings) -> None:
+    """Say so when the existing model at model_path was made by init-model for another env."""
+    facts_file = s.model_path / "rlfleet_model.json"
+    facts = json.loads(facts_file.read_text()) if facts_file.is_file() else {}
+    if "tokenizer_env" not in facts:  # not made by init-model, or made before it was recorded
+        return
+    made_for, env_id = facts["tokenizer_env"], s.env.env_id if s.env is not None else None
+    if env_id is not None and made_for != env_id:
+        print(
+            f"init-model: warning: {s.model_path} was made for "
+            f"{made_for or 'no env'}, not {env_id}: its tokenizer never saw this env's text "
+            "(longer prompts); give the job its own model_path to make one for it",
+            flush=True,
+        )
 
 
 def create_model(

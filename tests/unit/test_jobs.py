@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -537,3 +539,30 @@ def test_an_agent_job_runs_the_training_gateway_and_the_programs_instead_of_driv
     # The env serves the learner only: its demonstrations and evaluations.
     learner = config.service("learner").settings
     assert learner.env.env_id == "Calculator-v0" and learner.sft.steps == 300
+
+
+def test_init_model_says_when_the_existing_model_was_made_for_another_env(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder init-model made for one env (or none), reused by a job on another, keeps a
+    tokenizer that never saw the job's env text: the launcher says so rather than train on
+    prompts several times longer."""
+    from learner.lm.jobs import LM_JOBS
+
+    spec = LM_JOBS["grpo"]
+    assert spec.prepare is not None
+    job = {"model_path": str(tiny_model_dir), "init_model": "tiny",
+           "env": {"env_id": "GuessNumber-v0"}}  # fmt: skip
+    spec.prepare(spec.settings.model_validate(job), tmp_path)
+    said = capsys.readouterr().out
+    assert f"{tiny_model_dir} was made for no env, not GuessNumber-v0" in said
+
+    made_for_it = tmp_path / "guess-model"
+    made_for_it.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", made_for_it)
+    facts = json.loads((tiny_model_dir / "rlfleet_model.json").read_text())
+    (made_for_it / "rlfleet_model.json").write_text(
+        json.dumps({**facts, "tokenizer_env": "GuessNumber-v0"})
+    )
+    spec.prepare(spec.settings.model_validate({**job, "model_path": str(made_for_it)}), tmp_path)
+    assert "warning" not in capsys.readouterr().out
