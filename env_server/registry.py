@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import re
 import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -368,9 +369,9 @@ def _rejected(env_id: str, given: dict[str, Any], exc: BaseException) -> Invalid
     return InvalidArgument(f"{env_id}: {what} {shown} rejected: {reason}", field=field)
 
 
-def preload(env_ids: list[str]) -> None:
-    """Register each reference and create-check each id at server start, so a typo fails the
-    start, not a run.
+def preload(env_ids: list[str], kwargs: Mapping[str, dict[str, Any]] | None = None) -> None:
+    """Register each reference and create-check each id at server start (with its ``kwargs``,
+    for an env that needs some), so a typo fails the start, not a run.
 
     A reference registers itself as an id; "module:Id" (how third-party gymnasium packages are
     named) is one, an alias of the id `module` registers, which the bare id names too.
@@ -381,9 +382,12 @@ def preload(env_ids: list[str]) -> None:
                 register(env_id)
             except ConfigError as exc:
                 raise ConfigError(f"preload: {exc}") from None
+        given = (kwargs or {}).get(env_id)
         try:
             env: Any = (
-                make_text_env(env_id) if find_env(env_id).kind == "text" else make_env(env_id)
+                make_text_env(env_id, kwargs=given)
+                if find_env(env_id).kind == "text"
+                else make_env(env_id, kwargs=given)
             )
         except Exception as exc:
             raise ConfigError(f"preload: cannot create '{env_id}': {exc}") from exc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -22,6 +22,14 @@ from services.server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer
 __all__ = ["SPEC", "EnvServerSettings", "main"]
 
 log = logging.getLogger(__name__)
+
+
+class PreloadEnv(StrictModel):
+    """An env id to create-check at start with the arguments it needs (an env whose constructor
+    has required ones, as ``OpenEnvText-v0``'s ``env``)."""
+
+    env_id: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class EnvServerSettings(StrictModel):
@@ -45,7 +53,8 @@ class EnvServerSettings(StrictModel):
     # Env ids created once at start so a typo or a missing package fails the start, not a run.
     # References ("module:Name", "path/to/file.py:Name", relative to the current directory; a
     # gymnasium Env class, a factory, or an id the module registers) become ids of this server.
-    preload: list[str] = Field(default_factory=list)
+    # An entry {env_id, kwargs} creates it with those arguments.
+    preload: list[str | PreloadEnv] = Field(default_factory=list)
     # NaN/inf in an observation, from an env (EnvService) or a game (GameLinkService): "refuse"
     # answers that step in-band with INVALID_ARGUMENT naming the env or agent (its row) and the
     # field, so it never reaches a fragment and a learner; "clip" turns NaN into 0 and inf into
@@ -64,10 +73,10 @@ class EnvServerSettings(StrictModel):
 
     @field_validator("preload")
     @classmethod
-    def _known_ids(cls, env_ids: list[str]) -> list[str]:
+    def _known_ids(cls, entries: list[str | PreloadEnv]) -> list[str | PreloadEnv]:
         # Checked when the config is validated: plain ids against this install's registry,
         # references by importing them (a factory's result is checked at the start).
-        for env_id in env_ids:
+        for env_id in (e if isinstance(e, str) else e.env_id for e in entries):
             if registry.is_reference(env_id):
                 registry.check_reference(env_id)
                 continue
@@ -75,13 +84,18 @@ class EnvServerSettings(StrictModel):
                 registry.find_env(env_id)
             except RlfleetError as exc:
                 raise ValueError(str(exc)) from None
-        return env_ids
+        return entries
+
+    def preload_ids(self) -> tuple[list[str], dict[str, dict[str, Any]]]:
+        """``preload`` as ids and the arguments of those that have some."""
+        ids = [e if isinstance(e, str) else e.env_id for e in self.preload]
+        return ids, {e.env_id: e.kwargs for e in self.preload if isinstance(e, PreloadEnv)}
 
 
 async def main(ctx: ServiceContext[EnvServerSettings]) -> None:
     """Serve EnvService (and GameLinkService when enabled) until ctx.stop_event is set."""
     settings = ctx.settings
-    registry.preload(settings.preload)
+    registry.preload(*settings.preload_ids())
     links = (
         GameLinkMount(ctx, settings.game_link, nonfinite=settings.nonfinite_observations)
         if settings.game_link.enabled

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from common.models import chat_text
-from env_server.registry import make_text_env
+from env_server.registry import is_reference, make_text_env, register
 from env_server.text.base import play_expert
 from services.errors import FailedPrecondition
 
@@ -24,6 +24,8 @@ def text_env_corpus(
     *, env_id: str, kwargs: dict[str, Any] | None = None, episodes: int = 400, seed: int = 0
 ) -> Iterator[str]:
     """``episodes`` train-split episodes of ``env_id`` rendered as the model will see them."""
+    if is_reference(env_id):  # a TextEnv in a user's file: an id once registered, as a server does
+        register(env_id)
     env = make_text_env(env_id, kwargs=kwargs)
     try:
         for index in range(episodes):

@@ -456,7 +456,7 @@ def expand(settings: LMJobSettings, run_name: str) -> list[dict[str, Any]]:
         )
     if s.env is not None:
         env_server = {
-            "preload": [s.env.env_id],
+            "preload": [{"env_id": s.env.env_id, "kwargs": s.env.kwargs}],
             "max_envs_per_session": max(s.group_size, LEARNER_SESSION_ENVS),
         }
         # Needs nothing; the learner (demonstrations, evaluations) and the drivers wait for it.

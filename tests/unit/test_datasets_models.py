@@ -207,6 +207,17 @@ def test_an_env_trains_the_tokenizer_so_its_tool_prompts_stay_short(tmp_path: Pa
     assert lengths["env"] < 0.5 * lengths["plain"], lengths
 
 
+def test_an_env_from_a_users_file_trains_the_tokenizer_too(tmp_path: Path) -> None:
+    """A TextEnv named by a file reference (as agent_custom_env.yaml names its env) is not an id
+    of the process that makes the model until registered, as an env server registers it."""
+    env_id = (
+        f"{Path(__file__).resolve().parents[2] / 'examples' / 'custom_text_env.py'}:RunningTotal"
+    )
+    size = ModelSize(64, 1, 2, 1, 64)
+    folder = init_model(tmp_path / "m", size=size, corpus_size=200, env={"env_id": env_id})
+    assert json.loads((folder / "rlfleet_model.json").read_text())["tokenizer_env"] == env_id
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -165,6 +165,30 @@ def test_module_references_register_and_make_each_kind(references: dict[str, obj
         registry.find_env(f"{MODULE}:NotRegistered")
 
 
+@pytest.mark.parametrize("example", ["agent_openenv", "agent_custom_env", "agent_guess"])
+def test_an_env_jobs_env_server_starts_with_the_env_and_arguments_of_the_job(
+    example: str, references: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's env server create-checks its env at start with the job's kwargs: an env that
+    needs an argument (OpenEnvText-v0's ``env``) starts, and a file reference is registered."""
+    import yaml
+
+    from env_server.service import EnvServerSettings
+    from learner.lm.jobs import LM_JOBS, expand
+
+    monkeypatch.chdir(ROOT)
+    job = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())["job"]
+    settings = LM_JOBS[job.pop("kind")].settings.model_validate(job)
+    (entry,) = [e for e in expand(settings, "r") if e["service"] == "env_server"]
+    server = EnvServerSettings.model_validate(entry["settings"])
+    registry.preload(*server.preload_ids())
+    env_id = job["env"]["env_id"]
+    env = registry.make_text_env(env_id, kwargs=job["env"]["kwargs"])
+    assert env.reset(seed=0)[0]  # an opening
+    with pytest.raises(ConfigError, match=r"cannot create 'OpenEnvText-v0'.*'env'"):
+        registry.preload(["OpenEnvText-v0"])  # without the argument it needs
+
+
 def test_a_file_reference_runs_through_preload_make_and_steps(
     references: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
