@@ -70,3 +70,10 @@ class SumsEnvironment(Environment[SumsAction, SumsObservation, State]):
     @property
     def state(self) -> State:
         return self._state
+
+
+def expert_answer(observation: SumsObservation) -> str:
+    """The right answer to the latest question: the adapter's ``expert`` (not part of OpenEnv),
+    which gives the learner demonstrations for its SFT warm start."""
+    a, _, b = observation.question.removesuffix("=").partition("+")
+    return str(int(a) + int(b))

@@ -15,7 +15,10 @@ adapter runs one in-process, on the env server:
   its ``reward`` is the step's reward (None: 0), ``done`` ends the episode (terminated), and its
   ``metadata`` goes into the info (plain values);
 - ``max_turns`` replies end the episode truncated; ``split`` draws the episode seeds of train and
-  eval from disjoint sets (an OpenEnv task is its seed).
+  eval from disjoint sets (an OpenEnv task is its seed);
+- ``expert`` (optional) names a function by reference, ``f(observation) -> str``: the reply an
+  expert gives to the latest observation. OpenEnv has no expert of its own; with one, the
+  learner's SFT warm start has demonstrations.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class OpenEnvText(TextEnv):
         system: str | None = None,
         split: str = "train",
         max_turns: int = 32,
+        expert: str | None = None,
     ) -> None:
         try:
             from openenv.core.env_server.interfaces import Environment
@@ -56,7 +60,7 @@ class OpenEnvText(TextEnv):
         self.split = check_split(split)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        cls = _load_class(env)
+        cls = _load_reference(env, "env: path/to/file.py:Class or module:Class")
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise ValueError(f"env {env!r} is not an openenv Environment subclass")
         self.name, self.system, self.max_turns = env, system, max_turns
@@ -68,8 +72,14 @@ class OpenEnvText(TextEnv):
                 f"{self.action_type.__name__} ({', '.join(self.action_type.model_fields)})"
             )
         self.observation_fields = observation_fields
+        self.expert = None
+        if expert is not None:
+            self.expert = _load_reference(expert, "expert: path/to/file.py:function")
+            if not callable(self.expert):
+                raise ValueError(f"expert {expert!r} is not a function")
         self.env = cls(**(env_kwargs or {}))
         self.turns = 0
+        self.observation: Any = None  # the latest, what the expert answers
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -79,6 +89,7 @@ class OpenEnvText(TextEnv):
             pass
         self.task, self.turns = task, 0
         observation = self.env.reset(seed=task, episode_id=uuid.uuid4().hex, **(options or {}))
+        self.observation = observation
         opening = [self._observation(observation)]
         if self.system:
             opening.insert(0, {"role": "system", "content": self.system})
@@ -98,6 +109,7 @@ class OpenEnvText(TextEnv):
             reply = {"role": "user", "content": f"That is not a valid action: {reason}"}
             return [reply], 0.0, False, False, {"outcome": "invalid_action"}
         observation = self.env.step(action)
+        self.observation = observation
         reward = float(observation.reward or 0.0)
         done = bool(observation.done)
         truncated = out_of_turns and not done
@@ -106,6 +118,11 @@ class OpenEnvText(TextEnv):
             info["outcome"] = "max_turns"
         messages = [] if done or truncated else [self._observation(observation)]
         return messages, reward, done, truncated, info
+
+    def expert_reply(self) -> Message | None:
+        if self.expert is None:
+            return None
+        return {"role": "assistant", "content": str(self.expert(self.observation))}
 
     def _observation(self, observation: Any) -> Message:
         fields = self.observation_fields or [
@@ -124,13 +141,14 @@ class OpenEnvText(TextEnv):
             close()
 
 
-def _load_class(ref: str) -> Any:
-    where, attr = split_reference(ref, "env: path/to/file.py:Class or module:Class")
+def _load_reference(ref: str, form: str) -> Any:
+    """What ``ref`` (``form``: the setting and the reference's shape) names."""
+    where, attr = split_reference(ref, form)
     module, label, _ = import_reference_module(where)
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"env {ref!r}: {label} has no {attr}") from None
+        raise ValueError(f"{form.partition(':')[0]} {ref!r}: {label} has no {attr}") from None
 
 
 def _action_type(cls: Any) -> Any:

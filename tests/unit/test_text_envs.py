@@ -306,6 +306,27 @@ def test_an_openenv_environment_plays_in_messages() -> None:
     assert (reward, terminated, info["outcome"]) == (0.0, True, "wrong")
 
 
+def test_an_openenv_environment_demonstrates_with_the_users_expert() -> None:
+    from env_server.text.base import play_expert
+
+    kwargs = {"env": OPENENV_SUMS, "env_kwargs": {"rounds": 3}}
+    env = registry.make_text_env("OpenEnvText-v0", kwargs=kwargs)
+    env.reset(seed=3)
+    assert env.expert_reply() is None  # OpenEnv has none of its own
+    expert = OPENENV_SUMS.replace(":SumsEnvironment", ":expert_answer")
+    env = registry.make_text_env("OpenEnvText-v0", kwargs={**kwargs, "expert": expert})
+    (question,), _ = env.reset(seed=3)
+    said, total = play_expert(env)
+    a, b = map(int, question["content"].removesuffix("=").split("+"))
+    assert said[0] == {"role": "assistant", "content": str(a + b)}
+    assert total == pytest.approx(1.0) and len(said) == 5  # three right answers, two questions
+    with pytest.raises(InvalidArgument, match=r"expert .*has no nothing_here"):
+        registry.make_text_env(
+            "OpenEnvText-v0",
+            kwargs={**kwargs, "expert": OPENENV_SUMS.replace("SumsEnvironment", "nothing_here")},
+        )
+
+
 def test_the_openenv_adapter_names_what_it_cannot_use() -> None:
     with pytest.raises(InvalidArgument, match="action_field 'nope' is not a field of SumsAction"):
         registry.make_text_env(
