@@ -390,15 +390,20 @@ class WeightFollower:
         self._arrived = asyncio.Event()  # a newer version was fetched
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Set when the run says it is done (RunStatus DONE): no newer version will come, so
+        # nothing should wait for one.
+        self.run_done = asyncio.Event()
 
     async def start(self) -> None:
         """Subscribe before the first fetch, so no announcement falls between the two."""
         sub = await self.bus.subscribe(
             events_subject(self.run, "weights"), events_pb2.WeightsPublished
         )
+        status = await self.bus.subscribe(events_subject(self.run, "status"), events_pb2.RunStatus)
         self._tasks = [
             asyncio.create_task(self._watch(sub), name="weights-watch"),
             asyncio.create_task(self._fetcher(), name="weights-fetch"),
+            asyncio.create_task(self._watch_status(status), name="run-status-watch"),
         ]
 
     async def first(
@@ -467,6 +472,13 @@ class WeightFollower:
                     self._announced = version
                     self._digests = {version: delivery.message.manifest_digest}
                     self._wake.set()
+
+    async def _watch_status(self, sub: Any) -> None:
+        async with sub:
+            async for delivery in sub:
+                if delivery.message.state == events_pb2.RUN_STATE_DONE:
+                    self.run_done.set()
+                    return
 
     async def _fetcher(self) -> None:
         while True:

@@ -64,10 +64,21 @@ class PolicyHub:
     def has_values(self) -> bool:
         return self.settings.policy == "learner"
 
+    @property
+    def learner_done(self) -> bool:
+        """The run is done: its learner takes no more fragments and publishes no more versions."""
+        return self.follower is not None and self.follower.run_done.is_set()
+
     def start(self, stop: asyncio.Event) -> None:
         self._tasks.append(asyncio.create_task(self._loop(), name="game-link-hub"))
         if self.follower is not None:
             self._tasks.append(asyncio.create_task(self._follow(stop), name="game-link-weights"))
+            self._tasks.append(asyncio.create_task(self._run_done(), name="game-link-run-done"))
+
+    async def _run_done(self) -> None:
+        assert self.follower is not None
+        await self.follower.run_done.wait()
+        self._new_version.set()  # what waits for a version stops waiting (wait_version)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -207,10 +218,11 @@ class PolicyHub:
         return self.follower.taken(producer) if self.follower is not None else None
 
     async def wait_version(self, version: int, timeout_s: float) -> bool:
-        """Wait until `version` (or a newer one) is loaded (True) or `timeout_s` passed."""
+        """Wait until `version` (or a newer one) is loaded (True), `timeout_s` passed or the
+        run is done (False)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                while self.version < version:
+                while self.version < version and not self.learner_done:
                     self._new_version.clear()
                     await self._new_version.wait()
         return self.version >= version

@@ -205,8 +205,8 @@ class LinkRegistry:
         `_credit` applies: counted from a start version, it holds a link that started late
         one fragment short of the learner's need for the whole run."""
         per_version = self.settings.fragments_per_version
-        if not per_version or self.settings.policy != "learner":
-            return
+        if not per_version or self.settings.policy != "learner" or self.hub.learner_done:
+            return  # (once the run is done, a held game could not even say Goodbye)
         deadline = time.monotonic() + self.settings.version_wait_s
         while (taken := self.hub.taken(link.producer)) is not None:
             link.paced_base, link.paced_count, link.wanted = -1, 0, None  # fresh if needed again
@@ -215,6 +215,8 @@ class LinkRegistry:
                 return
             left = deadline - time.monotonic()
             if left <= 0 or not await self.hub.wait_version(self.hub.version + 1, left):
+                if self.hub.learner_done:
+                    return
                 log.warning(
                     "link %s: %d fragments outstanding and no new version for %gs: going on",
                     link.link_id,
@@ -229,6 +231,8 @@ class LinkRegistry:
         if wanted is None or self.hub.version >= wanted:
             return
         if not await self.hub.wait_version(wanted, self.settings.version_wait_s):
+            if self.hub.learner_done:
+                return
             # The learner is slower than the credit assumes: count again from what is at hand.
             log.warning(
                 "link %s: no weights v%d after %gs: pacing restarts from v%d",

@@ -324,6 +324,10 @@ def _game_entries(
         "rollout_length": s.rollout_length,
         "policy_config": policy,
         "seed": s.seed,
+        # Each game's share of an update, as an actor's: its link's replies wait rather than run
+        # more than one update ahead of the learner, which would drop what they made as stale
+        # (and, on a loaded machine, spend its time reading and dropping them).
+        "fragments_per_version": -(-s.default_fragments // s.game.instances),
         **(given if isinstance(given, Mapping) else {}),
     }
     if not isinstance(given, Mapping):

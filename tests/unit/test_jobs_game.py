@@ -54,6 +54,8 @@ def test_game_expands_into_game_link_servers_processes_and_the_learner(tmp_path:
         assert isinstance(link, GameLinkSettings) and link.enabled and link.policy == "learner"
         assert link.learner == "learner" and link.rollout_length == 64
         assert link.policy_config == learner.policy  # the same network as the learner trains
+        # Each game's link paced to its share of an update, as actors are: one update ahead.
+        assert link.fragments_per_version == 1
         assert server.preload == []  # the env id is the game's, not one this server creates
     games = [config.service(f"game-{i}").settings for i in range(3)]
     assert all(isinstance(g, ProcessSettings) for g in games)
@@ -69,10 +71,14 @@ def test_game_expands_into_game_link_servers_processes_and_the_learner(tmp_path:
 
 
 def test_game_link_settings_given_for_the_env_servers_are_kept(tmp_path: Path) -> None:
-    body = GAME_JOB + "  env_server: {game_link: {resume_window_s: 5}, max_sessions: 4}\n"
+    body = GAME_JOB + (
+        "  env_server: {game_link: {resume_window_s: 5, fragments_per_version: 2},"
+        " max_sessions: 4}\n"
+    )
     config = load_run_config(_write(tmp_path, body), environ={})
     server = config.service("env-0").settings
     assert server.max_sessions == 4 and server.game_link.resume_window_s == 5
+    assert server.game_link.fragments_per_version == 2
     assert server.game_link.enabled and server.game_link.learner == "learner"
 
 
