@@ -90,6 +90,7 @@ NATS_POLL_S = 0.2  # how often the embedded nats-server is checked (and reaped o
 # leader, which on a loaded machine can take a while.
 JETSTREAM_WAIT_S = 60.0
 TICK_S = 0.25  # how often a progress line held back by the interval is looked at
+MONITOR_DRAIN_S = 5.0  # at the run's end, how long the monitor may take to read the last events
 PRODUCERS_POLL_S = 0.5  # how often the launcher looks whether any producer is left
 
 
@@ -295,6 +296,7 @@ class Launcher:
         self._by_name: dict[str, _Service] = {}
         self._say_starts = False  # print the start plan (set once the services are known)
         self._stop = asyncio.Event()
+        self._monitor_stop = asyncio.Event()
         self._force = asyncio.Event()
         self._stopping = False
         self._outcome: asyncio.Future[int] | None = None
@@ -439,8 +441,14 @@ class Launcher:
             await self._stop_all()
             await self.live.stop()
             if monitor is not None:
-                monitor.cancel()
-                await asyncio.gather(monitor, return_exceptions=True)
+                # The services' last events (a driver's final metrics at its stop) may still be
+                # on their way: the monitor reads what was sent before it stops.
+                self._monitor_stop.set()
+                try:
+                    await asyncio.wait_for(asyncio.shield(monitor), MONITOR_DRAIN_S)
+                except Exception:  # a timeout or a lost connection: what was read is kept
+                    monitor.cancel()
+                    await asyncio.gather(monitor, return_exceptions=True)
             self.console.close()  # the last progress line, then plain lines again
             final = self.console.progress_lines(final=True)
             self._state.update(
@@ -821,14 +829,17 @@ class Launcher:
 
         try:
             # Raw subscription: the console decodes any payload type, known or not.
-            await bus.nc.subscribe(events_wildcard(self.config.run.name), cb=on_message)
+            sub = await bus.nc.subscribe(events_wildcard(self.config.run.name), cb=on_message)
             console.start()
-            while True:
-                await asyncio.sleep(TICK_S)
+            while not self._monitor_stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._monitor_stop.wait(), TICK_S)
                 if console.tick():
                     line = "\n".join(console.progress_lines())
                     self._state.update(figures=console.figures(), line=line)
                 self._state.update(services=self.service_status())
+            # Unsubscribe, then handle every message the server sent before that (a round trip).
+            await sub.drain()  # type: ignore[no-untyped-call]
         finally:
             await bus.close()
 

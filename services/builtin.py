@@ -38,6 +38,8 @@ class HeartbeatSettings(StrictModel):
     # import that cannot be made: the launcher's warm start, checked end to end.
     preload_s: float = Field(default=0.0, ge=0)
     preload_fails: bool = False
+    # One last beat (``final: true``) as it stops, as a rollout driver sends its last metrics.
+    final_beat: bool = False
     # Other services (instance names or host:port) whose resolved addresses each beat reports:
     # shows that name references in settings reach the right endpoint.
     peers: list[ServiceRef] = []
@@ -51,18 +53,27 @@ async def _publish_loop(
     subject = events_subject(ctx.run_name, "metrics")
     peers = ",".join(f"{p}@{ctx.resolve(p)}" for p in settings.peers)
     bus = await Bus.connect(nats_url, name=ctx.name)
+
+    def beat(seq: int) -> struct_pb2.Struct:
+        message = struct_pb2.Struct()
+        uptime_s = round(time.monotonic() - started, 2)
+        message.update({"service": ctx.name, "seq": seq, "uptime_s": uptime_s})
+        if peers:
+            message["peers"] = peers
+        return message
+
+    seq = 0
     try:
-        seq = 0
         while True:
             seq += 1
-            beat = struct_pb2.Struct()
-            uptime_s = round(time.monotonic() - started, 2)
-            beat.update({"service": ctx.name, "seq": seq, "uptime_s": uptime_s})
-            if peers:
-                beat["peers"] = peers
-            await bus.publish_event(subject, beat)
+            await bus.publish_event(subject, beat(seq))
             await asyncio.sleep(settings.interval_s)
     finally:
+        if settings.final_beat:
+            last = beat(seq + 1)
+            last["final"] = True
+            with contextlib.suppress(Exception):
+                await bus.publish_event(subject, last)
         await bus.close()
 
 

@@ -253,13 +253,14 @@ class RolloutDriver:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The last interval's numbers first: a close below that fails must not lose them.
+        if self.stats is not None and self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.stats.report(self.watch.version)
         if self.queue is not None:
             await self.queue.close()
         await self.watch.close()
         await self.pacer.close()
-        if self.stats is not None and self.bus is not None:
-            with contextlib.suppress(Exception):
-                await self.stats.report(self.watch.version)
         await self.samplers.close()
         await self.rewards.close()
         if self.members is not None:

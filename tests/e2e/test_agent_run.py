@@ -41,8 +41,11 @@ def rollout_metrics(run_dir: Path) -> list[dict[str, float]]:
 
 @pytest.mark.timeout(900)
 def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The drivers' metrics each second: the run may be shorter than the default interval, and its
+    # episodes' outcomes must not hang on the one report a driver sends as it stops.
+    monkeypatch.setenv("RLFLEET_ROLLOUT__METRICS_INTERVAL_S", "1")
     config = yaml.safe_load(EXAMPLE.read_text())
     run_dir = tmp_path / "run"
     config["run"] = {"name": f"e2e-agent-{uuid.uuid4().hex[:8]}", "dir": str(run_dir)}

@@ -66,6 +66,29 @@ def test_run_finishes_when_main_exits(tmp_path: Path) -> None:
     assert_nothing_left(run_dir)
 
 
+def test_the_last_events_services_send_as_they_stop_reach_metrics_jsonl(tmp_path: Path) -> None:
+    """A rollout driver sends its last metrics as it stops, after the main service finished: the
+    launcher reads what was sent before its monitor stops (a run shorter than the metrics interval
+    had no rollout metrics at all when the monitor was cancelled at once)."""
+    names = [f"hb-{i}" for i in range(4)]
+    stoppers = "".join(
+        f"- {{name: {n}, service: heartbeat, settings: {{interval_s: 60, final_beat: true}}}}\n"
+        for n in names
+    )
+    config, run_dir = write_config(
+        tmp_path,
+        stoppers
+        + "- {name: hb-main, service: heartbeat, main: true,"
+        + " settings: {interval_s: 0.2, exit_after_s: 1.0}}\n",
+    )
+    up = Up(config)
+    assert up.wait() == 0, up.output
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    finals = {row["service"] for row in rows if row["values"].get("final")}
+    assert finals == set(names), (finals, up.output)
+    assert_nothing_left(run_dir)
+
+
 def test_crashing_service_is_restarted_then_fails_the_run(tmp_path: Path) -> None:
     config, run_dir = write_config(
         tmp_path,
