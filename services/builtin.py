@@ -38,8 +38,9 @@ class HeartbeatSettings(StrictModel):
     # import that cannot be made: the launcher's warm start, checked end to end.
     preload_s: float = Field(default=0.0, ge=0)
     preload_fails: bool = False
-    # One last beat (``final: true``) as it stops, as a rollout driver sends its last metrics.
-    final_beat: bool = False
+    # Last beats (``final: true``) sent as it stops, as a rollout driver sends its last metrics
+    # (many of them: a burst the launcher must read to the end as the run stops).
+    final_beats: int = Field(default=0, ge=0)
     # Other services (instance names or host:port) whose resolved addresses each beat reports:
     # shows that name references in settings reach the right endpoint.
     peers: list[ServiceRef] = []
@@ -69,10 +70,10 @@ async def _publish_loop(
             await bus.publish_event(subject, beat(seq))
             await asyncio.sleep(settings.interval_s)
     finally:
-        if settings.final_beat:
-            last = beat(seq + 1)
-            last["final"] = True
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            for k in range(1, settings.final_beats + 1):
+                last = beat(seq + k)
+                last["final"] = True
                 await bus.publish_event(subject, last)
         await bus.close()
 

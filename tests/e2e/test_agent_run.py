@@ -76,33 +76,40 @@ def test_an_agent_run_trains_on_episodes_and_survives_its_env_server_killed(
         raise
     finally:
         up.stop()
-    ledger = [e for e in ledger_entries(run_dir) if e["status"] == "applied"]
-    counts = collections.Counter(e["id"] for e in ledger)
-    assert not [i for i, n in counts.items() if n > 1]  # no group applied twice
-    assert max(e["update"] for e in ledger) == UPDATES
-    metrics = rollout_metrics(run_dir)
-    outcomes = {k for m in metrics for k in m if k.startswith("episodes/") and k.endswith("_frac")}
-    assert outcomes, metrics  # episodes ended, each with its outcome
-    assert sum(m.get("episodes/dropped", 0.0) for m in metrics) > 0  # the kill's groups
-    learner = [
-        json.loads(line)["values"]
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if '"service": "learner"' in line
-    ]
-    assert any(v.get("rollout/completion_tokens", 0) > 0 for v in learner)
-    assert "learner: fetching 24 demonstrations of GuessNumber-v0" in up.output
-    evals = [
-        json.loads(line) for line in (run_dir / "learner" / "eval.jsonl").read_text().splitlines()
-    ]
-    assert evals[0]["eval/version"] == 0 and evals[-1]["eval/update"] == UPDATES
-    # Each evaluation keeps its first answers (the studio shows them): whole transcripts here.
-    samples = (run_dir / "learner" / "eval_samples.jsonl").read_text().splitlines()
-    assert len(samples) == len(evals)
-    latest = json.loads(samples[-1])
-    assert latest["update"] == UPDATES and 0 < len(latest["samples"]) <= 8
-    assert all(s["messages"][0]["role"] in ("system", "user") for s in latest["samples"])
-    for record in evals:
-        assert 0 <= record["eval/accuracy"] <= 1
-        fractions = [v for k, v in record.items() if k.endswith("_frac")]
-        assert abs(sum(fractions) - 1) < 1e-6  # every evaluated episode ended one way
-    assert_nothing_left(run_dir)
+    try:  # what the run left behind; the logs say why when it is wrong
+        ledger = [e for e in ledger_entries(run_dir) if e["status"] == "applied"]
+        counts = collections.Counter(e["id"] for e in ledger)
+        assert not [i for i, n in counts.items() if n > 1]  # no group applied twice
+        assert max(e["update"] for e in ledger) == UPDATES
+        metrics = rollout_metrics(run_dir)
+        outcomes = {
+            k for m in metrics for k in m if k.startswith("episodes/") and k.endswith("_frac")
+        }
+        assert outcomes, metrics  # episodes ended, each with its outcome
+        assert sum(m.get("episodes/dropped", 0.0) for m in metrics) > 0  # the kill's groups
+        learner = [
+            json.loads(line)["values"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"service": "learner"' in line
+        ]
+        assert any(v.get("rollout/completion_tokens", 0) > 0 for v in learner)
+        assert "learner: fetching 24 demonstrations of GuessNumber-v0" in up.output
+        evals = [
+            json.loads(line)
+            for line in (run_dir / "learner" / "eval.jsonl").read_text().splitlines()
+        ]
+        assert evals[0]["eval/version"] == 0 and evals[-1]["eval/update"] == UPDATES
+        # Each evaluation keeps its first answers (the studio shows them): whole transcripts here.
+        samples = (run_dir / "learner" / "eval_samples.jsonl").read_text().splitlines()
+        assert len(samples) == len(evals)
+        latest = json.loads(samples[-1])
+        assert latest["update"] == UPDATES and 0 < len(latest["samples"]) <= 8
+        assert all(s["messages"][0]["role"] in ("system", "user") for s in latest["samples"])
+        for record in evals:
+            assert 0 <= record["eval/accuracy"] <= 1
+            fractions = [v for k, v in record.items() if k.endswith("_frac")]
+            assert abs(sum(fractions) - 1) < 1e-6  # every evaluated episode ended one way
+        assert_nothing_left(run_dir)
+    except AssertionError:
+        print(up.diagnostics())
+        raise
